@@ -1,0 +1,74 @@
+"""Shared argument validation: every public op raises ``ValueError`` naming the argument and what it expects."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def _dtype_name(dt) -> str:
+  return np.dtype(dt).name
+
+
+def check_array(name: str, x, *, ndim: int | Sequence[int] | None = None,
+                shape: Sequence[int | None] | None = None, dtypes: Sequence | None = None,
+                expect: str | None = None) -> None:
+  """Raise ValueError unless ``x`` is an array with the given rank, shape (None = any) and dtype.
+
+  ``expect`` is the human description used in the message, e.g. "[B, s_q, H, 576]".
+  """
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an array{_want(shape, dtypes, expect)}; got {type(x).__name__}")
+  got = f"got shape {tuple(x.shape)} {_dtype_name(x.dtype)}"
+  if ndim is not None:
+    ndims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+    if x.ndim not in ndims:
+      raise ValueError(f"{name} must have rank {' or '.join(map(str, ndims))}"
+                       f"{_want(shape, dtypes, expect)}; {got}")
+  if shape is not None:
+    if len(shape) != x.ndim or any(s is not None and s != d for s, d in zip(shape, x.shape)):
+      raise ValueError(f"{name} must have shape {expect or _fmt(shape)}{_want(None, dtypes, None)}; {got}")
+  if dtypes is not None:
+    names = [_dtype_name(d) for d in dtypes]
+    if _dtype_name(x.dtype) not in names:
+      raise ValueError(f"{name} must have dtype {'/'.join(names)}{_want(shape, None, expect)}; {got}")
+
+
+def _fmt(shape) -> str:
+  return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def _want(shape, dtypes, expect) -> str:
+  parts = []
+  if expect or shape is not None:
+    parts.append(f"shape {expect or _fmt(shape)}")
+  if dtypes is not None:
+    parts.append("dtype " + "/".join(_dtype_name(d) for d in dtypes))
+  return (" with " + " and ".join(parts)) if parts else ""
+
+
+def check_positive_int(name: str, v) -> int:
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+    raise ValueError(f"{name} must be a positive int; got {v!r}")
+  return int(v)
+
+
+def check_multiple(name: str, v: int, m: int) -> int:
+  v = check_positive_int(name, v)
+  if v % m:
+    raise ValueError(f"{name} must be a positive multiple of {m}; got {v}")
+  return v
+
+
+def check_scalar(name: str, v, *, positive: bool = False):
+  """A python number or a 0-d array (f32-castable). Positivity is checked only for concrete python numbers."""
+  if hasattr(v, "shape"):
+    if tuple(v.shape) != ():
+      raise ValueError(f"{name} must be a scalar (python float or 0-d array); got shape {tuple(v.shape)}")
+    return jnp.asarray(v, jnp.float32)
+  if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+    raise ValueError(f"{name} must be a scalar (python float or 0-d array); got {type(v).__name__}")
+  if positive and not v > 0:
+    raise ValueError(f"{name} must be > 0; got {v!r}")
+  return float(v)

@@ -1,0 +1,105 @@
+"""Implementation choice shared by every public op.
+
+Every public op takes ``impl: "auto" | "mosaic" | "xla"`` and ``interpret: bool``:
+
+* ``"xla"``: the pure-XLA path (runs anywhere).
+* ``"mosaic"``: the Mosaic GPU kernel. Needs a CUDA GPU of compute capability 9.0 (Hopper, sm_90a) or 10.x
+  (Blackwell, sm_100a), or ``interpret=True`` (Pallas' GPU interpret mode, on any backend). Raises
+  ``NotImplementedError`` when no kernel can run here or the kernel does not take this input.
+* ``"auto"``: the kernel when ``"mosaic"`` would succeed, the XLA path otherwise (the reason is logged at INFO).
+
+Which implementation ran is recorded per op (:func:`last_impl`), so that a graph, the demo and the benchmarks can
+say which steps ran a kernel and which ran XLA.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Literal
+
+import jax
+
+Impl = Literal["auto", "mosaic", "xla"]
+IMPLS: tuple[str, ...] = ("auto", "mosaic", "xla")
+
+_log = logging.getLogger("mla_pallas")
+_last: dict[str, str] = {}
+
+
+def check_impl(impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+
+
+def gpu_arch() -> tuple[int, int] | None:
+  """(major, minor) compute capability of the default device, or None when it is not a CUDA GPU."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover - no backend at all
+    return None
+  if dev.platform != "gpu":
+    return None
+  cc = getattr(dev, "compute_capability", None)
+  if not cc:
+    return None
+  major, minor = (int(x) for x in str(cc).split(".")[:2])
+  return major, minor
+
+
+def mosaic_arch(interpret: bool = False) -> str | None:
+  """The kernel family that can run here: "sm90", "sm100", or None.
+
+  Under ``interpret=True`` the family is the one of the local GPU if there is one, else "sm90" (the interpreter
+  ignores the architecture; Blackwell kernels pick their own family explicitly).
+  """
+  arch = gpu_arch()
+  if arch == (9, 0):
+    return "sm90"
+  if arch is not None and arch[0] == 10:
+    return "sm100"
+  return "sm90" if interpret else None
+
+
+def choose(op: str, impl: str, *, interpret: bool,
+           supported: Callable[[], None] | None = None) -> str:
+  """Resolve ``impl`` to "mosaic" or "xla" for one call of ``op``.
+
+  Args:
+    op: public op name, used in messages and in :func:`last_impl`.
+    impl: "auto" | "mosaic" | "xla".
+    interpret: run the Mosaic kernel in GPU interpret mode.
+    supported: raises NotImplementedError(reason) when the kernel cannot take this input; None means the op
+      has no kernel yet.
+  """
+  check_impl(impl)
+  if impl == "xla":
+    return record(op, "xla")
+  reason = None
+  if supported is None:
+    reason = f"{op} has no Mosaic GPU kernel yet"
+  elif mosaic_arch(interpret) is None:
+    reason = (f"{op}: no Mosaic GPU kernel can run on {jax.devices()[0].device_kind!r} "
+              "(needs compute capability 9.0 or 10.x, or interpret=True)")
+  else:
+    try:
+      supported()
+    except NotImplementedError as e:
+      reason = str(e)
+  if reason is None:
+    return record(op, "mosaic-interpret" if interpret else "mosaic") and "mosaic"
+  if impl == "mosaic":
+    raise NotImplementedError(reason)
+  _log.info("%s: impl='auto' falls back to XLA: %s", op, reason)
+  return record(op, "xla")
+
+
+def record(op: str, used: str) -> str:
+  """Remember which implementation ``op`` used last; returns ``used``."""
+  _last[op] = used
+  return used
+
+
+def last_impl(op: str | None = None):
+  """Implementation used by the last call of ``op`` ("mosaic", "mosaic-interpret" or "xla"), or a dict of all."""
+  if op is None:
+    return dict(_last)
+  return _last.get(op)

@@ -1,0 +1,100 @@
+"""Pieces shared by the Mosaic GPU kernels of mla_pallas.
+
+* Constants of the latent row format (576 fp8 values = 9 chunks of 64 bytes; TMA slots padded to 640 bytes).
+* :class:`TuningConfigBase`: frozen tuning-config base whose subclasses validate themselves.
+* SMEM transforms for wgmma-ready tiles, SMEM budget accounting.
+* Row-gather and staging helpers used inside kernel bodies (per-row TMA into 128-byte-aligned slots, K re-swizzle,
+  V transpose), and the interpret-mode barrier drain.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+FP8 = jnp.float8_e4m3fn
+D_QK = 576            # latent (512) + rope (64)
+D_V = 512             # value = first 512 latent values
+CHUNK = 64            # bytes per chunk of an fp8 row; wgmma K-chunk with 64-byte swizzle
+N_CHUNKS = D_QK // CHUNK      # 9
+V_CHUNKS = D_V // CHUNK       # 8
+SLOT_CHUNKS = N_CHUNKS + 1    # 640-byte slot: every per-row TMA destination is 128-byte aligned
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+SMEM_LIMIT = 227 * 1024       # usable dynamic SMEM per CTA on sm_90 / sm_100
+
+LANE = plgpu.LoweringSemantics.Lane
+WARPGROUP = plgpu.LoweringSemantics.Warpgroup
+
+
+def swizzled(dtype, swizzle: int = 64):
+  """Transforms of a wgmma/tcgen05-ready SMEM tile: Tiling(8, swizzle bytes) + Swizzle."""
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfigBase:
+  """Base of every kernel's frozen tuning config: subclasses implement ``validate`` (raise ValueError)."""
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+        raise ValueError(f"{type(self).__name__}.{f.name} must be a positive int; got {v!r}")
+    self.validate()
+
+  def validate(self) -> None:  # pragma: no cover - overridden
+    pass
+
+
+def smem_bytes(*buffers: tuple[tuple[int, ...], object]) -> int:
+  """Total bytes of SMEM buffers given as (shape, dtype) pairs."""
+  return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in buffers)
+
+
+def gather_rows(kv_rows, rows_smem, row_of, lin_slot, barrier, *, tile: int):
+  """Issue one TMA per gathered row into a linear, 640-byte-padded SMEM slot.
+
+  Args:
+    kv_rows: GMEM ref of the cache viewed as [num_slots * 9, 64] fp8. Row ``i`` is chunks [9 i, 9 i + 9); the box
+      copied is 10 chunks (640 bytes, the next row's first chunk rides along, zero-filled past the end). A row id
+      of ``num_slots`` (the sanitised "invalid" marker) lies wholly past the end, so TMA zero-fills it: nothing is
+      read out of bounds.
+    rows_smem: unused placeholder for symmetry (kept for the caller's readability).
+    row_of: function r -> scalar int32 row id of tile row ``r``.
+    lin_slot: SMEM ref [tile, 10, 64] fp8 (one ring slot).
+    barrier: barrier ref receiving one arrival per copy (``num_arrivals=tile``).
+  """
+  del rows_smem
+
+  @pl.loop(0, tile)
+  def _(r):
+    plgpu.copy_gmem_to_smem(kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier)
+
+
+def stage_k(lin_slot, k_sw):
+  """K re-swizzle: linear [T, 10, 64] fp8 rows -> nine swizzled [T, 64] tiles (k_sw [9, T, 64]), no dtype cast."""
+  for c in range(N_CHUNKS):
+    k_sw.at[c][...] = plgpu.load(lin_slot.at[:, c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
+
+
+def stage_vt(lin_slot, vt_sw, chunks=range(V_CHUNKS)):
+  """V transpose: the first 512 values of linear rows [T, 10, 64] -> V^T [512, T] (K-major B operand of P.V).
+
+  Uses the vector-length-1 layout (``Layout._WGMMA_ACC_32BIT``), the only FP8 transpose Mosaic GPU lowers on
+  Hopper in JAX 0.11.2 (see ../shared/mgpu/README.md section 6).
+  """
+  for c in chunks:
+    vt_sw.at[pl.ds(c * CHUNK, CHUNK)].T[...] = plgpu.load(
+        lin_slot.at[:, c], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
+
+
+def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):
+  """Observe the last completed phase of each ring slot (required by the interpret-mode barrier rule; harmless on
+  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps."""
+  for s in range(max(n_steps - n_slots, 0), n_steps):
+    plgpu.barrier_wait(barrier.at[slot_of(s) % n_slots])

@@ -1,0 +1,266 @@
+"""Native-FP8 sparse MLA decode for Hopper (sm_90a): per-row TMA gather, FP8 staging warpgroup, FP8 wgmma.
+
+What one CTA computes
+---------------------
+One *query tile* of 64 rows (the heads of one query token; H < 64 is zero-padded to 64 rows, H = 128 is two
+tiles) against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of the token's top-k):
+
+    S    = Q8 · K8ᵀ                       fp8 wgmma, f32 accumulate, K = 576 as 9 chunks of 64
+    s    = S · row_scale                  row_scale = q_scale(row) · kv_scale · softmax_scale · log2(e)
+    s    = −inf where the key is invalid (index < 0, ≥ num_slots, or past topk_length)
+    online softmax in base 2 (m, l per row)
+    P8   = fp8(256 · 2^(s − m))           FA3-style: P in [0, 1] scaled by 256 into e4m3's range
+    O   += P8 · V8                        fp8 wgmma, V = first 512 values, as two N = 256 halves
+    out  = O · kv_scale / (256 · l),  lse = (m + log2 l) · ln 2
+
+Inputs are prepared by ``mla_pallas.ops.sparse_decode`` (one fused XLA pre-pass): Q quantized per row, indices
+sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the split grid with the same marker).
+A row id of ``num_slots`` lies wholly past the end of the cache, so its TMA box is zero-filled by the hardware:
+the kernel never reads out of bounds, and the consumer masks those columns to −inf.
+
+Warpgroup roles (``num_threads=4``, Lane semantics)
+---------------------------------------------------
+* WG0, WG1 — consumers. Each computes the full S (QKᵀ, redundantly: it keeps the two warpgroups independent and
+  costs 576/1088 of the MMA work again), the online softmax, its own P tile in SMEM, and P·V for its half of the
+  512 output columns (64 × 256 f32 accumulator = 128 registers per thread). WG0 also writes lse.
+* WG2 — producer: TMA of Q (9 chunks) and the split's indices; then one TMA per gathered row (64 per tile) into
+  the linear ring (``stages`` slots of 64 × 640 B).
+* WG3 — staging: for each tile, K re-swizzle (linear → nine 64 × 64 swizzled tiles, FP8→FP8) and V transpose
+  (linear → Vᵀ 512 × 64 swizzled, the K-major B operand FP8 wgmma requires on Hopper), then releases the linear
+  slot. K and Vᵀ have separate "consumed" barriers so the next K re-swizzle overlaps this tile's softmax and P·V.
+
+Lane semantics: JAX 0.11.2's Warpgroup semantics miscompiles register loads from the strided column views of the
+linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. Lane needs TMA copies in multiples of
+128 bytes, hence the 640-byte row box from the cache viewed as [num_slots · 9, 64].
+
+SMEM budget (bytes, defaults stages=2, 64-token tiles, top-k split of up to 2048)
+--------------------------------------------------------------------------------
+    Q (9 × 64 × 64 fp8, swizzled)                 36 864
+    linear ring (stages × 64 × 640 fp8)           81 920
+    K swizzled (9 × 64 × 64 fp8)                  36 864
+    Vᵀ swizzled (512 × 64 fp8)                    32 768
+    P (2 consumers × 64 × 64 fp8)                  8 192
+    indices (tiles_per_split × 64 int32)           8 192   (2048 keys per split)
+    lse staging (64 f32) + barriers                 ~400
+    total                                        ~205 KB  (limit 227 KB: one CTA per SM)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas.kernels import common
+from mla_pallas.kernels.common import (CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, SLOT_CHUNKS, SMEM_LIMIT,
+                                       swizzled)
+
+TILE = 64          # query rows per CTA and gathered keys per pipeline step
+P_SCALE = 256.0    # P in [0, 1] is stored as fp8(256 p): exact power of two, max 256 < 448
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig(common.TuningConfigBase):
+  """Tuning knobs of the sm_90 sparse decode kernel.
+
+  stages: linear gather ring slots (each 64 rows × 640 B).
+  tiles_per_split: 64-key tiles one CTA processes (the split length is 64 · tiles_per_split keys).
+  """
+  stages: int = 2
+  tiles_per_split: int = 32
+
+  def validate(self):
+    if self.tiles_per_split > 256:
+      raise ValueError("TuningConfig.tiles_per_split must be <= 256 (TMA box limit); "
+                       f"got {self.tiles_per_split}")
+    need = smem_budget(self)
+    if need > SMEM_LIMIT:
+      raise ValueError(f"TuningConfig {self} needs {need} bytes of SMEM > {SMEM_LIMIT}")
+
+
+def smem_budget(cfg: TuningConfig) -> int:
+  return common.smem_bytes(
+      ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
+      ((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),       # linear ring
+      ((N_CHUNKS, TILE, CHUNK), FP8),                      # K swizzled
+      ((D_V, TILE), FP8),                                  # V^T swizzled
+      ((2, TILE, TILE), FP8),                              # P per consumer
+      ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
+      ((TILE,), jnp.float32),                              # lse staging
+  ) + 64 * 8
+
+
+def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool,
+          q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,            # inputs
+          o_gmem, lse_gmem,                                         # outputs
+          q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem,         # scratch
+          q_bar, idx_bar, lin_full, lin_empty, k_full, k_empty, v_full, v_empty):
+  tile_q = lax.axis_index("q")
+  split = lax.axis_index("split")
+  token = lax.div(tile_q, tiles_per_token)
+  wg = lax.axis_index("wg")
+  n_tiles = cfg.tiles_per_split
+  stages = cfg.stages
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    for c in range(N_CHUNKS):
+      plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * CHUNK, CHUNK)], q_sw.at[c], q_bar)
+    plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
+    plgpu.barrier_wait(idx_bar)
+
+    @pl.loop(0, n_tiles)
+    def _(t):
+      slot = lax.rem(t, stages)
+
+      @pl.when(t >= stages)
+      def _():
+        plgpu.barrier_wait(lin_empty.at[slot])
+
+      common.gather_rows(kv_gmem, None, lambda r: idx_smem[t, r], lin.at[slot], lin_full.at[slot], tile=TILE)
+
+    common.drain(lin_empty, n_tiles, stages)
+
+  @pl.when(wg == 3)
+  def _staging():
+    plgpu.set_max_registers(80, action="decrease")
+
+    @pl.loop(0, n_tiles)
+    def _(t):
+      slot = lax.rem(t, stages)
+      plgpu.barrier_wait(lin_full.at[slot])
+
+      @pl.when(t > 0)
+      def _():
+        plgpu.barrier_wait(k_empty)
+      common.stage_k(lin.at[slot], k_sw)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(k_full)
+
+      @pl.when(t > 0)
+      def _():
+        plgpu.barrier_wait(v_empty)
+      common.stage_vt(lin.at[slot], vt_sw)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(lin_empty.at[slot])
+      plgpu.barrier_arrive(v_full)
+
+    plgpu.barrier_wait(k_empty)     # drain: observe the consumers' last releases
+    plgpu.barrier_wait(v_empty)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(idx_bar)
+    row_scale = plgpu.load(qs_gmem.at[tile_q], layout=row_layout, optimized=False)
+    kv_scale = scal_gmem[0]
+
+    def step(t, carry):
+      acc, m, l = carry
+      plgpu.barrier_wait(k_full)
+
+      def qk(acc_ref):
+        for c in range(N_CHUNKS):
+          plgpu.wgmma(acc_ref, q_sw.at[c], k_sw.at[c].T)
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
+      plgpu.barrier_arrive(k_empty)
+
+      cols = plgpu.load(idx_smem.at[t], layout=col_layout, optimized=False)
+      valid = lax.broadcast_in_dim(cols != num_slots, s.shape, [1])
+      s = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+      s = jnp.where(valid, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p_sw.at[wg][...] = (p * P_SCALE).astype(FP8)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(v_full)
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_sw.at[wg], vt_sw.at[pl.ds(wg * 256, 256)].T)
+        if interpret:
+          return acc_ref[...]
+        plgpu.wgmma_wait(0)
+      if interpret:   # the interpreter cannot seed an accumulator from registers: add a fresh product instead
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((TILE, 256), jnp.float32))
+      else:           # hardware: accumulate in place (a second 64x256 f32 accumulator would spill)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_empty)
+      return acc, m_new, l
+
+    acc0 = plgpu.layout_cast(jnp.zeros((TILE, 256), jnp.float32), plgpu.Layout.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
+    l0 = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+    acc, m, l = lax.fori_loop(0, n_tiles, step, (acc0, m0, l0))
+
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    inv = kv_scale / (P_SCALE * l_safe)
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
+
+    @pl.when(wg == 0)
+    def _():
+      lse_smem[...] = (m + jnp.log2(l)) * LN2
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[tile_q, split])
+      plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=64)
+def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, tiles_per_token: int,
+          out_dtype_name: str, cfg: TuningConfig, interpret: bool = False):
+  """Build the kernel for given shapes.
+
+  Kernel arguments:
+    q8   [num_q_tiles, 64, 576] fp8: quantized query rows (tile = token · tiles_per_token + head_block).
+    qs   [num_q_tiles, 64] f32: per-row logit scale (q_scale · softmax_scale · log2 e; kv_scale folded in too).
+    kv   [num_slots · 9, 64] fp8: the cache (free reshape of [num_slots, 576]).
+    idx  [num_tokens, num_splits · tiles_per_split, 64] int32: sanitised row ids (num_slots = invalid).
+    scal [1] f32: kv_scale (multiplies the output).
+  Returns (o [num_q_tiles, num_splits, 64, 512] out_dtype, lse [num_q_tiles, num_splits, 64] f32 natural log),
+  each split's output normalised by its own softmax sum (merge splits by lse).
+  """
+  out_dtype = jnp.dtype(out_dtype_name)
+  n_tiles = cfg.tiles_per_split
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interpret)
+  kwargs = {}
+  if interpret:
+    kwargs["interpret"] = plgpu.InterpretGPUParams()
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
+                jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
+      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
+      num_threads=4, thread_name="wg",
+      scratch_types=[
+          plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # Q
+          plgpu.SMEM((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),                       # linear ring
+          plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # K
+          plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64)),                   # V^T
+          plgpu.SMEM((2, TILE, TILE), FP8, transforms=swizzled(FP8, 64)),               # P
+          plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
+          plgpu.SMEM((TILE,), jnp.float32),                                              # lse
+          plgpu.Barrier(num_arrivals=N_CHUNKS),                  # q_bar
+          plgpu.Barrier(),                                       # idx_bar
+          plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
+          plgpu.Barrier(num_barriers=cfg.stages),                # lin_empty (staging WG arrives)
+          plgpu.Barrier(),                                       # k_full
+          plgpu.Barrier(num_arrivals=2),                         # k_empty
+          plgpu.Barrier(),                                       # v_full
+          plgpu.Barrier(num_arrivals=2),                         # v_empty
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
+      **kwargs,
+  )

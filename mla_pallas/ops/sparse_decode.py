@@ -1,0 +1,227 @@
+"""Sparse (top-k) MLA decode and prefill: ``sparse_mla_decode`` and ``sparse_mla_prefill``.
+
+Semantics are exactly those of :func:`mla_pallas.reference.sparse_mla_decode`; the implementations differ only in
+where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
+
+* ``impl="mosaic"``: the native-FP8 Mosaic GPU kernel (:mod:`mla_pallas.kernels.sparse_decode_sm90`). Q is
+  quantized to e4m3 per (token, head) row with a dynamic scale folded into the logits, P is quantized to e4m3 as
+  fp8(256·p), QKᵀ and P·V run on FP8 tensor cores with f32 accumulation.
+* ``impl="xla"``: the same quantization of Q and P with FP8 ``einsum``s in XLA (cuBLASLt on a GPU), so both paths
+  can be compared like for like.
+
+Shapes (decode): q [B, s_q, H, 576] bf16/f32; kv_cache [num_pages, page_size, 576] or [num_slots, 576]
+float8_e4m3fn; indices [B, s_q, topk] int32 flat slot ids (slot = page · page_size + offset; < 0 or ≥ num_slots
+masked); topk_length [B] int32 or None (only the first topk_length[b] indices of batch b count). Returns
+out [B, s_q, H, 512] bf16 and lse [B, s_q, H] f32 (natural log; −inf and out 0 where nothing is valid).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from mla_pallas import _checks, _dispatch
+from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
+
+FP8_MAX = 448.0
+P_SCALE = 256.0          # P in [0, 1] stored as fp8(256 p); a power of two, so exact, and 256 < 448
+KERNEL_HEADS = (8, 16, 32, 64, 128)
+MAX_SQ = 8
+
+
+def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
+  if prefill:
+    _checks.check_array("q", q, ndim=3, shape=(None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
+                        expect="[T, H, 576]")
+    _checks.check_array("indices", indices, ndim=2, shape=(q.shape[0], None), dtypes=(jnp.int32,),
+                        expect=f"[T={q.shape[0]}, topk]")
+    lead = q.shape[0]
+  else:
+    _checks.check_array("q", q, ndim=4, shape=(None, None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
+                        expect="[B, s_q, H, 576]")
+    _checks.check_array("indices", indices, ndim=3, shape=(q.shape[0], q.shape[1], None), dtypes=(jnp.int32,),
+                        expect=f"[B={q.shape[0]}, s_q={q.shape[1]}, topk]")
+    lead = q.shape[0]
+  _checks.check_array("kv_cache", kv_cache, ndim=(2, 3), dtypes=(FP8,),
+                      expect="[num_pages, page_size, 576] or [num_slots, 576]")
+  if kv_cache.shape[-1] != D_QK:
+    raise ValueError("kv_cache must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
+                     f"float8_e4m3fn; got shape {tuple(kv_cache.shape)}")
+  if indices.shape[-1] < 1:
+    raise ValueError(f"indices must have topk >= 1 entries in its last axis; got shape {tuple(indices.shape)}")
+  if topk_length is not None:
+    _checks.check_array("topk_length", topk_length, shape=(lead,), dtypes=(jnp.int32,),
+                        expect=f"[{'T' if prefill else 'B'}={lead}]")
+  _checks.check_scalar("softmax_scale", softmax_scale, positive=True)
+  _checks.check_scalar("kv_scale", kv_scale, positive=True)
+
+
+def _valid_mask(indices, num_slots, topk_length):
+  """[..., topk] bool: index in range and (with topk_length [B]) position < topk_length[b]."""
+  valid = (indices >= 0) & (indices < num_slots)
+  if topk_length is not None:
+    pos = lax.broadcasted_iota(jnp.int32, indices.shape, indices.ndim - 1)
+    lens = topk_length.reshape(topk_length.shape + (1,) * (indices.ndim - 1))
+    valid &= pos < lens
+  return valid
+
+
+def quantize_q(q):
+  """Per-row (per token and head) dynamic e4m3 quantization: q ≈ q8 · scale. Returns (q8, scale f32 [...])."""
+  qf = q.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(qf), axis=-1)
+  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+  q8 = jnp.clip(qf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
+  return q8, scale
+
+
+def _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length):
+  """FP8 XLA path. q [B, S, H, 576]; kv_flat [N, 576] fp8; indices [B, S, K]."""
+  num_slots = kv_flat.shape[0]
+  valid = _valid_mask(indices, num_slots, topk_length)                      # [B, S, K]
+  rows = jnp.take(kv_flat, jnp.where(valid, indices, 0), axis=0)           # [B, S, K, 576] fp8
+  rows = jnp.where(valid[..., None], rows, jnp.zeros((), FP8))             # masked rows: exact zeros, never NaN
+  q8, q_scale = quantize_q(q)
+  s = jnp.einsum("bshd,bskd->bshk", q8, rows, preferred_element_type=jnp.float32)
+  s = s * (q_scale * (softmax_scale * kv_scale * LOG2E))[..., None]        # base-2 logits
+  s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  p = jnp.exp2(s - m_use[..., None])
+  l = jnp.sum(p, axis=-1)
+  p8 = (p * P_SCALE).astype(FP8)
+  o = jnp.einsum("bshk,bskd->bshd", p8, rows[..., :D_V], preferred_element_type=jnp.float32)
+  o = o * (kv_scale / (P_SCALE * jnp.where(l == 0, 1.0, l)))[..., None]
+  lse = (m + jnp.log2(l)) * math.log(2.0)
+  return o.astype(jnp.bfloat16), lse
+
+
+def _kernel_supported(q_shape, topk):
+  def check():
+    _, s_q, h, _ = q_shape
+    if h not in KERNEL_HEADS:
+      raise NotImplementedError(f"sparse_mla_decode kernel supports H in {KERNEL_HEADS}; got H={h}")
+  return check
+
+
+def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132):
+  """Choose (num_splits, tiles_per_split) so that CTAs fill the GPU and each split is <= 2048 keys."""
+  from mla_pallas.kernels import sparse_decode_sm90 as sm90
+  k_tiles = max(1, -(-topk // sm90.TILE))
+  ctas = batch_tokens * tiles_per_token
+  splits = max(1, -(-k_tiles // 32))                        # <= 2048 keys per split (index SMEM budget)
+  while ctas * splits < num_sms and k_tiles // (splits * 2) >= 4:
+    splits *= 2
+  tps = -(-k_tiles // splits)
+  return splits, tps
+
+
+def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret):
+  from mla_pallas.kernels import sparse_decode_sm90 as sm90
+  b, s_q, h, _ = q.shape
+  topk = indices.shape[-1]
+  num_slots = kv_flat.shape[0]
+  tile = sm90.TILE
+  tiles_per_token = max(1, h // tile)
+  n_tok = b * s_q
+  splits, tps = _plan(n_tok, tiles_per_token, topk)
+  cfg = sm90.TuningConfig(tiles_per_split=tps)
+  k_pad = splits * tps * tile
+
+  # Pre-pass (one fused XLA op): sanitised indices, padded top-k, per-row quantized Q with folded scales.
+  valid = _valid_mask(indices, num_slots, topk_length)
+  rows = jnp.where(valid, indices, num_slots).reshape(n_tok, topk)
+  rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
+  rows = rows.reshape(n_tok, splits * tps, tile)
+  q8, q_scale = quantize_q(q.reshape(n_tok, h, D_QK))
+  row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
+  rows_per_tile = min(h, tile)
+  if h < tile:
+    q8 = jnp.pad(q8, ((0, 0), (0, tile - h), (0, 0)))
+    row_scale = jnp.pad(row_scale, ((0, 0), (0, tile - h)))
+  q8 = q8.reshape(n_tok * tiles_per_token, tile, D_QK)
+  row_scale = row_scale.reshape(n_tok * tiles_per_token, tile)
+  out_dtype = "bfloat16" if splits == 1 else "float32"
+  kern = sm90.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype, cfg,
+                    interpret=interpret)
+  scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
+  o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
+  if splits > 1:
+    o, lse = combine_splits(o, lse)
+  else:
+    o, lse = o[:, 0], lse[:, 0]
+  o = o.reshape(n_tok, tiles_per_token * tile, D_V)[:, :h]
+  lse = lse.reshape(n_tok, tiles_per_token * tile)[:, :h]
+  del rows_per_tile
+  return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
+
+
+def combine_splits(o, lse):
+  """Merge split-KV partial results. o [..., splits, R, 512] (each normalised), lse [..., splits, R] natural log.
+
+  Returns (o [..., R, 512] f32, lse [..., R]). Splits with lse = −inf (nothing valid) get weight 0; if every
+  split is empty the result is o = 0, lse = −inf.
+  """
+  m = jnp.max(lse, axis=-2, keepdims=True)
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  w = jnp.exp(lse - m_use)                                       # [..., splits, R]
+  tot = jnp.sum(w, axis=-2)
+  o = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=-3) / jnp.where(tot == 0, 1.0, tot)[..., None]
+  return o, jnp.log(tot) + m_use[..., 0, :]
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret"))
+def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, impl, interpret):
+  if impl == "mosaic":
+    return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret)
+  return _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length)
+
+
+def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
+                      impl: str = "auto", interpret: bool = False):
+  """Sparse (DSA top-k) MLA decode attention over a paged FP8 latent cache.
+
+  Args:
+    q: [B, s_q, H, 576] bfloat16 (or float32): absorbed queries (512 latent ‖ 64 rope), s_q query tokens per
+      sequence (MTP).
+    kv_cache: [num_pages, page_size, 576] float8_e4m3fn (or flat [num_slots, 576]); dequantized value = fp8 ·
+      kv_scale; the value vector of a row is its first 512 entries.
+    indices: [B, s_q, topk] int32 flat slot ids (page · page_size + offset). Entries < 0 or ≥ num_slots are
+      ignored (never read); duplicates count as often as they appear.
+    softmax_scale: python float multiplying q·k (e.g. 1/sqrt(192) for DeepSeek-V3.2).
+    kv_scale: per-tensor cache scale (python float or f32 scalar).
+    topk_length: optional [B] int32; only the first topk_length[b] indices of batch b count.
+    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`).
+    interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU).
+
+  Returns:
+    out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with no valid index gives
+    out = 0 and lse = −inf.
+  """
+  _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
+  kv_flat = kv_cache.reshape(-1, D_QK)
+  used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
+                          supported=_kernel_supported(q.shape, indices.shape[-1]))
+  return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
+                            softmax_scale=float(softmax_scale), impl=used, interpret=bool(interpret))
+
+
+def sparse_mla_prefill(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
+                       impl: str = "auto", interpret: bool = False):
+  """Sparse MLA prefill: the decode computation with B = T query tokens and s_q = 1.
+
+  Args:
+    q: [T, H, 576] bfloat16/float32; kv_cache as in :func:`sparse_mla_decode`; indices [T, topk] int32;
+    topk_length: optional [T] int32. Other arguments as in :func:`sparse_mla_decode`.
+
+  Returns:
+    out [T, H, 512] bfloat16, lse [T, H] float32.
+  """
+  _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=True)
+  out, lse = sparse_mla_decode(q[:, None], kv_cache, indices[:, None], softmax_scale=softmax_scale,
+                               kv_scale=kv_scale, topk_length=topk_length, impl=impl, interpret=interpret)
+  _dispatch.record("sparse_mla_prefill", _dispatch.last_impl("sparse_mla_decode"))
+  return out[:, 0], lse[:, 0]
