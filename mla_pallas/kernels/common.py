@@ -70,10 +70,16 @@ def gather_rows(kv_rows, rows_smem, row_of, lin_slot, barrier, *, tile: int):
     barrier: barrier ref receiving one arrival per copy (``num_arrivals=tile``).
   """
   del rows_smem
+  per_warp = tile // 4
 
-  @pl.loop(0, tile)
-  def _(r):
-    plgpu.copy_gmem_to_smem(kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier)
+  # Issued per warp: in Lane semantics a warpgroup-level copy adds a warpgroup barrier and 128 barrier arrivals
+  # per row, which made the first version issue-bound at ~12 us per 64-row tile on an H200 (2026-11-29).
+  @plgpu.warp_map
+  def _(w):
+    @pl.loop(0, per_warp)
+    def _(r0):
+      r = w * per_warp + r0
+      plgpu.copy_gmem_to_smem(kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier)
 
 
 def stage_k(lin_slot, k_sw):
@@ -82,15 +88,19 @@ def stage_k(lin_slot, k_sw):
     k_sw.at[c][...] = plgpu.load(lin_slot.at[:, c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
 
 
-def stage_vt(lin_slot, vt_sw, chunks=range(V_CHUNKS)):
-  """V transpose: the first 512 values of linear rows [T, 10, 64] -> V^T [512, T] (K-major B operand of P.V).
+def stage_vt(k_sw, vt_sw, chunks=range(V_CHUNKS)):
+  """V transpose: the first 512 values of the staged K tiles (k_sw [9, T, 64], swizzled) -> V^T [512, T].
 
-  Uses the vector-length-1 layout (``Layout._WGMMA_ACC_32BIT``), the only FP8 transpose Mosaic GPU lowers on
-  Hopper in JAX 0.11.2 (see ../shared/mgpu/README.md section 6).
+  V^T is the K-major B operand of P.V that FP8 wgmma requires on Hopper. The transpose uses the vector-length-1
+  layout (``Layout._WGMMA_ACC_32BIT``), the only FP8 transpose Mosaic GPU lowers on Hopper in JAX 0.11.2
+  (../shared/mgpu/README.md section 6). It reads the *swizzled* K tiles, not the linear rows: linear rows are
+  128-byte aligned, so a column of them sits in one SMEM bank (16-way conflicts); the 64-byte swizzle spreads
+  a column over 8 banks groups. On an H200 the transpose from linear rows cost ~665 of 1172 us at the
+  FlashMLA headline shape (ablation, 2026-11-29).
   """
   for c in chunks:
     vt_sw.at[pl.ds(c * CHUNK, CHUNK)].T[...] = plgpu.load(
-        lin_slot.at[:, c], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
+        k_sw.at[c], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
 
 
 def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):

@@ -18,16 +18,20 @@ sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the sp
 A row id of ``num_slots`` lies wholly past the end of the cache, so its TMA box is zero-filled by the hardware:
 the kernel never reads out of bounds, and the consumer masks those columns to −inf.
 
-Warpgroup roles (``num_threads=4``, Lane semantics)
+Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
-* WG0, WG1 — consumers. Each computes the full S (QKᵀ, redundantly: it keeps the two warpgroups independent and
-  costs 576/1088 of the MMA work again), the online softmax, its own P tile in SMEM, and P·V for its half of the
-  512 output columns (64 × 256 f32 accumulator = 128 registers per thread). WG0 also writes lse.
-* WG2 — producer: TMA of Q (9 chunks) and the split's indices; then one TMA per gathered row (64 per tile) into
-  the linear ring (``stages`` slots of 64 × 640 B).
-* WG3 — staging: for each tile, K re-swizzle (linear → nine 64 × 64 swizzled tiles, FP8→FP8) and V transpose
-  (linear → Vᵀ 512 × 64 swizzled, the K-major B operand FP8 wgmma requires on Hopper), then releases the linear
-  slot. K and Vᵀ have separate "consumed" barriers so the next K re-swizzle overlaps this tile's softmax and P·V.
+* WG0, WG1 — consumers (224 registers each). Each computes the full S (QKᵀ, redundantly: it keeps the two
+  warpgroups independent and costs 576/1088 of the MMA work again), the online softmax, its own P tile in SMEM,
+  and P·V for its half of the 512 output columns (64 × 256 f32 accumulator = 128 registers per thread). WG0 also
+  writes lse.
+* WG2 — loader (56 registers): TMA of Q (9 chunks) and of the split's indices; per-row TMA gathers (64 per tile,
+  one thread issuing) into the linear ring of ``stages`` slots; and the FP8→FP8 staging of each tile: K
+  re-swizzle (linear → nine 64 × 64 swizzled tiles) and V transpose (linear → Vᵀ 512 × 64 swizzled, the K-major
+  B operand FP8 wgmma requires on Hopper). A slot is refilled as soon as it has been staged. K and Vᵀ have
+  separate "consumed" barriers, so the next K re-swizzle overlaps this tile's softmax and P·V.
+  Why one warpgroup for gather and staging: with four warpgroups (512 threads) ptxas caps registers at 128 per
+  thread at entry and rejects the m64n256 f32 wgmma ("Insufficient registers (128) ... 154 or higher", H200,
+  2026-11-29); three warpgroups give a cap of 170.
 
 Lane semantics: JAX 0.11.2's Warpgroup semantics miscompiles register loads from the strided column views of the
 linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. Lane needs TMA copies in multiples of
@@ -61,6 +65,8 @@ from mla_pallas.kernels.common import (CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, SLO
 
 TILE = 64          # query rows per CTA and gathered keys per pipeline step
 P_SCALE = 256.0    # P in [0, 1] is stored as fp8(256 p): exact power of two, max 256 < 448
+CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
+LOADER_REGS = 56
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +78,14 @@ class TuningConfig(common.TuningConfigBase):
   """
   stages: int = 2
   tiles_per_split: int = 32
+  v_stager: str = "consumers"
+  # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
+  # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
+  ablate: tuple = ()
 
   def validate(self):
+    if self.v_stager not in ("loader", "consumers"):
+      raise ValueError(f"TuningConfig.v_stager must be 'loader' or 'consumers'; got {self.v_stager!r}")
     if self.tiles_per_split > 256:
       raise ValueError("TuningConfig.tiles_per_split must be <= 256 (TMA box limit); "
                        f"got {self.tiles_per_split}")
@@ -98,7 +110,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
           q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,            # inputs
           o_gmem, lse_gmem,                                         # outputs
           q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem,         # scratch
-          q_bar, idx_bar, lin_full, lin_empty, k_full, k_empty, v_full, v_empty):
+          q_bar, idx_bar, lin_full, k_full, k_empty, v_full, v_empty):
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
   token = lax.div(tile_q, tiles_per_token)
@@ -107,55 +119,72 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
   stages = cfg.stages
 
   @pl.when(wg == 2)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+  def _loader():
+    plgpu.set_max_registers(LOADER_REGS, action="decrease")
     for c in range(N_CHUNKS):
       plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * CHUNK, CHUNK)], q_sw.at[c], q_bar)
     plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
     plgpu.barrier_wait(idx_bar)
 
-    @pl.loop(0, n_tiles)
-    def _(t):
-      slot = lax.rem(t, stages)
+    def gather(t, slot):
+      common.gather_rows(kv_gmem, None, (lambda r: 0) if 'hbm' in cfg.ablate else (lambda r: idx_smem[t, r]), lin.at[slot], lin_full.at[slot], tile=TILE)
 
-      @pl.when(t >= stages)
-      def _():
-        plgpu.barrier_wait(lin_empty.at[slot])
+    for t0 in range(min(stages, n_tiles)):      # prologue: fill the ring
+      gather(t0, t0)
 
-      common.gather_rows(kv_gmem, None, lambda r: idx_smem[t, r], lin.at[slot], lin_full.at[slot], tile=TILE)
+    if cfg.v_stager == "loader":
+      @pl.loop(0, n_tiles)
+      def _(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(lin_full.at[slot])
 
-    common.drain(lin_empty, n_tiles, stages)
+        @pl.when(t > 0)
+        def _():
+          plgpu.barrier_wait(k_empty)
+        if 'k_stage' not in cfg.ablate:
+          common.stage_k(lin.at[slot], k_sw)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(k_full)
 
-  @pl.when(wg == 3)
-  def _staging():
-    plgpu.set_max_registers(80, action="decrease")
+        @pl.when(t > 0)
+        def _():
+          plgpu.barrier_wait(v_empty)
+        if 'v_stage' not in cfg.ablate:
+          common.stage_vt(k_sw, vt_sw)
+        plgpu.commit_smem()   # fence + warpgroup barrier: every thread has read the slot before it is refilled
+        plgpu.barrier_arrive(v_full)
 
-    @pl.loop(0, n_tiles)
-    def _(t):
-      slot = lax.rem(t, stages)
-      plgpu.barrier_wait(lin_full.at[slot])
+        @pl.when(t + stages < n_tiles)
+        def _():
+          gather(t + stages, slot)
 
-      @pl.when(t > 0)
-      def _():
-        plgpu.barrier_wait(k_empty)
-      common.stage_k(lin.at[slot], k_sw)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(k_full)
+      plgpu.barrier_wait(k_empty)     # drain: observe the consumers' last releases (interpret-mode rule)
+      plgpu.barrier_wait(v_empty)
+    else:
+      # Consumers transpose their own V half (from the swizzled K tiles) while their QK wgmma runs, so the linear
+      # slot is free as soon as K is staged, and it is refilled right away.
+      @pl.loop(0, n_tiles)
+      def _(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(lin_full.at[slot])
 
-      @pl.when(t > 0)
-      def _():
-        plgpu.barrier_wait(v_empty)
-      common.stage_vt(lin.at[slot], vt_sw)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(lin_empty.at[slot])
-      plgpu.barrier_arrive(v_full)
+        @pl.when(t > 0)
+        def _():
+          plgpu.barrier_wait(k_empty)
+        if 'k_stage' not in cfg.ablate:
+          common.stage_k(lin.at[slot], k_sw)
+        plgpu.commit_smem()   # fence + warpgroup barrier: every thread has read the slot before it is refilled
+        plgpu.barrier_arrive(k_full)
 
-    plgpu.barrier_wait(k_empty)     # drain: observe the consumers' last releases
-    plgpu.barrier_wait(v_empty)
+        @pl.when(t + stages < n_tiles)
+        def _():
+          gather(t + stages, slot)
+
+      plgpu.barrier_wait(k_empty)     # drain
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(CONSUMER_REGS, action="increase")
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     plgpu.barrier_wait(q_bar)
@@ -168,8 +197,15 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.barrier_wait(k_full)
 
       def qk(acc_ref):
-        for c in range(N_CHUNKS):
+        for c in range(N_CHUNKS if 'qk' not in cfg.ablate else 0):
           plgpu.wgmma(acc_ref, q_sw.at[c], k_sw.at[c].T)
+        if cfg.v_stager == "consumers":   # overlap the V transpose with the asynchronous QK wgmma
+          for w in range(2):
+            @pl.when(wg == w)
+            def _():
+              if 'v_stage' not in cfg.ablate:
+                common.stage_vt(k_sw, vt_sw, chunks=range(w * 4, w * 4 + 4))
+          plgpu.commit_smem()
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
       plgpu.barrier_arrive(k_empty)
@@ -186,10 +222,12 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p_sw.at[wg][...] = (p * P_SCALE).astype(FP8)
       plgpu.commit_smem()
-      plgpu.barrier_wait(v_full)
+      if cfg.v_stager == "loader":
+        plgpu.barrier_wait(v_full)
 
       def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_sw.at[wg], vt_sw.at[pl.ds(wg * 256, 256)].T)
+        if 'pv' not in cfg.ablate:
+          plgpu.wgmma(acc_ref, p_sw.at[wg], vt_sw.at[pl.ds(wg * 256, 256)].T)
         if interpret:
           return acc_ref[...]
         plgpu.wgmma_wait(0)
@@ -197,7 +235,8 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
         acc = acc + pl.run_scoped(pv, plgpu.ACC((TILE, 256), jnp.float32))
       else:           # hardware: accumulate in place (a second 64x256 f32 accumulator would spill)
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_empty)
+      if cfg.v_stager == "loader":
+        plgpu.barrier_arrive(v_empty)
       return acc, m_new, l
 
     acc0 = plgpu.layout_cast(jnp.zeros((TILE, 256), jnp.float32), plgpu.Layout.WGMMA)
@@ -243,7 +282,7 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=4, thread_name="wg",
+      num_threads=3, thread_name="wg",
       scratch_types=[
           plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # Q
           plgpu.SMEM((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),                       # linear ring
@@ -255,7 +294,6 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
           plgpu.Barrier(num_arrivals=N_CHUNKS),                  # q_bar
           plgpu.Barrier(),                                       # idx_bar
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
-          plgpu.Barrier(num_barriers=cfg.stages),                # lin_empty (staging WG arrives)
           plgpu.Barrier(),                                       # k_full
           plgpu.Barrier(num_arrivals=2),                         # k_empty
           plgpu.Barrier(),                                       # v_full

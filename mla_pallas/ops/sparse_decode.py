@@ -119,7 +119,7 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
   return splits, tps
 
 
-def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret):
+def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning=()):
   from mla_pallas.kernels import sparse_decode_sm90 as sm90
   b, s_q, h, _ = q.shape
   topk = indices.shape[-1]
@@ -128,7 +128,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   tiles_per_token = max(1, h // tile)
   n_tok = b * s_q
   splits, tps = _plan(n_tok, tiles_per_token, topk)
-  cfg = sm90.TuningConfig(tiles_per_split=tps)
+  cfg = sm90.TuningConfig(tiles_per_split=tps, **dict(tuning))
   k_pad = splits * tps * tile
 
   # Pre-pass (one fused XLA op): sanitised indices, padded top-k, per-row quantized Q with folded scales.
@@ -173,10 +173,12 @@ def combine_splits(o, lse):
   return o, jnp.log(tot) + m_use[..., 0, :]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret"))
-def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, impl, interpret):
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret", "tuning"))
+def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, impl, interpret,
+                       tuning=()):
+  """``tuning``: tuple of (name, value) overrides of the kernel's TuningConfig (benchmarks)."""
   if impl == "mosaic":
-    return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret)
+    return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning)
   return _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length)
 
 
