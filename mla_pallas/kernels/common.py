@@ -82,9 +82,9 @@ def gather_rows(kv_rows, rows_smem, row_of, lin_slot, barrier, *, tile: int):
       plgpu.copy_gmem_to_smem(kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier)
 
 
-def stage_k(lin_slot, k_sw):
+def stage_k(lin_slot, k_sw, chunks=range(N_CHUNKS)):
   """K re-swizzle: linear [T, 10, 64] fp8 rows -> nine swizzled [T, 64] tiles (k_sw [9, T, 64]), no dtype cast."""
-  for c in range(N_CHUNKS):
+  for c in chunks:
     k_sw.at[c][...] = plgpu.load(lin_slot.at[:, c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
 
 

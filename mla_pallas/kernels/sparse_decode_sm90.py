@@ -79,11 +79,18 @@ class TuningConfig(common.TuningConfigBase):
   stages: int = 2
   tiles_per_split: int = 32
   v_stager: str = "consumers"
+  k_stager: str = "loader"
+  auto_barriers: bool = True    # False: CompilerParams(unsafe_no_auto_barriers=True); see the module docstring
+  approx_math: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
 
   def validate(self):
+    if self.k_stager not in ("loader", "consumers"):
+      raise ValueError(f"TuningConfig.k_stager must be 'loader' or 'consumers'; got {self.k_stager!r}")
+    if self.k_stager == "consumers" and self.v_stager != "consumers":
+      raise ValueError("TuningConfig.k_stager='consumers' needs v_stager='consumers'")
     if self.v_stager not in ("loader", "consumers"):
       raise ValueError(f"TuningConfig.v_stager must be 'loader' or 'consumers'; got {self.v_stager!r}")
     if self.tiles_per_split > 256:
@@ -110,7 +117,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
           q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,            # inputs
           o_gmem, lse_gmem,                                         # outputs
           q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem,         # scratch
-          q_bar, idx_bar, lin_full, k_full, k_empty, v_full, v_empty):
+          q_bar, idx_bar, lin_full, lin_empty, k_full, k_empty, v_full, v_empty):
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
   token = lax.div(tile_q, tiles_per_token)
@@ -132,7 +139,15 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
     for t0 in range(min(stages, n_tiles)):      # prologue: fill the ring
       gather(t0, t0)
 
-    if cfg.v_stager == "loader":
+    if cfg.k_stager == "consumers":
+      # The consumers stage K themselves; the loader only refills a slot once both have staged it.
+      @pl.loop(0, max(n_tiles - stages, 0))
+      def _(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(lin_empty.at[slot])
+        gather(t + stages, slot)
+      common.drain(lin_empty, n_tiles, stages)
+    elif cfg.v_stager == "loader":
       @pl.loop(0, n_tiles)
       def _(t):
         slot = lax.rem(t, stages)
@@ -194,6 +209,21 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
 
     def step(t, carry):
       acc, m, l = carry
+      if cfg.k_stager == "consumers":   # each consumer re-swizzles half of K, then both meet on k_full
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(lin_full.at[slot])
+
+        @pl.when(t > 0)
+        def _():
+          plgpu.barrier_wait(k_empty)
+        for w in range(2):
+          @pl.when(wg == w)
+          def _():
+            if 'k_stage' not in cfg.ablate:
+              common.stage_k(lin.at[slot], k_sw, chunks=range(w * 5, min(w * 5 + 5, N_CHUNKS)))
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(lin_empty.at[slot])
+        plgpu.barrier_arrive(k_full)
       plgpu.barrier_wait(k_full)
 
       def qk(acc_ref):
@@ -243,6 +273,8 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
     m0 = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
     l0 = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
     acc, m, l = lax.fori_loop(0, n_tiles, step, (acc0, m0, l0))
+    if cfg.k_stager == "consumers":
+      plgpu.barrier_wait(k_empty)     # drain: observe the other consumer's last release
 
     l_safe = jnp.where(l == 0.0, 1.0, l)
     inv = kv_scale / (P_SCALE * l_safe)
@@ -259,7 +291,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, tiles_per_token: int,
-          out_dtype_name: str, cfg: TuningConfig, interpret: bool = False):
+          out_dtype_name: str, cfg: TuningConfig, interpret=False):
   """Build the kernel for given shapes.
 
   Kernel arguments:
@@ -273,10 +305,10 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
   """
   out_dtype = jnp.dtype(out_dtype_name)
   n_tiles = cfg.tiles_per_split
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interpret)
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret))
   kwargs = {}
-  if interpret:
-    kwargs["interpret"] = plgpu.InterpretGPUParams()
+  if interpret:   # True, or a plgpu.InterpretGPUParams (e.g. with detect_races=True)
+    kwargs["interpret"] = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
@@ -294,11 +326,14 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
           plgpu.Barrier(num_arrivals=N_CHUNKS),                  # q_bar
           plgpu.Barrier(),                                       # idx_bar
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
-          plgpu.Barrier(),                                       # k_full
+          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # lin_empty (k_stager="consumers")
+          plgpu.Barrier(num_arrivals=2 if cfg.k_stager == "consumers" else 1),   # k_full
           plgpu.Barrier(num_arrivals=2),                         # k_empty
           plgpu.Barrier(),                                       # v_full
           plgpu.Barrier(num_arrivals=2),                         # v_empty
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE,
+                                           unsafe_no_auto_barriers=not cfg.auto_barriers,
+                                           approx_math=cfg.approx_math),
       **kwargs,
   )

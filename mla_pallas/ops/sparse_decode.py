@@ -197,7 +197,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
     kv_scale: per-tensor cache scale (python float or f32 scalar).
     topk_length: optional [B] int32; only the first topk_length[b] indices of batch b count.
     impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`).
-    interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU).
+    interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU): True, or a
+      ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``).
 
   Returns:
     out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with no valid index gives
@@ -208,7 +209,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
                           supported=_kernel_supported(q.shape, indices.shape[-1]))
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
-                            softmax_scale=float(softmax_scale), impl=used, interpret=bool(interpret))
+                            softmax_scale=float(softmax_scale), impl=used, interpret=interpret)
 
 
 def sparse_mla_prefill(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,

@@ -1,0 +1,235 @@
+"""Dense MLA decode attention over a paged FP8 latent cache: ``dense_mla_decode``.
+
+Semantics are those of :func:`mla_pallas.reference.dense_mla_decode`; the implementations differ only in where
+FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
+
+* ``impl="mosaic"``: there is no dense kernel; the sparse top-k kernel runs it. The block table and the cache
+  lengths are turned into per-token flat slot ids ``indices [B, s_q, P * page_size]`` (position ``p`` of sequence
+  ``b`` -> ``block_table[b, p // page_size] * page_size + p % page_size``; ``-1`` for positions past the
+  sequence, past the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to
+  :func:`mla_pallas.ops.sparse_decode.sparse_mla_decode` with ``impl="mosaic"``. Q is quantized to e4m3 per
+  (token, head) row, P to e4m3 as fp8(256 p), both products on FP8 tensor cores with f32 accumulation. The key
+  count is the whole block table (``P * page_size``), whatever the lengths are: size the block table to the
+  longest sequence of the batch.
+* ``impl="xla"``: the same quantization of Q and P with FP8 ``dot_general``s in XLA, as a flash-style scan over
+  chunks of pages (online softmax), so at most ~256 MiB of logits and gathered fp8 rows (one chunk) are live at a
+  time, never a ``[B, s_q, H, P * page_size]`` tensor for long contexts.
+
+Shapes and index rules:
+  q [B, s_q, H, 576] bfloat16/float32 (absorbed query: latent [0, 512) ‖ rope [512, 576)); the s_q query tokens
+  are the last s_q tokens of each sequence (MTP).
+  kv_cache [num_pages, page_size, 576] float8_e4m3fn (paged only: the block table needs the page size);
+  dequantized row = fp8 · kv_scale; the value of a row is its first 512 entries.
+  block_table [B, P] int32 page ids; entries past the sequence may be anything (e.g. -1); page ids outside
+  [0, num_pages) are masked (never read).
+  cache_seqlens [B] int32: sequence b has positions [0, cache_seqlens[b]); lengths beyond P · page_size are
+  truncated to that; lengths <= 0 give an empty row.
+  causal (python bool): query token i attends positions < cache_seqlens[b] - s_q + i + 1.
+Returns out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log of the softmax denominator of
+softmax_scale · q·k); a row with nothing to attend to gives out = 0, lse = -inf.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_pallas import _checks, _dispatch
+from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
+from mla_pallas.ops import sparse_decode as _sparse
+
+__all__ = ["dense_mla_decode", "dense_indices"]
+
+OP = "dense_mla_decode"
+# Bytes live per scan step of the XLA path (logits, p and fp8 p of [B, s_q, H, chunk], plus the gathered fp8 rows,
+# per token with causal s_q > 1): 2**28 = 256 MiB (at least one page per step).
+_STEP_BYTES = 1 << 28
+
+
+def _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal):
+  _checks.check_array("q", q, ndim=4, shape=(None, None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
+                      expect="[B, s_q, H, 576]")
+  b = q.shape[0]
+  _checks.check_array("kv_cache", kv_cache, ndim=3, shape=(None, None, D_QK), dtypes=(FP8,),
+                      expect="[num_pages, page_size, 576]")
+  if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+    raise ValueError(f"kv_cache must have num_pages >= 1 and page_size >= 1; got shape {tuple(kv_cache.shape)}")
+  _checks.check_array("block_table", block_table, ndim=2, shape=(b, None), dtypes=(jnp.int32,),
+                      expect=f"[B={b}, max_pages_per_seq]")
+  if block_table.shape[1] < 1:
+    raise ValueError(f"block_table must have at least one column; got shape {tuple(block_table.shape)}")
+  _checks.check_array("cache_seqlens", cache_seqlens, ndim=1, shape=(b,), dtypes=(jnp.int32,),
+                      expect=f"[B={b}]")
+  _checks.check_scalar("softmax_scale", softmax_scale, positive=True)
+  if hasattr(softmax_scale, "shape"):
+    raise ValueError("softmax_scale must be a python float (it is a compile-time constant of the kernel); "
+                     f"got an array of shape {tuple(softmax_scale.shape)}")
+  _checks.check_scalar("kv_scale", kv_scale, positive=True)
+  if not isinstance(causal, (bool, np.bool_)):
+    raise ValueError(f"causal must be a python bool; got {type(causal).__name__}")
+
+
+def _limits(cache_seqlens, s_q, n_pos, causal):
+  """[B, s_q] int32 exclusive bound on the positions query token i of sequence b attends."""
+  lens = jnp.minimum(cache_seqlens, n_pos)[:, None]
+  limit = jnp.broadcast_to(lens, (cache_seqlens.shape[0], s_q))
+  if causal:
+    lim_c = cache_seqlens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)[None, :]
+    limit = jnp.minimum(limit, lim_c)
+  return limit
+
+
+def dense_indices(block_table, cache_seqlens, *, page_size: int, num_pages: int, s_q: int, causal: bool):
+  """Flat slot ids ``[B, s_q, P * page_size]`` int32 of every attended position, -1 elsewhere.
+
+  Entry ``[b, i, p]`` is ``block_table[b, p // page_size] * page_size + p % page_size`` when ``p`` is below the
+  attention limit of query token ``i`` (``cache_seqlens[b]``, or with ``causal`` ``cache_seqlens[b] - s_q + i + 1``)
+  and the page id is in ``[0, num_pages)``; -1 otherwise. Jit-able (all sizes static).
+  """
+  b, max_pages = block_table.shape
+  n_pos = max_pages * page_size
+  pos = jnp.arange(n_pos, dtype=jnp.int32)
+  page = block_table[:, pos // page_size]                                  # [B, n_pos]
+  page_ok = (page >= 0) & (page < num_pages)
+  slots = page * page_size + pos % page_size
+  limit = _limits(cache_seqlens, s_q, n_pos, causal)                       # [B, s_q]
+  valid = page_ok[:, None, :] & (pos[None, None, :] < limit[:, :, None])
+  return jnp.where(valid, slots[:, None, :], -1).astype(jnp.int32)
+
+
+def _chunk_pages(b, s_q, h, page_size, max_pages, causal):
+  rows = D_QK * (1 + (s_q if causal and s_q > 1 else 0))        # gathered rows (+ per-token masked copies)
+  per_page = max(1, b * page_size * (s_q * h * 9 + rows))       # s, p f32 + p8 fp8 per logit
+  return int(max(1, min(max_pages, _STEP_BYTES // per_page)))
+
+
+def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal):
+  """FP8 XLA path: online softmax over chunks of ``cp`` pages (a ``lax.scan``)."""
+  b, s_q, h, _ = q.shape
+  num_pages, page_size, _ = kv_cache.shape
+  max_pages = block_table.shape[1]
+  n_pos = max_pages * page_size
+  cp = _chunk_pages(b, s_q, h, page_size, max_pages, causal)
+  n_chunks = -(-max_pages // cp)
+  table = jnp.pad(block_table, ((0, 0), (0, n_chunks * cp - max_pages)), constant_values=-1)
+  table = table.reshape(b, n_chunks, cp).transpose(1, 0, 2)               # [n_chunks, B, cp]
+  limit = _limits(cache_seqlens, s_q, n_pos, causal)                       # [B, s_q]
+  row_limit = jnp.max(limit, axis=1)                                       # [B]: rows any token may read
+
+  q8, q_scale = _sparse.quantize_q(q)                                      # [B, s_q, H, 576], [B, s_q, H]
+  logit_scale = (q_scale * (softmax_scale * kv_scale * LOG2E))[..., None]  # base-2 logits
+  c = cp * page_size
+  offs = jnp.arange(c, dtype=jnp.int32)
+  zero8 = jnp.zeros((), FP8)
+
+  def step(carry, xs):
+    m, l, acc = carry
+    ci, pages = xs                                                         # pages [B, cp]
+    page_ok = (pages >= 0) & (pages < num_pages)
+    rows = jnp.take(kv_cache, jnp.where(page_ok, pages, 0), axis=0)        # [B, cp, page, 576] fp8
+    rows = rows.reshape(b, c, D_QK)
+    pos = ci * c + offs                                                    # [c]
+    ok = jnp.repeat(page_ok, page_size, axis=1)                            # [B, c]
+    row_ok = ok & (pos[None, :] < row_limit[:, None])
+    rows = jnp.where(row_ok[..., None], rows, zero8)                       # unread rows: exact zeros, never NaN
+    valid = ok[:, None, :] & (pos[None, None, :] < limit[:, :, None])      # [B, s_q, c]
+    if causal and s_q > 1:   # per-token masking so that a row past token i's limit cannot leak a NaN into it
+      rows_t = jnp.where(valid[..., None], rows[:, None], zero8)           # [B, s_q, c, 576]
+      s = jnp.einsum("bshd,bscd->bshc", q8, rows_t, preferred_element_type=jnp.float32)
+    else:
+      rows_t = None
+      s = jnp.einsum("bshd,bcd->bshc", q8, rows, preferred_element_type=jnp.float32)
+    s = jnp.where(valid[:, :, None, :], s * logit_scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_use)                                            # 0 while m = -inf
+    p = jnp.exp2(s - m_use[..., None])                                     # 0 where masked
+    l = l * alpha + jnp.sum(p, axis=-1)
+    p8 = (p * _sparse.P_SCALE).astype(FP8)
+    if rows_t is not None:
+      pv = jnp.einsum("bshc,bscd->bshd", p8, rows_t[..., :D_V], preferred_element_type=jnp.float32)
+    else:
+      pv = jnp.einsum("bshc,bcd->bshd", p8, rows[..., :D_V], preferred_element_type=jnp.float32)
+    acc = acc * alpha[..., None] + pv
+    return (m_new, l, acc), None
+
+  init = (jnp.full((b, s_q, h), -jnp.inf, jnp.float32), jnp.zeros((b, s_q, h), jnp.float32),
+          jnp.zeros((b, s_q, h, D_V), jnp.float32))
+  (m, l, acc), _ = lax.scan(step, init, (jnp.arange(n_chunks, dtype=jnp.int32), table))
+  has = l > 0
+  o = acc * (kv_scale / (_sparse.P_SCALE * jnp.where(has, l, 1.0)))[..., None]
+  o = jnp.where(has[..., None], o, 0.0)
+  lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * math.log(2.0), -jnp.inf)
+  return o.astype(jnp.bfloat16), lse
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal"))
+def _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale, *, softmax_scale, causal):
+  return _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "num_pages", "s_q", "causal"))
+def _indices_jit(block_table, cache_seqlens, *, page_size, num_pages, s_q, causal):
+  return dense_indices(block_table, cache_seqlens, page_size=page_size, num_pages=num_pages, s_q=s_q,
+                       causal=causal)
+
+
+def _kernel_supported(q_shape):
+  def check():
+    h = q_shape[2]
+    if h not in _sparse.KERNEL_HEADS:
+      raise NotImplementedError(f"{OP} (run by the sparse_mla_decode kernel) supports H in "
+                                f"{_sparse.KERNEL_HEADS}; got H={h}")
+  return check
+
+
+def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, kv_scale=1.0,
+                     causal: bool = False, impl: str = "auto", interpret: bool = False):
+  """Dense (whole-context) MLA decode attention over a paged FP8 latent cache (FlashMLA dense decode).
+
+  Args:
+    q: [B, s_q, H, 576] bfloat16 (or float32): absorbed queries (512 latent ‖ 64 rope); the s_q query tokens are
+      the last s_q tokens of each sequence.
+    kv_cache: [num_pages, page_size, 576] float8_e4m3fn; dequantized value = fp8 · kv_scale; the value vector of
+      a row is its first 512 entries.
+    block_table: [B, P] int32 page ids; position p of sequence b is at flat slot
+      ``block_table[b, p // page_size] * page_size + p % page_size``. Entries past the sequence may be anything
+      (e.g. -1); a page id outside [0, num_pages) is masked (never read).
+    cache_seqlens: [B] int32; sequence b attends positions [0, cache_seqlens[b]) (truncated to P · page_size).
+    softmax_scale: python float > 0 multiplying q·k.
+    kv_scale: per-tensor cache scale (python float or f32 scalar).
+    causal: python bool. False: every query token attends every position < cache_seqlens[b]. True: query token
+      i (0-based among s_q) attends positions < cache_seqlens[b] - s_q + i + 1 (nothing when that is <= 0).
+    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). "mosaic" runs the sparse top-k kernel on
+      per-token slot ids built from the block table (top-k = P · page_size); "auto" prefers it when it can run.
+    interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU).
+
+  Returns:
+    out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with nothing to attend to
+    gives out = 0 and lse = -inf.
+
+  Raises:
+    ValueError: bad shape/dtype/value of an argument (the message names it) or an unknown ``impl``.
+    NotImplementedError: ``impl="mosaic"`` when no kernel can run here or H is not one of the kernel's head
+      counts (8, 16, 32, 64, 128).
+  """
+  _dispatch.check_impl(impl)
+  _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal)
+  causal = bool(causal)
+  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(q.shape))
+  kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
+  if used == "mosaic":
+    num_pages, page_size, _ = kv_cache.shape
+    indices = _indices_jit(block_table, cache_seqlens, page_size=int(page_size), num_pages=int(num_pages),
+                           s_q=int(q.shape[1]), causal=causal)
+    out = _sparse.sparse_mla_decode(q, kv_cache, indices, softmax_scale=softmax_scale, kv_scale=kv_scale,
+                                    impl="mosaic", interpret=interpret)
+    _dispatch.record(OP, _dispatch.last_impl("sparse_mla_decode"))
+    return out
+  return _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
+                  causal=causal)
+

@@ -1,0 +1,247 @@
+"""RoPE, RMS norm and the fused MLA cache write: ``rope``, ``rms_norm``, ``rope_rmsnorm``,
+``fused_rope_rmsnorm_quantization``.
+
+Semantics are exactly those of :func:`mla_pallas.reference.rope`, :func:`~mla_pallas.reference.rms_norm`,
+:func:`~mla_pallas.reference.rope_rmsnorm` and :func:`~mla_pallas.reference.rope_rmsnorm_quantize_write`; the XLA
+paths use the reference's float32 formulations (elementwise math that XLA fuses into one pass), so results are
+bitwise those of the reference. There is no Mosaic kernel yet: ``impl="mosaic"`` raises ``NotImplementedError``,
+``impl="auto"`` runs XLA.
+
+Conventions:
+* Latent row: 576 values, [0, 512) latent (RMS-normed), [512, 576) the key's rope part (rotated).
+* RoPE tables ``cos``/``sin`` float32 [max_pos, D/2] (:func:`mla_pallas.reference.rope_tables`); positions are int32
+  and clamped to [0, max_pos) before the lookup. ``interleaved=True``: DeepSeek pairing (x[2i], x[2i+1]);
+  ``interleaved=False``: NeoX / HF half-split pairing (x[i], x[i + D/2]). Rotation (a, b) -> (a cos - b sin,
+  a sin + b cos), float32 math.
+* RMS norm: x · rsqrt(mean(x²) + eps) · weight, float32 math, output in x's dtype.
+* Cache write: row quantized as clip(row / kv_scale, -448, 448) -> float8_e4m3fn (computed as row · f32(1/kv_scale),
+  see :mod:`mla_pallas.quant`), row kept in float32 until then; flat slot = page · page_size + offset.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_pallas import _checks, _dispatch, quant, reference
+
+__all__ = ["rope", "rms_norm", "rope_rmsnorm", "fused_rope_rmsnorm_quantization"]
+
+D_QK = 576
+D_V = 512
+D_ROPE = 64
+_ACT = (jnp.bfloat16, jnp.float32)
+
+
+def _check_bool(name, v):
+  if not isinstance(v, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a python bool; got {type(v).__name__}")
+  return bool(v)
+
+
+def _check_tables(cos, sin, half):
+  _checks.check_array("cos", cos, ndim=2, shape=(None, half), dtypes=(jnp.float32,), expect=f"[max_pos, {half}]")
+  if cos.shape[0] < 1:
+    raise ValueError(f"cos must have shape [max_pos, {half}] with max_pos >= 1; got shape {tuple(cos.shape)}")
+  _checks.check_array("sin", sin, ndim=2, shape=tuple(cos.shape), dtypes=(jnp.float32,),
+                      expect=f"[max_pos, {half}] = {list(cos.shape)} (as cos)")
+
+
+def _check_rope(x, positions, cos, sin, interleaved, x_name="x"):
+  _checks.check_array(x_name, x, dtypes=_ACT, expect="[..., D] (D even)")
+  if x.ndim < 1 or x.shape[-1] < 2 or x.shape[-1] % 2:
+    raise ValueError(f"{x_name} must have shape [..., D] with D even and >= 2; got shape {tuple(x.shape)}")
+  _checks.check_array("positions", positions, dtypes=(jnp.int32,), expect=f"a prefix of {x_name}.shape[:-1]")
+  if positions.ndim > x.ndim - 1 or tuple(positions.shape) != tuple(x.shape[:positions.ndim]):
+    raise ValueError(f"positions must have shape equal to a prefix of {x_name}.shape[:-1] = "
+                     f"{tuple(x.shape[:-1])} and dtype int32; got shape {tuple(positions.shape)}")
+  _check_tables(cos, sin, x.shape[-1] // 2)
+  return _check_bool("interleaved", interleaved)
+
+
+def _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved):
+  _checks.check_array("kv", kv, ndim=2, shape=(None, D_QK), dtypes=_ACT, expect="[T, 576]")
+  t = kv.shape[0]
+  _checks.check_array("q_rope", q_rope, ndim=3, shape=(t, None, D_ROPE), dtypes=_ACT,
+                      expect=f"[T, H, 64] (T = {t})")
+  _checks.check_array("positions", positions, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
+  _check_tables(cos, sin, D_ROPE // 2)
+  _checks.check_array("norm_weight", norm_weight, ndim=1, shape=(D_V,), dtypes=_ACT, expect="[512]")
+  _checks.check_scalar("eps", eps)
+  return _check_bool("interleaved", interleaved)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rope
+# ---------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("interleaved",))
+def _rope_jit(x, positions, cos, sin, *, interleaved):
+  return reference.rope(x, positions, cos, sin, interleaved=interleaved)
+
+
+def rope(x, positions, cos, sin, *, interleaved: bool = True, impl: str = "auto", interpret: bool = False):
+  """Rotary position embedding.
+
+  Args:
+    x: [..., D] bfloat16 or float32, D even (64 for MLA's rope parts).
+    positions: int32 whose shape is a prefix of ``x.shape[:-1]`` (e.g. [T] for x [T, H, 64]), broadcast over the
+      remaining axes; clamped to [0, max_pos) before the table lookup.
+    cos, sin: float32 [max_pos, D // 2] (:func:`mla_pallas.reference.rope_tables`).
+    interleaved: python bool. True: DeepSeek pairing, (x[2i], x[2i+1]) rotated by angle positions · theta_i.
+      False: NeoX / HF "rotate_half" pairing (x[i], x[i + D/2]).
+    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
+    interpret: accepted for API uniformity.
+
+  Returns:
+    rotated x, same shape and dtype; (a, b) -> (a cos - b sin, a sin + b cos) in float32.
+  """
+  _dispatch.check_impl(impl)
+  interleaved = _check_rope(x, positions, cos, sin, interleaved)
+  _dispatch.choose("rope", impl, interpret=interpret, supported=None)
+  return _rope_jit(x, positions, cos, sin, interleaved=interleaved)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rms norm
+# ---------------------------------------------------------------------------------------------------------
+
+@jax.jit
+def _rms_norm_jit(x, weight, eps):
+  return reference.rms_norm(x, weight, eps)
+
+
+def rms_norm(x, weight, eps, *, impl: str = "auto", interpret: bool = False):
+  """RMS norm over the last axis: ``x * rsqrt(mean(x**2, -1) + eps) * weight``, float32 math.
+
+  Args:
+    x: [..., N] bfloat16 or float32 (N >= 1).
+    weight: [N] bfloat16 or float32.
+    eps: python float or f32 scalar.
+    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
+    interpret: accepted for API uniformity.
+
+  Returns:
+    same shape and dtype as x.
+  """
+  _dispatch.check_impl(impl)
+  _checks.check_array("x", x, dtypes=_ACT, expect="[..., N]")
+  if x.ndim < 1 or x.shape[-1] < 1:
+    raise ValueError(f"x must have shape [..., N] with N >= 1; got shape {tuple(x.shape)}")
+  _checks.check_array("weight", weight, ndim=1, shape=(x.shape[-1],), dtypes=_ACT,
+                      expect=f"[N] = [{x.shape[-1]}]")
+  eps = _checks.check_scalar("eps", eps)
+  _dispatch.choose("rms_norm", impl, interpret=interpret, supported=None)
+  return _rms_norm_jit(x, weight, jnp.asarray(eps, jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rope + rms norm (unfused variant)
+# ---------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("interleaved",))
+def _rope_rmsnorm_jit(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved):
+  return reference.rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, eps=eps, interleaved=interleaved)
+
+
+def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleaved: bool = True,
+                 impl: str = "auto", interpret: bool = False):
+  """MLA pre-cache step (unfused): RMS-norm the latent and rotate the rope parts of kv and q.
+
+  Args:
+    kv: [T, 576] bfloat16 (or float32): [0, 512) compressed latent, [512, 576) the key's rope part.
+    q_rope: [T, H, 64] bfloat16 (or float32): the queries' rope parts.
+    positions: [T] int32 (clamped to [0, max_pos)).
+    cos, sin: float32 [max_pos, 32].
+    norm_weight: [512] bfloat16/float32 (kv_a_layernorm weight).
+    eps: python float or f32 scalar.
+    interleaved: python bool, see :func:`rope`.
+    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
+    interpret: accepted for API uniformity.
+
+  Returns:
+    (kv_out [T, 576] in kv's dtype, q_rope_out [T, H, 64] in q_rope's dtype):
+    kv_out = rms_norm(kv[:, :512], norm_weight, eps) ‖ rope(kv[:, 512:], positions); q_rope_out =
+    rope(q_rope, positions) (positions broadcast over H). Float32 math.
+  """
+  _dispatch.check_impl(impl)
+  interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
+  _dispatch.choose("rope_rmsnorm", impl, interpret=interpret, supported=None)
+  return _rope_rmsnorm_jit(kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
+                           interleaved=interleaved)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fused rope + rms norm + fp8 quantization + cache write
+# ---------------------------------------------------------------------------------------------------------
+
+def _last_writer(slots, num_slots):
+  """[T] bool: slot in [0, num_slots) and no later token (higher t) writes the same slot. O(T log T)."""
+  t = slots.shape[0]
+  in_range = (slots >= 0) & (slots < num_slots)
+  order = jnp.argsort(slots, stable=True)              # equal slots keep increasing t
+  s_sorted = slots[order]
+  last_in_run = jnp.concatenate([s_sorted[:-1] != s_sorted[1:], jnp.ones((1,), bool)]) if t > 1 \
+      else jnp.ones((t,), bool)
+  keep = jnp.zeros((t,), bool).at[order].set(last_in_run, unique_indices=True)
+  return keep & in_range
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved",), donate_argnums=(0,))
+def _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved):
+  # kv in float32 -> rows stay float32 (the reference casts to float32 first, so this is bitwise its math)
+  rows, q_out = reference.rope_rmsnorm(kv.astype(jnp.float32), q_rope, positions, cos, sin, norm_weight,
+                                       eps=eps, interleaved=interleaved)
+  rows8 = quant.quantize_fp8(rows, kv_scale)
+  flat = pages.reshape(-1, D_QK)
+  num_slots = flat.shape[0]
+  keep = _last_writer(slots, num_slots)                # every kept slot is unique
+  dest = jnp.where(keep, slots, num_slots)             # out of bounds -> dropped by the scatter
+  flat = flat.at[dest].set(rows8, mode="drop", unique_indices=True)
+  return flat.reshape(pages.shape), q_out
+
+
+def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm_weight, *, eps, kv_scale,
+                                    slots, interleaved: bool = True, impl: str = "auto",
+                                    interpret: bool = False):
+  """Fused MLA cache write: :func:`rope_rmsnorm`, FP8 quantization and a scatter into the paged cache.
+
+  Args:
+    pages: float8_e4m3fn cache [num_pages, page_size, 576] or flat [num_slots, 576]. DONATED: the XLA path is
+      jitted with ``donate_argnums=0``, so on backends that support donation (GPU, TPU, CPU) the buffer passed in
+      is consumed and must not be used afterwards; keep a copy if you need the old contents.
+    kv: [T, 576] bfloat16 (or float32): latent [0, 512) ‖ key rope part [512, 576).
+    q_rope: [T, H, 64] bfloat16 (or float32).
+    positions: [T] int32.
+    cos, sin: float32 [max_pos, 32].
+    norm_weight: [512] bfloat16/float32.
+    eps: python float or f32 scalar.
+    kv_scale: per-tensor cache scale, python float > 0 or f32 scalar.
+    slots: [T] int32 flat slot ids (page · page_size + offset). A slot outside [0, num_slots) (e.g. -1 for
+      padding tokens) is skipped; every slot not written is left bitwise untouched (NaN stays NaN). Duplicate
+      slots: the last token (highest t) wins.
+    interleaved: python bool, see :func:`rope`.
+    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
+    interpret: accepted for API uniformity.
+
+  Returns:
+    (new_pages, q_rope_out): new_pages has pages' shape and dtype with
+    ``new_pages[slot[t]] = clip(row[t] / kv_scale, -448, 448).astype(float8_e4m3fn)``, where
+    ``row = rms_norm(kv[:, :512], norm_weight, eps) ‖ rope(kv[:, 512:], positions)`` is kept in float32 (not
+    rounded to bfloat16 first); q_rope_out [T, H, 64] in q_rope's dtype = rope(q_rope, positions).
+  """
+  _dispatch.check_impl(impl)
+  _checks.check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8,),
+                      expect="[num_pages, page_size, 576] or [num_slots, 576]")
+  if pages.shape[-1] != D_QK:
+    raise ValueError("pages must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
+                     f"float8_e4m3fn; got shape {tuple(pages.shape)}")
+  interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
+  t = kv.shape[0]
+  _checks.check_array("slots", slots, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
+  _checks.check_scalar("kv_scale", kv_scale, positive=True)
+  _dispatch.choose("fused_rope_rmsnorm_quantization", impl, interpret=interpret, supported=None)
+  return _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
+                    jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved)

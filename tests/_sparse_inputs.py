@@ -1,0 +1,53 @@
+"""Random inputs for the sparse MLA decode tests (shared by the CPU and GPU test files).
+
+Every case draws fresh N(0, 1) data; the cache holds NaN in every row that no valid index names, and the indices
+mix valid slots with invalid ones (-1, num_slots, large, negative), duplicates, and (with ``all_invalid_row``)
+one query token whose indices are all invalid.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+FP8 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass
+class SparseCase:
+  q: jnp.ndarray            # [B, s_q, H, 576] bf16
+  kv: jnp.ndarray           # [num_pages, page_size, 576] fp8 (NaN in unused rows)
+  indices: jnp.ndarray      # [B, s_q, topk] int32
+  topk_length: jnp.ndarray | None
+  softmax_scale: float
+  kv_scale: float
+
+
+def make_case(rng: np.random.Generator, *, B=2, s_q=1, H=16, topk=37, page_size=16, num_pages=32,
+              kv_scale=1.0, softmax_scale=192 ** -0.5, with_topk_length=False,
+              all_invalid_row=True) -> SparseCase:
+  num_slots = num_pages * page_size
+  used = num_slots // 2                     # rows [used, num_slots) are never named by a valid index
+  rows = rng.standard_normal((num_slots, 576)).astype(np.float32)
+  rows[used:] = np.nan
+  kv = jnp.asarray(rows.reshape(num_pages, page_size, 576)).astype(FP8)
+  idx = rng.integers(0, used, (B, s_q, topk)).astype(np.int32)
+  bad = np.array([-1, num_slots, num_slots + 3, -(2 ** 31), 2 ** 31 - 1], np.int32)
+  flat = idx.reshape(-1)
+  pos = rng.choice(flat.size, size=min(flat.size // 4, 4 * len(bad)), replace=False)
+  flat[pos] = bad[np.arange(len(pos)) % len(bad)]
+  if topk > 2:
+    idx[0, 0, 1] = idx[0, 0, 0]            # a duplicate
+  if all_invalid_row and B * s_q > 1:
+    idx[-1, -1, :] = -1
+  q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)), jnp.bfloat16)
+  tl = None
+  if with_topk_length:
+    tl = jnp.asarray(rng.integers(1, topk + 1, (B,)), jnp.int32).at[0].set(topk)
+  return SparseCase(q, kv, jnp.asarray(idx), tl, softmax_scale, kv_scale)
+
+
+def logit_std(case: SparseCase) -> float:
+  """Standard deviation of the logits for N(0, 1) q and rows: softmax_scale * sqrt(576) * kv_scale."""
+  return case.softmax_scale * 576 ** 0.5 * case.kv_scale

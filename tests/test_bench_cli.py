@@ -1,0 +1,172 @@
+"""Tests of the benchmark harness (mla_pallas.bench) and the mla-pallas console script (mla_pallas.cli)."""
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from mla_pallas import bench, cli
+
+TINY = "B=1,s_q=1,H=8,topk=32,page=16,ctx=64"
+ON_CPU = jax.default_backend() == "cpu"
+
+
+def test_cli_bench_writes_json_and_png(tmp_path, capsys):
+  rc = cli.main(["bench", "sparse_mla_decode", "--impl", "xla", "--shape", TINY, "--iters", "2",
+                 "--out", tmp_path, "--no-progress"])
+  assert rc == 0
+  jsons = glob.glob(os.path.join(tmp_path, "sparse_mla_decode-*.json"))
+  pngs = glob.glob(os.path.join(tmp_path, "sparse_mla_decode-*.png"))
+  assert len(jsons) == 1 and len(pngs) == 1
+  assert os.path.getsize(pngs[0]) > 1000
+  doc = json.load(open(jsons[0]))
+  assert doc["op"] == "sparse_mla_decode"
+  assert doc["shape"]["B"] == 1 and doc["shape"]["topk"] == 32 and doc["shape"]["page"] == 16
+  assert doc["shape"]["softmax_scale"] == pytest.approx(576 ** -0.5)
+  for key in ("device_kind", "jax_version", "date", "git_commit", "command", "n_inputs", "iters"):
+    assert key in doc
+  assert doc["command"].startswith("mla-pallas bench sparse_mla_decode")
+  (res,) = doc["results"]
+  assert res["impl"] == "xla" and res["status"] == "ok"
+  assert res["timer"] == ("wall" if ON_CPU else "cupti")
+  n_samples = doc["iters"] * doc["n_inputs"] if ON_CPU else doc["iters"]
+  assert len(res["samples_us"]) == n_samples and all(s > 0 for s in res["samples_us"])
+  assert res["flops"] == 2 * 1 * 1 * 8 * 32 * (576 + 512)      # FlashMLA convention
+  assert res["gathered_bytes"] == 1 * 1 * 32 * 576
+  assert res["check_ok"] is True and res["rel_l2"] < res["tolerance"]
+  out = capsys.readouterr().out
+  assert "median µs" in out and "TFLOP/s" in out and "wrote json" in out
+
+
+def test_cli_help(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "--help"])
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  assert "shape keys" in out and "sparse_mla_decode" in out and "ctx" in out
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--help"])
+  assert e.value.code == 0
+  assert "demo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("B=1,bogus=3", "unknown shape key 'bogus'"),
+    ("B=1,H", "key=value"),
+    ("B=two", "must be int"),
+    ("B=0", "must be positive"),
+    ("page=24", "multiple of 16"),
+])
+def test_cli_bad_shape_is_argparse_error(tmp_path, capsys, shape, message):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "sparse_mla_decode", "--impl", "xla", "--shape", shape, "--out", tmp_path])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+  assert not os.listdir(tmp_path)          # nothing was run or written
+
+
+def test_cli_bad_impl(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "sparse_mla_decode", "--impl", "cuda"])
+  assert e.value.code == 2
+  assert "--impl" in capsys.readouterr().err
+
+
+def test_shape_resolution_and_presets():
+  spec = bench.get_spec("sparse_mla_decode")
+  s = spec.shape({"B": "3"}, gpu=False)
+  assert s["B"] == 3 and s["H"] == 16 and s["topk"] == 128
+  g = spec.shape({}, preset="glm5", gpu=True)
+  assert g["H"] == 64 and g["topk"] == 2048 and g["page"] == 64 and g["B"] == 128
+  d = spec.shape({"H": "32"}, preset="deepseek_v32", gpu=False)
+  assert d["H"] == 32 and d["topk"] == 2048            # --shape overrides the preset
+  assert bench.parse_shape(" B=1, s_q=2 ,") == {"B": "1", "s_q": "2"}
+  with pytest.raises(ValueError, match="no benchmark for op"):
+    bench.get_spec("nope")
+
+
+@pytest.mark.parametrize("ctx, topk", [(64, 32), (48, 40), (40, 57)])
+def test_decode_inputs_index_own_slots(ctx, topk):
+  # Indices: distinct positions < ctx of the row's own sequence, -1 past ctx (topk > ctx); page 16, B=3, s_q=2.
+  spec = bench.get_spec("sparse_mla_decode")
+  s = spec.shape({"B": 3, "s_q": 2, "H": 8, "topk": topk, "page": 16, "ctx": ctx}, gpu=False)
+  q, cache, idx = spec.make_inputs(s, jax.random.key(1))
+  pps = -(-ctx // 16)
+  assert q.shape == (3, 2, 8, 576) and q.dtype == np.dtype("bfloat16")
+  assert cache.shape == (3 * pps, 16, 576) and cache.dtype == np.dtype("float8_e4m3fn")
+  assert idx.shape == (3, 2, topk) and idx.dtype == np.int32
+  assert np.isfinite(np.asarray(cache, np.float32)).all()
+  idx = np.asarray(idx)
+  n_valid = min(topk, ctx)
+  assert (idx[..., n_valid:] == -1).all()
+  valid = idx[..., :n_valid]
+  pages_of = valid // 16
+  for b in range(3):
+    # Each sequence reads from exactly its own pages (pages are shuffled, never shared between sequences).
+    others = set(pages_of[np.arange(3) != b].ravel())
+    assert not set(pages_of[b].ravel()) & others
+    for t in range(2):
+      assert len(set(valid[b, t])) == n_valid       # distinct slots
+  assert valid.min() >= 0 and valid.max() < 3 * pps * 16
+
+
+def test_run_reports_unavailable_mosaic_and_table():
+  results = bench.run("sparse_mla_decode", ("xla", "mosaic"), bench.parse_shape(TINY), iters=1, n_inputs=1,
+                      progress=False)
+  xla, mosaic = results
+  assert xla.ok and xla.speedup_vs_xla == pytest.approx(1.0)
+  if ON_CPU:   # no kernel runs natively here: NotImplementedError becomes "unavailable: <reason>"
+    assert mosaic.status.startswith("unavailable: ") and not mosaic.samples_us
+    assert mosaic.available is False
+  table = bench.format_table(results)
+  for col in ("impl", "timer", "median µs", "p10 µs", "p90 µs", "TFLOP/s", "gath GB/s", "vs xla", "rel-L2"):
+    assert col in table
+  if ON_CPU:
+    assert "mosaic: unavailable" in table
+
+
+def test_run_prefill_xla():
+  (res,) = bench.run("sparse_mla_prefill", ("xla",), {"T": 4, "H": 8, "topk": 40, "page": 16, "ctx": 32},
+                     iters=1, n_inputs=1, progress=False)
+  assert res.ok and res.check_ok, res.check
+  assert res.flops == 2 * 4 * 8 * 40 * (576 + 512)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="exercises the CPU interpret path of the demo")
+def test_demo_cpu(capsys):
+  # xla at a small shape (2 steps) plus the mosaic kernel in interpret mode at its tiny shape (a few seconds).
+  rc = cli.main(["demo", "--batch", "1", "--steps", "2", "--topk", "64", "--ctx", "128", "--no-progress"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "xla" in out and "mosaic" in out and "PASS" in out
+  assert "interpret" in out
+
+
+def test_time_cupti_aggregation_with_fake_profiler(monkeypatch):
+  # CUPTI needs a GPU; check the bookkeeping with a stand-in for profiler.measure that reports two kernels per
+  # call (the op is run on each of the 2 input sets per iteration, so 4 launches per iteration).
+  from jax.experimental.mosaic.gpu import profiler
+  calls = {}
+
+  def fake_measure(f, *, aggregate=True, iterations=1):
+    assert aggregate is False
+    calls["iterations"] = iterations
+
+    def wrapper(*args):
+      out = f(*args)
+      per_iter = [[("gather", 0.010 * (i + 1)), ("attn", 0.030), ("gather", 0.010 * (i + 1)), ("attn", 0.030)]
+                  for i in range(iterations)]
+      return out, (per_iter if iterations > 1 else per_iter[0])
+    return wrapper
+
+  monkeypatch.setattr(profiler, "measure", fake_measure)
+  sets = [(jax.numpy.ones((4,)) * i,) for i in range(2)]
+  samples, kernels = bench.time_cupti(lambda x: x * 2, sets, iters=3, warmup=1)
+  assert calls["iterations"] == 3
+  # Per call: (2 * gather + 2 * attn) / 2 sets = gather + attn, in microseconds.
+  assert samples == pytest.approx([40.0, 50.0, 60.0])
+  assert kernels == pytest.approx({"gather": 20.0, "attn": 30.0})
+  samples, _ = bench.time_cupti(lambda x: x * 2, sets, iters=1, warmup=0)
+  assert samples == pytest.approx([40.0])

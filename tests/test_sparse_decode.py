@@ -1,0 +1,215 @@
+"""sparse_mla_decode / sparse_mla_prefill on the CPU: the XLA path, the sm_90 kernel in interpret mode (with race
+detection), lowering of the kernel for CUDA at sm_90, argument checks and implementation choice.
+
+Tolerances come from the FP8 error model of :func:`mla_pallas.testing.fp8_error_budget`: both implementations
+round Q (per row) and P to e4m3 (unit roundoff 2^-4), the reference does not; the cache is fp8 for both.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mla_pallas
+from mla_pallas import _dispatch, reference, testing
+from mla_pallas.kernels import sparse_decode_sm90 as sm90
+from mla_pallas.ops import sparse_decode as sd
+
+from _sparse_inputs import FP8, logit_std, make_case
+
+
+def _budget(case, fp8_mma):
+  # Q and P rounded to e4m3 in both implementations; fp8_mma=False in interpret mode (exact f32 products) and
+  # for XLA on the CPU (fp8 operands are upcast).
+  return testing.fp8_error_budget(logit_std=logit_std(case), pv_length=case.indices.shape[-1],
+                                  fp8_mma=fp8_mma)
+
+
+def _ref(case):
+  return reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
+                                     kv_scale=case.kv_scale, topk_length=case.topk_length)
+
+
+def _run(case, impl, interpret=False):
+  return mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
+                                      kv_scale=case.kv_scale, topk_length=case.topk_length, impl=impl,
+                                      interpret=interpret)
+
+
+def _check_against_reference(case, out, lse, budget):
+  ref_out, ref_lse = _ref(case)
+  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what="out")
+  # lse: a logit error of RMS sigma moves lse by about sigma (natural log units); 0.1 = 3x the q-rounding
+  # term at logit_std ~1.7. NaN/inf positions (rows with nothing valid: -inf) must match exactly.
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=0.1, what="lse")
+  valid_any = np.isfinite(np.asarray(ref_lse))
+  assert np.all(np.asarray(out, np.float32)[~valid_any] == 0.0), "rows with no valid index must be exactly 0"
+  assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN leaked from a masked cache row"
+
+
+@pytest.mark.parametrize("B,s_q,H,topk,page,tl", [
+    (2, 1, 16, 37, 16, False),
+    (2, 2, 64, 129, 64, True),
+    (1, 3, 8, 5, 16, False),
+])
+def test_xla_path_matches_reference(rng, B, s_q, H, topk, page, tl):
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=max(4, 1024 // page),
+                   with_topk_length=tl, kv_scale=0.5)
+  out, lse = _run(case, "xla")
+  assert out.shape == (B, s_q, H, 512) and out.dtype == jnp.bfloat16
+  assert lse.shape == (B, s_q, H) and lse.dtype == jnp.float32
+  _check_against_reference(case, out, lse, _budget(case, fp8_mma=False))
+  out2, _ = _run(case, "xla")
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"
+
+
+@pytest.mark.parametrize("B,s_q,H,topk,page,tl", [
+    (1, 2, 16, 77, 16, False),      # H < 64: rows padded to the 64-row tile; odd top-k
+    (2, 1, 64, 130, 64, True),      # topk_length; 3 tiles
+    (1, 1, 128, 64, 16, False),     # H = 128: two query tiles per token
+    (1, 1, 32, 512, 16, False),     # few CTAs: split-KV (2 splits) + combine
+])
+def test_kernel_interpret_matches_reference(rng, B, s_q, H, topk, page, tl):
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=max(4, 1024 // page),
+                   with_topk_length=tl)
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  out, lse = _run(case, "mosaic", interpret=params)
+  assert _dispatch.last_impl("sparse_mla_decode") == "mosaic-interpret"
+  assert not testing.races_found(), "the interpreter found a data race in the kernel"
+  _check_against_reference(case, out, lse, _budget(case, fp8_mma=False))
+  # Same quantization of Q and P as the XLA path: the two differ only by f32 summation order and the e4m3
+  # rounding of the few P entries it flips (2^-4 relative each): far below the budget above.
+  xla_out, _ = _run(case, "xla")
+  testing.assert_close_fp8(out, xla_out, rel_l2=0.02, what="kernel vs XLA path")
+
+
+def test_plan_splits_small_batches():
+  splits, tps = sd._plan(batch_tokens=1, tiles_per_token=1, topk=512)
+  assert splits == 2 and tps == 4
+  splits, tps = sd._plan(batch_tokens=256, tiles_per_token=2, topk=2048)
+  assert splits == 1 and tps == 32
+  splits, tps = sd._plan(batch_tokens=8, tiles_per_token=1, topk=8192)   # > 2048 keys: at least 4 splits
+  assert splits * tps * 64 >= 8192 and tps <= 32
+
+
+def test_combine_splits_matches_logsumexp(rng):
+  o = rng.standard_normal((3, 4, 5, 512)).astype(np.float32)
+  lse = rng.standard_normal((3, 4, 5)).astype(np.float32)
+  lse[0, :, 0] = -np.inf                      # one empty split
+  lse[1, :, 1] = -np.inf                      # a row empty in every split
+  got_o, got_lse = sd.combine_splits(jnp.asarray(o), jnp.asarray(lse))
+  m = np.max(lse, axis=1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0)
+  w = np.exp(lse - m)
+  tot = w.sum(1)
+  want_o = np.einsum("bsr,bsrd->brd", w, o) / np.where(tot == 0, 1, tot)[..., None]
+  with np.errstate(divide="ignore"):
+    want_lse = np.log(tot) + m[:, 0]
+  np.testing.assert_allclose(np.asarray(got_o), want_o, rtol=1e-5, atol=1e-6)   # f32 arithmetic
+  np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
+  np.testing.assert_allclose(np.asarray(got_lse)[np.isfinite(want_lse)], want_lse[np.isfinite(want_lse)],
+                             rtol=1e-5)
+  assert np.all(np.asarray(got_o)[1, 1] == 0)
+
+
+def test_prefill_is_decode_with_one_token(rng):
+  case = make_case(rng, B=5, s_q=1, H=8, topk=11)
+  out_d, lse_d = _run(case, "xla")
+  out_p, lse_p = mla_pallas.sparse_mla_prefill(case.q[:, 0], case.kv.reshape(-1, 576), case.indices[:, 0],
+                                               softmax_scale=case.softmax_scale, impl="xla")
+  np.testing.assert_array_equal(np.asarray(out_p, np.float32), np.asarray(out_d, np.float32)[:, 0])
+  np.testing.assert_array_equal(np.asarray(lse_p), np.asarray(lse_d)[:, 0])
+  assert _dispatch.last_impl("sparse_mla_prefill") == "xla"
+
+
+def test_jit_with_traced_kv_scale(rng):
+  case = make_case(rng, B=1, s_q=1, H=8, topk=9, kv_scale=0.25)
+  f = jax.jit(lambda q, kv, i, s: mla_pallas.sparse_mla_decode(q, kv, i, softmax_scale=case.softmax_scale,
+                                                               kv_scale=s, impl="xla"))
+  out, _ = f(case.q, case.kv, case.indices, jnp.float32(0.25))
+  _check_against_reference(case, out, _ref(case)[1], _budget(case, fp8_mma=False))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(-3, 40), min_size=1, max_size=9), st.integers(0, 10))
+def test_xla_masking_fuzz(idx_list, tl):
+  """Any index pattern (valid, negative, past the end) and topk_length: same result as the reference."""
+  rng = np.random.default_rng(len(idx_list) * 100 + tl)
+  num_slots = 32
+  rows = rng.standard_normal((num_slots, 576)).astype(np.float32)
+  named = {i for i in idx_list if 0 <= i < num_slots}
+  rows[[i for i in range(num_slots) if i not in named]] = np.nan
+  kv = jnp.asarray(rows).astype(FP8)
+  idx = jnp.asarray(np.array(idx_list, np.int32)[None, None])
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 576)), jnp.bfloat16)
+  tlen = jnp.asarray([tl], jnp.int32)
+  out, lse = mla_pallas.sparse_mla_decode(q, kv, idx, softmax_scale=0.05, topk_length=tlen, impl="xla")
+  ref_out, ref_lse = reference.sparse_mla_decode(q, kv, idx, softmax_scale=0.05, topk_length=tlen)
+  # logit_std = 0.05 * 24 = 1.2: budget from the error model, no MMA term (CPU).
+  testing.assert_close_fp8(out, ref_out, rel_l2=testing.fp8_error_budget(logit_std=1.2, fp8_mma=False))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(ref_lse)))
+
+
+@pytest.mark.parametrize("H,s_q,topk,splits", [(64, 1, 2048, 1), (8, 4, 2051, 1), (128, 2, 256, 2)])
+def test_kernel_lowers_for_sm90(H, s_q, topk, splits):
+  """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a."""
+  tiles_per_token = max(1, H // 64)
+  n_tok = 2 * s_q
+  tps = -(-topk // (64 * splits))
+  cfg = sm90.TuningConfig(tiles_per_split=tps)
+  kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
+                    "bfloat16" if splits == 1 else "float32", cfg)
+  S = jax.ShapeDtypeStruct
+  low = testing.lower_for_cuda(kern, S((n_tok * tiles_per_token, 64, 576), FP8), S((n_tok * tiles_per_token, 64),
+                               jnp.float32), S((4096 * 9, 64), FP8), S((n_tok, splits * tps, 64), jnp.int32),
+                               S((1,), jnp.float32), arch=(9, 0))
+  # 9 QK chunks x 2 k32 steps + one N=256 PV wgmma (2 k32 steps) per consumer body.
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
+  assert low.count(r"cp\.async\.bulk\.tensor") > 0
+
+
+def test_tuning_config_rejects_bad_values():
+  with pytest.raises(ValueError, match="stages"):
+    sm90.TuningConfig(stages=0)
+  with pytest.raises(ValueError, match="SMEM"):
+    sm90.TuningConfig(stages=3)             # 3 x 40 KB linear slots do not fit next to Q, K, V^T and P
+  with pytest.raises(ValueError, match="v_stager"):
+    sm90.TuningConfig(v_stager="somewhere")
+
+
+def test_argument_errors(rng):
+  case = make_case(rng, B=1, s_q=1, H=8, topk=4)
+  kw = dict(softmax_scale=0.1, impl="xla")
+  with pytest.raises(ValueError, match=r"q must have shape \[B, s_q, H, 576\]"):
+    mla_pallas.sparse_mla_decode(case.q[..., :512], case.kv, case.indices, **kw)
+  with pytest.raises(ValueError, match="q must have dtype"):
+    mla_pallas.sparse_mla_decode(case.q.astype(jnp.float16), case.kv, case.indices, **kw)
+  with pytest.raises(ValueError, match="kv_cache must have dtype float8_e4m3fn"):
+    mla_pallas.sparse_mla_decode(case.q, case.kv.astype(jnp.bfloat16), case.indices, **kw)
+  with pytest.raises(ValueError, match=r"indices must have rank 3 with shape \[B=1, s_q=1, topk\]"):
+    mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices[0], **kw)
+  with pytest.raises(ValueError, match="indices must have dtype int32"):
+    mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices.astype(jnp.float32), **kw)
+  with pytest.raises(ValueError, match="topk_length"):
+    mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, topk_length=jnp.zeros((3,), jnp.int32), **kw)
+  with pytest.raises(ValueError, match="softmax_scale"):
+    mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=-1.0, impl="xla")
+  with pytest.raises(ValueError, match="impl"):
+    mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=0.1, impl="cuda")
+
+
+def test_impl_choice_on_cpu(rng):
+  case = make_case(rng, B=1, s_q=1, H=8, topk=4)
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU-only behaviour")
+  with pytest.raises(NotImplementedError, match="compute capability"):
+    _run(case, "mosaic")
+  _run(case, "auto")
+  assert _dispatch.last_impl("sparse_mla_decode") == "xla"
+  case12 = make_case(rng, B=1, s_q=1, H=12, topk=4)          # H=12: no kernel
+  with pytest.raises(NotImplementedError, match="H="):
+    _run(case12, "mosaic", interpret=True)
+  _run(case12, "auto", interpret=True)
+  assert _dispatch.last_impl("sparse_mla_decode") == "xla"
