@@ -14,7 +14,6 @@ Tolerance model (the reason is also written next to each assertion):
   the *jitted* reference (same HLO; eager op-by-op evaluation may differ by an f32 ulp where XLA fuses a*c - b*s
   into an FMA).
 """
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +23,8 @@ import pytest
 from mla_pallas import _dispatch, quant, testing
 from mla_pallas import reference as ref
 from mla_pallas.ops import bmm_fp8 as bmm_mod
-from mla_pallas.ops import convert as conv_mod
 from mla_pallas.ops import dense_decode as dd_mod
 from mla_pallas.ops import prefill as pf_mod
-from mla_pallas.ops import rope_rmsnorm as rr_mod
 from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
 from mla_pallas.ops.convert import (convert_bf16_to_fp8_e4m3fn, convert_fp8_e4m3fn_to_bf16,
                                     load_block_scaled_checkpoint)

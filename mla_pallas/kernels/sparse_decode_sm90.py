@@ -18,20 +18,25 @@ sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the sp
 A row id of ``num_slots`` lies wholly past the end of the cache, so its TMA box is zero-filled by the hardware:
 the kernel never reads out of bounds, and the consumer masks those columns to −inf.
 
-Warpgroup roles (``num_threads=3``, Lane semantics)
----------------------------------------------------
-* WG0, WG1 — consumers (224 registers each). Each computes the full S (QKᵀ, redundantly: it keeps the two
-  warpgroups independent and costs 576/1088 of the MMA work again), the online softmax, its own P tile in SMEM,
-  and P·V for its half of the 512 output columns (64 × 256 f32 accumulator = 128 registers per thread). WG0 also
-  writes lse.
-* WG2 — loader (56 registers): TMA of Q (9 chunks) and of the split's indices; per-row TMA gathers (64 per tile,
-  one thread issuing) into the linear ring of ``stages`` slots; and the FP8→FP8 staging of each tile: K
-  re-swizzle (linear → nine 64 × 64 swizzled tiles) and V transpose (linear → Vᵀ 512 × 64 swizzled, the K-major
-  B operand FP8 wgmma requires on Hopper). A slot is refilled as soon as it has been staged. K and Vᵀ have
-  separate "consumed" barriers, so the next K re-swizzle overlaps this tile's softmax and P·V.
-  Why one warpgroup for gather and staging: with four warpgroups (512 threads) ptxas caps registers at 128 per
-  thread at entry and rejects the m64n256 f32 wgmma ("Insufficient registers (128) ... 154 or higher", H200,
-  2026-11-29); three warpgroups give a cap of 170.
+Warpgroup roles (``num_threads=3``, Lane semantics), default TuningConfig
+-------------------------------------------------------------------------
+* WG2 — loader (56 registers): TMA of Q (9 chunks) and of the split's indices; per-row TMA gathers into the
+  linear ring of ``stages`` slots (64 rows per tile, issued by the 4 warps, 16 rows each); the K re-swizzle of
+  each tile (linear → nine 64 × 64 swizzled tiles, FP8→FP8, ``Layout.WGMMA_8BIT``); then it refills the slot.
+* WG0, WG1 — consumers (224 registers each). Per tile: issue the nine QKᵀ wgmmas (async); meanwhile transpose
+  their half of V (4 chunks) from the *swizzled K tiles* into Vᵀ (512 × 64 swizzled, the K-major B operand FP8
+  wgmma requires on Hopper); read S, release K (``k_empty``); online softmax; P as fp8 to their own SMEM tile;
+  P·V for their 256 output columns (64 × 256 f32 accumulator = 128 registers per thread). S is computed by both
+  consumers (redundant: 576/1088 more MMA work, but no cross-warpgroup exchange of S or P). WG0 writes lse.
+
+Measured on an H200 (2026-11-29, benchmarks/RESULTS.md): the chain K re-swizzle → (QKᵀ ∥ V transpose) →
+softmax + P·V, coupled by the single K buffer, is the limiter (~1.2 µs per 64-key tile each); the gather alone
+takes a third of the time. Alternatives measured slower and kept as switches: V transposed by the loader
+(``v_stager="loader"``), K re-swizzled by the consumers (``k_stager="consumers"``).
+Why not a fourth warpgroup: with 512 threads ptxas caps registers at 128 per thread at entry and rejects the
+m64n256 f32 wgmma ("Insufficient registers (128) ... 154 or higher"); three warpgroups give a cap of 170.
+Why V is transposed from the swizzled K tiles: a column of the 128-byte-aligned linear rows lies in one SMEM
+bank; transposing from the linear ring cost ~665 of 1172 µs at the FlashMLA headline shape.
 
 Lane semantics: JAX 0.11.2's Warpgroup semantics miscompiles register loads from the strided column views of the
 linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. Lane needs TMA copies in multiples of
@@ -46,7 +51,8 @@ SMEM budget (bytes, defaults stages=2, 64-token tiles, top-k split of up to 2048
     P (2 consumers × 64 × 64 fp8)                  8 192
     indices (tiles_per_split × 64 int32)           8 192   (2048 keys per split)
     lse staging (64 f32) + barriers                 ~400
-    total                                        ~205 KB  (limit 227 KB: one CTA per SM)
+    Mosaic reduction scratch                        2 048   (CompilerParams.reduction_scratch_bytes default)
+    total                                        ~207 KB  (limit 227 KB: one CTA per SM)
 """
 from __future__ import annotations
 
@@ -110,7 +116,7 @@ def smem_budget(cfg: TuningConfig) -> int:
       ((2, TILE, TILE), FP8),                              # P per consumer
       ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
       ((TILE,), jnp.float32),                              # lse staging
-  ) + 64 * 8
+  ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
 def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool,

@@ -178,12 +178,14 @@ def _indices_jit(block_table, cache_seqlens, *, page_size, num_pages, s_q, causa
                        causal=causal)
 
 
-def _kernel_supported(q_shape):
+def _kernel_supported(q_shape, interpret=False):
+  sparse_check = _sparse._kernel_supported(q_shape, None, interpret)
+
   def check():
-    h = q_shape[2]
-    if h not in _sparse.KERNEL_HEADS:
-      raise NotImplementedError(f"{OP} (run by the sparse_mla_decode kernel) supports H in "
-                                f"{_sparse.KERNEL_HEADS}; got H={h}")
+    try:
+      sparse_check()
+    except NotImplementedError as e:
+      raise NotImplementedError(f"{OP} runs on the sparse_mla_decode kernel: {e}") from None
   return check
 
 
@@ -220,7 +222,7 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   _dispatch.check_impl(impl)
   _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal)
   causal = bool(causal)
-  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(q.shape))
+  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(q.shape, interpret))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
   if used == "mosaic":
     num_pages, page_size, _ = kv_cache.shape

@@ -99,9 +99,13 @@ def _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length
   return o.astype(jnp.bfloat16), lse
 
 
-def _kernel_supported(q_shape, topk):
+def _kernel_supported(q_shape, topk, interpret=False):
   def check():
     _, s_q, h, _ = q_shape
+    arch = _dispatch.mosaic_arch(interpret)
+    if arch != "sm90":
+      raise NotImplementedError(f"sparse_mla_decode has a Mosaic GPU kernel for sm_90 (Hopper) only; this device "
+                                f"needs the {arch} kernel, which does not exist yet")
     if h not in KERNEL_HEADS:
       raise NotImplementedError(f"sparse_mla_decode kernel supports H in {KERNEL_HEADS}; got H={h}")
   return check
@@ -207,7 +211,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, indices.shape[-1]))
+                          supported=_kernel_supported(q.shape, indices.shape[-1], interpret))
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret)
 
