@@ -85,6 +85,22 @@ def test_kernel_interpret_matches_reference(rng, B, s_q, H, topk, page, tl):
   testing.assert_close_fp8(out, xla_out, rel_l2=0.02, what="kernel vs XLA path")
 
 
+@pytest.mark.parametrize("tuning", [
+    (("k_buffers", 2), ("stages", 1)),
+    (("k_stager", "consumers"),),
+    (("v_stager", "loader"),),
+])
+def test_kernel_variants_interpret(rng, tuning):
+  """Every non-default warpgroup arrangement of the kernel computes the same function (races checked)."""
+  case = make_case(rng, B=2, s_q=1, H=32, topk=200, page_size=16, num_pages=64)
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  out, lse = sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
+                                   softmax_scale=case.softmax_scale, impl="mosaic", interpret=params,
+                                   tuning=tuning)
+  assert not testing.races_found()
+  _check_against_reference(case, out, lse, _budget(case, fp8_mma=False))
+
+
 def test_plan_splits_small_batches():
   splits, tps = sd._plan(batch_tokens=1, tiles_per_token=1, topk=512)
   assert splits == 2 and tps == 4

@@ -86,6 +86,7 @@ class TuningConfig(common.TuningConfigBase):
   tiles_per_split: int = 32
   v_stager: str = "consumers"
   k_stager: str = "loader"
+  k_buffers: int = 1            # 2: double-buffered K tiles (needs stages=1 to fit in SMEM)
   auto_barriers: bool = True    # False: CompilerParams(unsafe_no_auto_barriers=True); see the module docstring
   approx_math: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
@@ -97,6 +98,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.k_stager must be 'loader' or 'consumers'; got {self.k_stager!r}")
     if self.k_stager == "consumers" and self.v_stager != "consumers":
       raise ValueError("TuningConfig.k_stager='consumers' needs v_stager='consumers'")
+    if self.k_buffers not in (1, 2):
+      raise ValueError(f"TuningConfig.k_buffers must be 1 or 2; got {self.k_buffers}")
+    if self.k_buffers > 1 and (self.k_stager != "loader" or self.v_stager != "consumers"):
+      raise ValueError("TuningConfig.k_buffers=2 needs k_stager='loader' and v_stager='consumers'")
     if self.v_stager not in ("loader", "consumers"):
       raise ValueError(f"TuningConfig.v_stager must be 'loader' or 'consumers'; got {self.v_stager!r}")
     if self.tiles_per_split > 256:
@@ -111,7 +116,7 @@ def smem_budget(cfg: TuningConfig) -> int:
   return common.smem_bytes(
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
       ((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),       # linear ring
-      ((N_CHUNKS, TILE, CHUNK), FP8),                      # K swizzled
+      ((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8),       # K swizzled
       ((D_V, TILE), FP8),                                  # V^T swizzled
       ((2, TILE, TILE), FP8),                              # P per consumer
       ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
@@ -130,6 +135,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
   wg = lax.axis_index("wg")
   n_tiles = cfg.tiles_per_split
   stages = cfg.stages
+  k_buffers = cfg.k_buffers
 
   @pl.when(wg == 2)
   def _loader():
@@ -161,17 +167,17 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
 
         @pl.when(t > 0)
         def _():
-          plgpu.barrier_wait(k_empty)
+          plgpu.barrier_wait(k_empty.at[0])
         if 'k_stage' not in cfg.ablate:
-          common.stage_k(lin.at[slot], k_sw)
+          common.stage_k(lin.at[slot], k_sw.at[0])
         plgpu.commit_smem()
-        plgpu.barrier_arrive(k_full)
+        plgpu.barrier_arrive(k_full.at[0])
 
         @pl.when(t > 0)
         def _():
           plgpu.barrier_wait(v_empty)
         if 'v_stage' not in cfg.ablate:
-          common.stage_vt(k_sw, vt_sw)
+          common.stage_vt(k_sw.at[0], vt_sw)
         plgpu.commit_smem()   # fence + warpgroup barrier: every thread has read the slot before it is refilled
         plgpu.barrier_arrive(v_full)
 
@@ -179,29 +185,31 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
         def _():
           gather(t + stages, slot)
 
-      plgpu.barrier_wait(k_empty)     # drain: observe the consumers' last releases (interpret-mode rule)
+      plgpu.barrier_wait(k_empty.at[0])     # drain: observe the consumers' last releases (interpret-mode rule)
       plgpu.barrier_wait(v_empty)
     else:
       # Consumers transpose their own V half (from the swizzled K tiles) while their QK wgmma runs, so the linear
-      # slot is free as soon as K is staged, and it is refilled right away.
+      # slot is free as soon as K is staged, and it is refilled right away. With k_buffers=2 the next K
+      # re-swizzle overlaps the consumers' work on this one.
       @pl.loop(0, n_tiles)
       def _(t):
         slot = lax.rem(t, stages)
+        kb = lax.rem(t, k_buffers)
         plgpu.barrier_wait(lin_full.at[slot])
 
-        @pl.when(t > 0)
+        @pl.when(t >= k_buffers)
         def _():
-          plgpu.barrier_wait(k_empty)
+          plgpu.barrier_wait(k_empty.at[kb])
         if 'k_stage' not in cfg.ablate:
-          common.stage_k(lin.at[slot], k_sw)
+          common.stage_k(lin.at[slot], k_sw.at[kb])
         plgpu.commit_smem()   # fence + warpgroup barrier: every thread has read the slot before it is refilled
-        plgpu.barrier_arrive(k_full)
+        plgpu.barrier_arrive(k_full.at[kb])
 
         @pl.when(t + stages < n_tiles)
         def _():
           gather(t + stages, slot)
 
-      plgpu.barrier_wait(k_empty)     # drain
+      common.drain(k_empty, n_tiles, k_buffers)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -221,30 +229,32 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
 
         @pl.when(t > 0)
         def _():
-          plgpu.barrier_wait(k_empty)
+          plgpu.barrier_wait(k_empty.at[0])
         for w in range(2):
           @pl.when(wg == w)
           def _():
             if 'k_stage' not in cfg.ablate:
-              common.stage_k(lin.at[slot], k_sw, chunks=range(w * 5, min(w * 5 + 5, N_CHUNKS)))
+              common.stage_k(lin.at[slot], k_sw.at[0], chunks=range(w * 5, min(w * 5 + 5, N_CHUNKS)))
         plgpu.commit_smem()
         plgpu.barrier_arrive(lin_empty.at[slot])
-        plgpu.barrier_arrive(k_full)
-      plgpu.barrier_wait(k_full)
+        plgpu.barrier_arrive(k_full.at[0])
+      kb = lax.rem(t, k_buffers)
+      k_tiles = k_sw.at[kb]
+      plgpu.barrier_wait(k_full.at[kb])
 
       def qk(acc_ref):
         for c in range(N_CHUNKS if 'qk' not in cfg.ablate else 0):
-          plgpu.wgmma(acc_ref, q_sw.at[c], k_sw.at[c].T)
+          plgpu.wgmma(acc_ref, q_sw.at[c], k_tiles.at[c].T)
         if cfg.v_stager == "consumers":   # overlap the V transpose with the asynchronous QK wgmma
           for w in range(2):
             @pl.when(wg == w)
             def _():
               if 'v_stage' not in cfg.ablate:
-                common.stage_vt(k_sw, vt_sw, chunks=range(w * 4, w * 4 + 4))
+                common.stage_vt(k_tiles, vt_sw, chunks=range(w * 4, w * 4 + 4))
           plgpu.commit_smem()
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
-      plgpu.barrier_arrive(k_empty)
+      plgpu.barrier_arrive(k_empty.at[kb])
 
       cols = plgpu.load(idx_smem.at[t], layout=col_layout, optimized=False)
       valid = lax.broadcast_in_dim(cols != num_slots, s.shape, [1])
@@ -280,7 +290,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
     l0 = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
     acc, m, l = lax.fori_loop(0, n_tiles, step, (acc0, m0, l0))
     if cfg.k_stager == "consumers":
-      plgpu.barrier_wait(k_empty)     # drain: observe the other consumer's last release
+      plgpu.barrier_wait(k_empty.at[0])     # drain: observe the other consumer's last release
 
     l_safe = jnp.where(l == 0.0, 1.0, l)
     inv = kv_scale / (P_SCALE * l_safe)
@@ -324,7 +334,7 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
       scratch_types=[
           plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # Q
           plgpu.SMEM((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),                       # linear ring
-          plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # K
+          plgpu.SMEM((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),   # K
           plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64)),                   # V^T
           plgpu.SMEM((2, TILE, TILE), FP8, transforms=swizzled(FP8, 64)),               # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
@@ -333,8 +343,9 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
           plgpu.Barrier(),                                       # idx_bar
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # lin_empty (k_stager="consumers")
-          plgpu.Barrier(num_arrivals=2 if cfg.k_stager == "consumers" else 1),   # k_full
-          plgpu.Barrier(num_arrivals=2),                         # k_empty
+          plgpu.Barrier(num_arrivals=2 if cfg.k_stager == "consumers" else 1,
+                        num_barriers=cfg.k_buffers),             # k_full
+          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),   # k_empty
           plgpu.Barrier(),                                       # v_full
           plgpu.Barrier(num_arrivals=2),                         # v_empty
       ],
