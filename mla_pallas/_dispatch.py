@@ -85,7 +85,8 @@ def choose(op: str, impl: str, *, interpret: bool,
     except NotImplementedError as e:
       reason = str(e)
   if reason is None:
-    return record(op, "mosaic-interpret" if interpret else "mosaic") and "mosaic"
+    record(op, "mosaic-interpret" if interpret else "mosaic")
+    return "mosaic"
   if impl == "mosaic":
     raise NotImplementedError(reason)
   _log.info("%s: impl='auto' falls back to XLA: %s", op, reason)

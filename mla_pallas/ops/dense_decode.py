@@ -178,8 +178,8 @@ def _indices_jit(block_table, cache_seqlens, *, page_size, num_pages, s_q, causa
                        causal=causal)
 
 
-def _kernel_supported(q_shape, interpret=False):
-  sparse_check = _sparse._kernel_supported(q_shape, None, interpret)
+def _kernel_supported(q_shape, num_slots=None, interpret=False):
+  sparse_check = _sparse._kernel_supported(q_shape, num_slots, interpret)
 
   def check():
     try:
@@ -222,7 +222,9 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   _dispatch.check_impl(impl)
   _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal)
   causal = bool(causal)
-  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(q.shape, interpret))
+  num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+  used = _dispatch.choose(OP, impl, interpret=interpret,
+                          supported=_kernel_supported(q.shape, num_slots, interpret))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
   if used == "mosaic":
     num_pages, page_size, _ = kv_cache.shape

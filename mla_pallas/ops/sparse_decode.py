@@ -99,9 +99,15 @@ def _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length
   return o.astype(jnp.bfloat16), lse
 
 
-def _kernel_supported(q_shape, topk, interpret=False):
+MAX_KERNEL_SLOTS = (2 ** 31 - 1) // 9 - 2    # the kernel addresses 64-byte chunks of the cache with int32
+
+
+def _kernel_supported(q_shape, num_slots=None, interpret=False):
   def check():
     _, s_q, h, _ = q_shape
+    if num_slots is not None and num_slots > MAX_KERNEL_SLOTS:
+      raise NotImplementedError(f"sparse_mla_decode kernel supports caches of up to {MAX_KERNEL_SLOTS} slots; "
+                                f"got {num_slots}")
     arch = _dispatch.mosaic_arch(interpret)
     if arch != "sm90":
       raise NotImplementedError(f"sparse_mla_decode has a Mosaic GPU kernel for sm_90 (Hopper) only; this device "
@@ -111,8 +117,17 @@ def _kernel_supported(q_shape, topk, interpret=False):
   return check
 
 
+def _num_sms() -> int:
+  """Streaming multiprocessors of the default GPU (132 on an H100/H200 SXM when the device does not say)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132):
-  """Choose (num_splits, tiles_per_split) so that CTAs fill the GPU and each split is <= 2048 keys."""
+  """Choose (num_splits, tiles_per_split) so that CTAs fill the GPU and each split is <= 2048 keys.
+
+  One CTA per SM fits (SMEM), so splitting stops once there are at least ``num_sms`` CTAs or a split would be
+  shorter than 4 tiles (256 keys).
+  """
   from mla_pallas.kernels import sparse_decode_sm90 as sm90
   k_tiles = max(1, -(-topk // sm90.TILE))
   ctas = batch_tokens * tiles_per_token
@@ -131,7 +146,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   tile = sm90.TILE
   tiles_per_token = max(1, h // tile)
   n_tok = b * s_q
-  splits, tps = _plan(n_tok, tiles_per_token, topk)
+  splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
   cfg = sm90.TuningConfig(tiles_per_split=tps, **dict(tuning))
   k_pad = splits * tps * tile
 
@@ -211,7 +226,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, indices.shape[-1], interpret))
+                          supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret))
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret)
 
