@@ -51,9 +51,10 @@ class TuningConfigBase:
     pass
 
 
-def smem_bytes(*buffers: tuple[tuple[int, ...], object]) -> int:
-  """Total bytes of SMEM buffers given as (shape, dtype) pairs."""
-  return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in buffers)
+def smem_bytes(*buffers: tuple[tuple[int, ...], object], align: int = 1024) -> int:
+  """Total bytes of SMEM buffers given as (shape, dtype) pairs, each rounded up to ``align`` bytes (Mosaic GPU
+  aligns scratch buffers; 1024 bytes is the 128-byte-swizzle atom)."""
+  return sum(-(-math.prod(s) * jnp.dtype(d).itemsize // align) * align for s, d in buffers)
 
 
 def gather_rows(kv_rows, rows_smem, row_of, lin_slot, barrier, *, tile: int):
@@ -101,6 +102,18 @@ def stage_vt(k_sw, vt_sw, chunks=range(V_CHUNKS)):
   for c in chunks:
     vt_sw.at[pl.ds(c * CHUNK, CHUNK)].T[...] = plgpu.load(
         k_sw.at[c], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
+
+
+def stage_v16(k_sw, v16, chunks=range(V_CHUNKS)):
+  """V as float16, un-transposed: swizzled K tiles (k_sw [9, T, 64] fp8) -> v16 [T, 512] f16 (swizzle 128).
+
+  16-bit wgmma accepts an MN-major B operand, so P.V in f16 needs no transpose: a vectorised load of each 64 x 64
+  fp8 tile, an exact e4m3 -> f16 conversion (every e4m3 value is an f16 value) and a store. (e4m3 -> bf16 has no
+  hardware conversion on sm_90 with this ptxas; f16 has.)
+  """
+  for c in chunks:
+    v16.at[:, pl.ds(c * CHUNK, CHUNK)][...] = plgpu.load(
+        k_sw.at[c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False).astype(jnp.float16)
 
 
 def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):

@@ -33,6 +33,9 @@ Measured on an H200 (2026-11-29, benchmarks/RESULTS.md): the chain K re-swizzle 
 softmax + P·V, coupled by the single K buffer, is the limiter (~1.2 µs per 64-key tile each); the gather alone
 takes a third of the time. Alternatives measured slower and kept as switches: V transposed by the loader
 (``v_stager="loader"``), K re-swizzled by the consumers (``k_stager="consumers"``).
+Not yet timed (interpret-mode and lowering checks only): ``k_buffers=2`` (double-buffered K, with one linear
+slot) and ``pv_dtype="f16"`` (P·V as f16 wgmma: V upcast exactly from the swizzled K tiles with a vectorised
+layout and no transpose, since 16-bit wgmma takes an MN-major B; P stays in f16 registers on hardware).
 Why not a fourth warpgroup: with 512 threads ptxas caps registers at 128 per thread at entry and rejects the
 m64n256 f32 wgmma ("Insufficient registers (128) ... 154 or higher"); three warpgroups give a cap of 170.
 Why V is transposed from the swizzled K tiles: a column of the 128-byte-aligned linear rows lies in one SMEM
@@ -87,6 +90,7 @@ class TuningConfig(common.TuningConfigBase):
   v_stager: str = "consumers"
   k_stager: str = "loader"
   k_buffers: int = 1            # 2: double-buffered K tiles (needs stages=1 to fit in SMEM)
+  pv_dtype: str = "fp8"         # "f16": P.V in float16 (V upcast exactly, no transpose; P in f16 registers)
   auto_barriers: bool = True    # False: CompilerParams(unsafe_no_auto_barriers=True); see the module docstring
   approx_math: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
@@ -102,6 +106,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.k_buffers must be 1 or 2; got {self.k_buffers}")
     if self.k_buffers > 1 and (self.k_stager != "loader" or self.v_stager != "consumers"):
       raise ValueError("TuningConfig.k_buffers=2 needs k_stager='loader' and v_stager='consumers'")
+    if self.pv_dtype not in ("fp8", "f16"):
+      raise ValueError(f"TuningConfig.pv_dtype must be 'fp8' or 'f16'; got {self.pv_dtype!r}")
+    if self.pv_dtype == "f16" and self.v_stager != "consumers":
+      raise ValueError("TuningConfig.pv_dtype='f16' needs v_stager='consumers'")
     if self.v_stager not in ("loader", "consumers"):
       raise ValueError(f"TuningConfig.v_stager must be 'loader' or 'consumers'; got {self.v_stager!r}")
     if self.tiles_per_split > 256:
@@ -117,8 +125,8 @@ def smem_budget(cfg: TuningConfig) -> int:
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
       ((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),       # linear ring
       ((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8),       # K swizzled
-      ((D_V, TILE), FP8),                                  # V^T swizzled
-      ((2, TILE, TILE), FP8),                              # P per consumer
+      ((D_V, TILE), FP8) if cfg.pv_dtype == "fp8" else ((TILE, D_V), jnp.float16),   # V^T fp8 / V f16
+      ((2, TILE, TILE), FP8) if cfg.pv_dtype == "fp8" else ((128,), jnp.uint8),      # P (f16: in registers)
       ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
       ((TILE,), jnp.float32),                              # lse staging
   ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
@@ -250,7 +258,10 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
             @pl.when(wg == w)
             def _():
               if 'v_stage' not in cfg.ablate:
-                common.stage_vt(k_tiles, vt_sw, chunks=range(w * 4, w * 4 + 4))
+                if cfg.pv_dtype == "fp8":
+                  common.stage_vt(k_tiles, vt_sw, chunks=range(w * 4, w * 4 + 4))
+                else:
+                  common.stage_v16(k_tiles, vt_sw, chunks=range(w * 4, w * 4 + 4))
           plgpu.commit_smem()
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
@@ -266,14 +277,22 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p_sw.at[wg][...] = (p * P_SCALE).astype(FP8)
-      plgpu.commit_smem()
+      if cfg.pv_dtype == "fp8":
+        p_sw.at[wg][...] = (p * P_SCALE).astype(FP8)
+        plgpu.commit_smem()
+        p_op, v_op = p_sw.at[wg], vt_sw.at[pl.ds(wg * 256, 256)].T
+      else:
+        p_op, v_op = p.astype(jnp.float16), vt_sw.at[:, pl.ds(wg * 256, 256)]
+        if interpret:     # the interpreter has no wgmma with A in registers: P goes through SMEM there
+          p_sw.at[wg][...] = p_op
+          plgpu.commit_smem()
+          p_op = p_sw.at[wg]
       if cfg.v_stager == "loader":
         plgpu.barrier_wait(v_full)
 
       def pv(acc_ref):
         if 'pv' not in cfg.ablate:
-          plgpu.wgmma(acc_ref, p_sw.at[wg], vt_sw.at[pl.ds(wg * 256, 256)].T)
+          plgpu.wgmma(acc_ref, p_op, v_op)
         if interpret:
           return acc_ref[...]
         plgpu.wgmma_wait(0)
@@ -293,7 +312,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.barrier_wait(k_empty.at[0])     # drain: observe the other consumer's last release
 
     l_safe = jnp.where(l == 0.0, 1.0, l)
-    inv = kv_scale / (P_SCALE * l_safe)
+    inv = kv_scale / ((P_SCALE if cfg.pv_dtype == "fp8" else 1.0) * l_safe)
     out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
     o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
 
@@ -303,6 +322,20 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[tile_q, split])
       plgpu.wait_smem_to_gmem(0)
+
+
+def _v_scratch(cfg):
+  if cfg.pv_dtype == "fp8":
+    return plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64))
+  return plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))
+
+
+def _p_scratch(cfg, interpret):
+  if cfg.pv_dtype == "fp8":
+    return plgpu.SMEM((2, TILE, TILE), FP8, transforms=swizzled(FP8, 64))
+  if interpret:
+    return plgpu.SMEM((2, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))
+  return plgpu.SMEM((128,), jnp.uint8)     # unused placeholder: on hardware f16 P stays in registers
 
 
 @functools.lru_cache(maxsize=64)
@@ -335,8 +368,8 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
           plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # Q
           plgpu.SMEM((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),                       # linear ring
           plgpu.SMEM((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),   # K
-          plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64)),                   # V^T
-          plgpu.SMEM((2, TILE, TILE), FP8, transforms=swizzled(FP8, 64)),               # P
+          _v_scratch(cfg),                                                               # V^T (fp8) / V (f16)
+          _p_scratch(cfg, bool(interpret)),                                              # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
           plgpu.SMEM((TILE,), jnp.float32),                                              # lse
           plgpu.Barrier(num_arrivals=N_CHUNKS),                  # q_bar
