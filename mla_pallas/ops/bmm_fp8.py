@@ -16,7 +16,29 @@ XLA path (real FP8 operands):
      columns of an N block) and summed over ``kb`` in float32; then the activation scale is applied:
      ``out[t, h, n] = a_scale[t, h] * sum_kb w_scale[h, kb, n // 128] * (a8[t, h, kb] . w8[h, kb, n])``.
   4. Cast to bfloat16, layout ``[T, H, N]``.
-There is no Mosaic kernel yet: ``impl="mosaic"`` raises ``NotImplementedError``; ``impl="auto"`` runs XLA.
+
+Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`.
+  * Activation quantization is a fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as above, so ``a8``
+    and its scales are bitwise those of the reference), not in-kernel. Why: it is exact by construction;
+    ``"per_tensor"`` needs a global amax before any tile can be quantized (a pre-pass in any design); and
+    in-kernel quantization (bf16 tile -> registers -> row amax over all of K -> fp8 -> swizzled SMEM tile for
+    wgmma) is register-layout work that can only be validated on a GPU. Cost: the write and re-read of ``a8``,
+    2 bytes per element of ``a`` on top of the 2 an in-kernel version reads: +20 % HBM traffic at K 128 -> N 512
+    (the bf16 output dominates), +80 % at K 512 -> N 128 (per-token in-kernel quantization is the follow-up for
+    the output projection). The pre-pass also zero-pads ``a8`` to a multiple of 8 rows (Mosaic GPU's TMA
+    constraint for swizzled tiles) and writes the row scales as ``[H, T_pad]`` f32.
+  * The kernel reads ``a8 [T, H, K]`` in place (TMA boxes with the head index fixed: the [H, T, K] view costs no
+    transpose), block scales are applied per 128-wide K block to a separate f32 wgmma accumulator (promotion),
+    and the output is stored straight into ``[T, H, N]``.
+  * **Weight layout.** FP8 wgmma on Hopper only takes K-major operands, so the kernel needs the weight as
+    ``[H, N, K]``. Weights are static, so convert them once: ``w_t = prepare_weight(w)`` and call with
+    ``weight_layout="hnk"`` (``w_scale`` keeps its ``[H, ceil(K/128), ceil(N/128)]`` shape). With the default
+    ``weight_layout="hkn"`` the op transposes the weight on every call inside its jit: one extra read and
+    write of ``H * K * N`` bytes (8 MiB for DeepSeek-V3.2's W_UK, H 128 x 128 x 512, ~4 us of HBM time on an
+    H200), which dominates at small T (decode). The XLA path takes either layout without a transpose (it
+    contracts the right dimension of ``w``).
+  * Kernel coverage: K % 64 == 0 and K <= 2048, N % 128 == 0 (every 128-column output tile is one scale
+    block); other valid shapes raise NotImplementedError under ``impl="mosaic"`` and run XLA under ``"auto"``.
 """
 from __future__ import annotations
 
@@ -28,33 +50,54 @@ import jax.numpy as jnp
 
 from mla_pallas import _checks, _dispatch, quant
 
-__all__ = ["quantize_and_bmm_fp8", "BLOCK"]
+__all__ = ["quantize_and_bmm_fp8", "prepare_weight", "BLOCK", "WEIGHT_LAYOUTS"]
 
 OP = "quantize_and_bmm_fp8"
 BLOCK = 128
 _ACT = (jnp.bfloat16, jnp.float32)
 _ACT_SCALES = ("per_token", "per_tensor")
+WEIGHT_LAYOUTS = ("hkn", "hnk")
 
 
-def _check_args(a, w, w_scale, act_scale):
+def prepare_weight(w):
+  """Convert a ``[H, K, N]`` fp8 weight once to the K-major ``[H, N, K]`` layout the Mosaic kernel reads.
+
+  Pass the result with ``weight_layout="hnk"`` (and the unchanged ``w_scale``). Works on any array
+  ``[..., K, N]`` (swaps the last two axes).
+  """
+  _checks.check_array("w", w, dtypes=(quant.FP8,), expect="[H, K, N]")
+  if w.ndim < 2:
+    raise ValueError(f"w must have rank >= 2 (shape [H, K, N]); got shape {tuple(w.shape)}")
+  return jnp.swapaxes(w, -1, -2)
+
+
+def _check_args(a, w, w_scale, act_scale, weight_layout="hkn"):
   if act_scale not in _ACT_SCALES:
     raise ValueError(f"act_scale must be 'per_token' or 'per_tensor'; got {act_scale!r}")
+  if weight_layout not in WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be 'hkn' ([H, K, N]) or 'hnk' ([H, N, K]); got {weight_layout!r}")
   _checks.check_array("a", a, ndim=3, dtypes=_ACT, expect="[T, H, K]")
   t, h, k = a.shape
   if h < 1 or k < 1:
     raise ValueError(f"a must have shape [T, H, K] with H, K >= 1; got shape {tuple(a.shape)}")
-  _checks.check_array("w", w, ndim=3, shape=(h, k, None), dtypes=(quant.FP8,), expect=f"[H, K, N] = [{h}, {k}, N]")
-  n = w.shape[2]
+  if weight_layout == "hkn":
+    _checks.check_array("w", w, ndim=3, shape=(h, k, None), dtypes=(quant.FP8,),
+                        expect=f"[H, K, N] = [{h}, {k}, N]")
+    n = w.shape[2]
+  else:
+    _checks.check_array("w", w, ndim=3, shape=(h, None, k), dtypes=(quant.FP8,),
+                        expect=f"[H, N, K] = [{h}, N, {k}] (weight_layout='hnk')")
+    n = w.shape[1]
   if n < 1:
-    raise ValueError(f"w must have shape [H, K, N] with N >= 1; got shape {tuple(w.shape)}")
+    raise ValueError(f"w must have N >= 1; got shape {tuple(w.shape)}")
   kb, nb = -(-k // BLOCK), -(-n // BLOCK)
   _checks.check_array("w_scale", w_scale, ndim=3, shape=(h, kb, nb), dtypes=(jnp.float32,),
                       expect=f"[H, ceil(K/128), ceil(N/128)] = [{h}, {kb}, {nb}]")
 
 
-def _xla_bmm(a, w, w_scale, act_scale):
+def _xla_bmm(a, w, w_scale, act_scale, weight_layout="hkn"):
   t, h, k = a.shape
-  n = w.shape[2]
+  n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
   if act_scale == "per_token":
     a8, a_s = quant.quantize_rows_fp8(a, axis=-1)              # [T, H, K] fp8, [T, H] f32
   else:
@@ -62,11 +105,13 @@ def _xla_bmm(a, w, w_scale, act_scale):
   # w_scale [H, KB, NB] -> per-column scales [H, KB, N]
   ws_cols = jnp.repeat(w_scale, BLOCK, axis=2)[:, :, :n]
   # a8 [T, H, K_kb] x w8 [H, K_kb, N]: batch H (a dim 1, w dim 0), contract K (a dim 2, w dim 1) -> [H, T, N]
-  dims = (((2,), (1,)), ((1,), (0,)))
+  # ("hnk": contract w's dim 2 instead; same products, no transpose)
+  dims = (((2,), (1 if weight_layout == "hkn" else 2,)), ((1,), (0,)))
   acc = jnp.zeros((h, t, n), jnp.float32)
   for kb in range(-(-k // BLOCK)):
     k0, k1 = kb * BLOCK, min(k, (kb + 1) * BLOCK)
-    part = lax.dot_general(a8[:, :, k0:k1], w[:, k0:k1, :], dims, preferred_element_type=jnp.float32)
+    w_kb = w[:, k0:k1, :] if weight_layout == "hkn" else w[:, :, k0:k1]
+    part = lax.dot_general(a8[:, :, k0:k1], w_kb, dims, preferred_element_type=jnp.float32)
     acc = acc + part * ws_cols[:, kb, None, :]
   out = jnp.swapaxes(acc, 0, 1)                                # [T, H, N]; XLA folds it into the scaling pass
   if act_scale == "per_token":
@@ -76,34 +121,89 @@ def _xla_bmm(a, w, w_scale, act_scale):
   return out.astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("act_scale",))
-def _xla_jit(a, w, w_scale, *, act_scale):
-  return _xla_bmm(a, w, w_scale, act_scale)
+def _num_sms() -> int:
+  """SM count of the default GPU (the persistent grid size); 132 (H100 SXM / H200) without a GPU."""
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
-def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", impl: str = "auto",
-                         interpret: bool = False):
+def _kernel_config(n: int, tuning=()):
+  from mla_pallas.kernels import bmm_fp8 as kbmm
+  kw = dict(wg_split="n" if n % 256 == 0 else "m", max_ctas=_num_sms())
+  kw.update(dict(tuning))
+  return kbmm.TuningConfig(**kw)
+
+
+def _kernel_supported(a_shape, n: int, interpret):
+  def check():
+    from mla_pallas.kernels import bmm_fp8 as kbmm
+    arch = _dispatch.mosaic_arch(interpret)
+    if arch != "sm90":
+      raise NotImplementedError(f"{OP} has a Mosaic GPU kernel for sm_90 (Hopper) only; this device needs the "
+                                f"{arch} kernel, which does not exist yet")
+    t, h, k = a_shape
+    kbmm.check_shapes(t, h, k, n, _kernel_config(n))
+  return check
+
+
+def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
+  from mla_pallas.kernels import bmm_fp8 as kbmm
+  t, h, k = a.shape
+  w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
+  n = w_t.shape[1]
+  cfg = _kernel_config(n, tuning)
+  # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.
+  t8 = -(-t // 8) * 8
+  if act_scale == "per_token":
+    a8, a_s = quant.quantize_rows_fp8(a, axis=-1)              # [T, H, K] fp8, [T, H] f32
+    t_pad = -(-t // cfg.cta_m) * cfg.cta_m
+    scales = jnp.pad(a_s.T, ((0, 0), (0, t_pad - t)), constant_values=1.0)   # [H, T_pad]
+  else:
+    a8, a_s = quant.quantize_tensor_fp8(a)
+    scales = a_s.reshape(1)
+  a8 = jnp.pad(a8, ((0, t8 - t), (0, 0), (0, 0)))
+  kern = kbmm.build(t, h, k, n, act_scale == "per_token", cfg, interpret=interpret)
+  return kern(a8, scales, w_t, w_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("act_scale", "weight_layout", "impl", "interpret", "tuning"))
+def _bmm_jit(a, w, w_scale, *, act_scale, weight_layout="hkn", impl="xla", interpret=False, tuning=()):
+  """``tuning``: tuple of (name, value) overrides of the kernel's TuningConfig (tests, benchmarks)."""
+  if impl == "mosaic":
+    return _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning)
+  return _xla_bmm(a, w, w_scale, act_scale, weight_layout)
+
+
+def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_layout: str = "hkn",
+                         impl: str = "auto", interpret: bool = False):
   """Batched (per-head) FP8 GEMM with dynamic activation quantization.
 
   Args:
     a: [T, H, K] bfloat16 (or float32) activations.
     w: [H, K, N] float8_e4m3fn weights (e.g. from :func:`mla_pallas.convert_bf16_to_fp8_e4m3fn` or
-      :func:`mla_pallas.ops.convert.load_block_scaled_checkpoint`).
+      :func:`mla_pallas.ops.convert.load_block_scaled_checkpoint`), or [H, N, K] with ``weight_layout="hnk"``
+      (from :func:`prepare_weight`; the layout the Mosaic kernel reads).
     w_scale: [H, ceil(K/128), ceil(N/128)] float32 128x128 block scales:
       ``deq(w)[h, k, n] = w[h, k, n] * w_scale[h, k // 128, n // 128]``.
     act_scale: python str, "per_token" (one scale per (t, h) row of K values, max(|row|) / 448, all-zero rows 1)
       or "per_tensor" (one scale for all of a).
-    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
-    interpret: accepted for API uniformity.
+    weight_layout: "hkn" (w is [H, K, N], default) or "hnk" (w is [H, N, K], K-major). The Mosaic kernel needs
+      "hnk"; with "hkn" it transposes the weight on every call (see the module doc). Same result either way.
+    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). The kernel runs on sm_90 (or with
+      ``interpret=True``) for K % 64 == 0, K <= 2048, N % 128 == 0.
+    interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU): True, or a
+      ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``).
 
   Returns:
     [T, H, N] bfloat16: ``out[t, h] = deq(a8)[t, h] @ deq(w)[h]``, fp8 products accumulated in float32.
 
   Raises:
-    ValueError: bad shape/dtype (the message names the argument), unknown act_scale or impl.
-    NotImplementedError: ``impl="mosaic"``.
+    ValueError: bad shape/dtype (the message names the argument), unknown act_scale, weight_layout or impl.
+    NotImplementedError: ``impl="mosaic"`` when the kernel cannot run here or does not take these shapes.
   """
   _dispatch.check_impl(impl)
-  _check_args(a, w, w_scale, act_scale)
-  _dispatch.choose(OP, impl, interpret=interpret, supported=None)
-  return _xla_jit(a, w, w_scale, act_scale=act_scale)
+  _check_args(a, w, w_scale, act_scale, weight_layout)
+  n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
+  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, interpret))
+  return _bmm_jit(a, w, w_scale, act_scale=act_scale, weight_layout=weight_layout, impl=used,
+                  interpret=interpret if used == "mosaic" else False)

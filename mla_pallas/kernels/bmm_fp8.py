@@ -1,0 +1,276 @@
+"""Per-head FP8 GEMM with 128x128 block-scaled weights for Hopper (sm_90a): ``out[t, h] = a8[t, h] @ w8[h]``.
+
+What one CTA computes
+---------------------
+The output is cut into tiles of one head ``h``, ``64 · wm`` tokens and ``128 · wn`` columns (``wm · wn = 2``: two
+consumer warpgroups, each owning a 64 x 128 sub-tile; ``TuningConfig.wg_split`` picks "n" (64 x 256, for
+N % 256 == 0) or "m" (128 x 128)). The grid is persistent (``max_ctas`` CTAs, the SM count): CTA ``pid`` walks
+the tiles pid, pid + grid, ... (M tiles fastest, so concurrently running CTAs share one head's weight tile in
+L2), and its K-chunk ring runs on across tiles, so the next tile's loads overlap the current tile's epilogue.
+A 128-column sub-tile is exactly one weight scale block, so its block scale is a scalar per K block:
+
+    for each 128-wide K block kb (the last one may be partial):
+      part  = a8[rows, h, kb] · w8[h, cols, kb]ᵀ     fp8 wgmma into a fresh f32 accumulator (64 x 128)
+      total = total + part · w_scale[h, kb, nb]       promotion in f32 registers (DeepSeek style)
+    out = bf16(total · a_scale)                       a_scale per row ([H, T_pad]) or one scalar
+
+so each fp8 wgmma chain is at most 128 long (Hopper's fp8 accumulation is below f32 precision, see
+../shared/mgpu/README.md section 11) and the block sums are added in f32, in the same order as the XLA path of
+:mod:`mla_pallas.ops.bmm_fp8`.
+
+Inputs are prepared by :mod:`mla_pallas.ops.bmm_fp8` (one fused XLA pre-pass): ``a`` quantized to e4m3 per (t, h)
+row or per tensor with :mod:`mla_pallas.quant` (bitwise the reference's quantization), row scales as
+[H, T_pad] f32 (padded with 1.0). The kernel reads:
+
+* ``a8 [T8, H, K]`` fp8 *in place*: each TMA box is ``a8.at[rows, h, k-chunk]`` (the head index fixed), i.e. the
+  array is consumed as [H, T, K] through the GMEM ref view, with no transpose pass. T8 is T rounded up to a
+  multiple of 8 by the pre-pass (Mosaic GPU tiles the GMEM rows of a swizzled TMA box by 8 and rejects other
+  row counts); rows past T8 in the last M tile are zero-filled by the TMA unit.
+* ``w [H, N, K]`` fp8, **K-major**: FP8 wgmma on Hopper only takes K-major operands (B stored (N, K), passed as
+  ``.T``; ../shared/mgpu/README.md section 5), so the weight must be stored transposed relative to the
+  reference's [H, K, N]. The op accepts that layout directly (``weight_layout="hnk"``, see
+  :func:`mla_pallas.ops.bmm_fp8.prepare_weight`) or transposes per call.
+* ``w_scale [H, ceil(K/128), N/128]`` f32, read as scalars.
+
+K is consumed in 64-wide chunks (64-byte swizzle), so K % 64 == 0 needs no padding (K = 192: blocks of 2 and 1
+chunks). Outputs go through SMEM and one TMA store per sub-tile into ``out [T, H, N]`` bf16 directly; the TMA unit
+clips rows past T.
+
+Warpgroup roles (``num_threads=3``, Lane semantics)
+---------------------------------------------------
+* WG2 — producer (40 registers): for every tile and K chunk (ring position g), waits for slot ``g % stages`` to
+  be released, then issues two TMAs (the A chunk of all CTA rows, the B chunk of all CTA columns) arriving on
+  ``full[slot]``; finally drains ``empty`` (interpret-mode barrier rule).
+* WG0, WG1 — consumers (232 registers): per tile and K block, wait the chunks' ``full`` barriers, issue the
+  wgmmas, read the block accumulator (which waits for them), release the chunks (``empty``), promote into
+  ``total`` (64 registers + 64 for the block accumulator); then scale, cast, wait until the previous tile's TMA
+  store has read the staging tile, stage and store.
+
+SMEM budget (bytes, default stages=4)
+-------------------------------------
+    ring (stages x (64 wm + 128 wn) x 64 fp8)    wg_split "n": 4 x 20 480 = 81 920; "m": 4 x 16 384 = 65 536
+    output staging (2 x 64 x 128 bf16)           32 768
+    barriers, Mosaic reduction scratch           ~2 100
+    total                                        ~117 KB ("n") / ~100 KB ("m")
+One CTA per SM (the 232/40 register split takes the whole register file); latency is hidden by the persistent
+ring instead of by co-resident CTAs.
+
+Not measured on a GPU yet (written 2026-11-29 without one): correctness is checked in interpret mode and by
+lowering for sm_90a only; tests/test_bmm_fp8_kernel_gpu.py holds the hardware tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas.kernels import common
+from mla_pallas.kernels.common import FP8, SMEM_LIMIT, swizzled
+
+TILE_M = 64        # token rows per consumer warpgroup (wgmma M)
+TILE_N = 128       # output columns per consumer warpgroup = one weight scale block
+SCALE_BLOCK = 128  # weight block-scale granularity along K and N
+CHUNK = 64         # K elements per TMA box / wgmma operand tile (64-byte swizzle)
+MAX_K = 2048       # K blocks are unrolled in Python; beyond this the op falls back to XLA
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig(common.TuningConfigBase):
+  """Tuning knobs of the sm_90 FP8 bmm kernel.
+
+  stages: ring slots, each one 64-wide K chunk of the CTA's A rows and B columns.
+  wg_split: "n" (the two consumers split 256 columns: CTA tile 64 x 256, needs N % 256 == 0) or "m" (they split
+    128 rows: CTA tile 128 x 128).
+  max_ctas: persistent grid size (the op passes the device's SM count; 132 on an H100 SXM / H200). Each CTA
+    walks the output tiles pid, pid + grid, ...; the ring continues across tiles, so the producer loads the next
+    tile's first chunks while the consumers finish and store the current one.
+  """
+  stages: int = 4
+  wg_split: str = "n"
+  max_ctas: int = 132
+
+  def validate(self):
+    if self.wg_split not in ("n", "m"):
+      raise ValueError(f"TuningConfig.wg_split must be 'n' or 'm'; got {self.wg_split!r}")
+    if self.stages > 16:
+      raise ValueError(f"TuningConfig.stages must be <= 16; got {self.stages}")
+    need = smem_budget(self)
+    if need > SMEM_LIMIT:
+      raise ValueError(f"TuningConfig {self} needs {need} bytes of SMEM > {SMEM_LIMIT}")
+
+  @property
+  def wm(self) -> int:
+    return 2 if self.wg_split == "m" else 1
+
+  @property
+  def wn(self) -> int:
+    return 2 if self.wg_split == "n" else 1
+
+  @property
+  def cta_m(self) -> int:
+    return TILE_M * self.wm
+
+  @property
+  def cta_n(self) -> int:
+    return TILE_N * self.wn
+
+
+def smem_budget(cfg: TuningConfig) -> int:
+  return common.smem_bytes(
+      ((cfg.stages, cfg.cta_m, CHUNK), FP8),            # A ring
+      ((cfg.stages, cfg.cta_n, CHUNK), FP8),            # B ring
+      ((2, TILE_M, TILE_N), jnp.bfloat16),              # output staging
+  ) + 2 * 16 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
+
+
+def check_shapes(t: int, h: int, k: int, n: int, cfg: TuningConfig) -> None:
+  """Raise NotImplementedError when the kernel cannot take these (valid) shapes."""
+  if t < 1:
+    raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for T={t} (empty grid)")
+  if k % CHUNK or k > MAX_K:
+    raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for K={k} "
+                              f"(needs K % {CHUNK} == 0 and K <= {MAX_K})")
+  if n % cfg.cta_n:
+    raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for N={n} "
+                              f"(needs N % {cfg.cta_n} == 0 with wg_split={cfg.wg_split!r})")
+  del t, h
+
+
+def _tile_coords(cfg: TuningConfig, lin, m_tiles: int, n_tiles: int):
+  """Linear tile id -> (m0, n_idx, h); M tiles vary fastest, so CTAs running at the same time share the weight
+  tile of one (head, N tile) through L2."""
+  m_idx = lax.rem(lin, m_tiles)
+  rest = lax.div(lin, m_tiles)
+  return m_idx * cfg.cta_m, lax.rem(rest, n_tiles), lax.div(rest, n_tiles)
+
+
+def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
+          a_gmem, as_gmem, w_gmem, ws_gmem,       # inputs
+          o_gmem,                                 # output
+          a_ring, b_ring, o_smem, full, empty):   # scratch
+  pid = lax.axis_index("cta")
+  wg = lax.axis_index("wg")
+  stages = cfg.stages
+  n_chunks = k // CHUNK
+  per_block = SCALE_BLOCK // CHUNK
+  n_blocks = -(-n_chunks // per_block)
+  my_tiles = lax.div(num_tiles - 1 - pid, grid) + 1   # tiles pid, pid + grid, ... (grid <= num_tiles: >= 1)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+
+    @pl.loop(0, my_tiles)
+    def _(i):
+      m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
+      n0 = n_idx * cfg.cta_n
+      for c in range(n_chunks):
+        g = i * n_chunks + c          # ring position, continuing across tiles
+        slot = lax.rem(g, stages)
+
+        @pl.when(g >= stages)
+        def _():
+          plgpu.barrier_wait(empty.at[slot])
+        ks = pl.ds(c * CHUNK, CHUNK)
+        plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, ks], a_ring.at[slot], full.at[slot])
+        plgpu.copy_gmem_to_smem(w_gmem.at[h, pl.ds(n0, cfg.cta_n), ks], b_ring.at[slot], full.at[slot])
+
+    # Drain: observe the consumers' last release of every slot (interpret-mode barrier rule; harmless on hardware).
+    end = my_tiles * n_chunks
+    for s in range(stages):
+      g = end - stages + s
+
+      @pl.when(g >= 0)
+      def _():
+        plgpu.barrier_wait(empty.at[lax.rem(g, stages)])
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+    wi_m = wg if cfg.wg_split == "m" else 0
+    wi_n = wg if cfg.wg_split == "n" else 0
+    rows = pl.ds(wi_m * TILE_M, TILE_M)
+    cols = pl.ds(wi_n * TILE_N, TILE_N)
+
+    @pl.loop(0, my_tiles)
+    def _(i):
+      m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
+      nb = n_idx * cfg.wn + wi_n
+      total = plgpu.layout_cast(jnp.zeros((TILE_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
+      for kb in range(n_blocks):
+        chunks = range(kb * per_block, min((kb + 1) * per_block, n_chunks))
+
+        def block(acc_ref):
+          for c in chunks:
+            slot = lax.rem(i * n_chunks + c, stages)
+            plgpu.barrier_wait(full.at[slot])
+            plgpu.wgmma(acc_ref, a_ring.at[slot, rows], b_ring.at[slot, cols].T)
+          return acc_ref[...]   # waits for the wgmmas
+        part = pl.run_scoped(block, plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+        for c in chunks:
+          plgpu.barrier_arrive(empty.at[lax.rem(i * n_chunks + c, stages)])
+        total = total + part * ws_gmem[h, kb, nb]
+
+      if per_token:
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        a_scale = plgpu.load(as_gmem.at[h, pl.ds(m0 + wi_m * TILE_M, TILE_M)], layout=row_layout,
+                             optimized=False)
+        out = total * lax.broadcast_in_dim(a_scale, total.shape, [0])
+      else:
+        out = total * as_gmem[0]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's store has read the staging tile
+      o_smem.at[wg][...] = out.astype(jnp.bfloat16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[wg], o_gmem.at[pl.ds(m0 + wi_m * TILE_M, TILE_M), h, pl.ds(n_idx * cfg.cta_n + wi_n * TILE_N,
+                                                                                 TILE_N)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=64)
+def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, interpret=False):
+  """Build the kernel for given shapes.
+
+  Kernel arguments:
+    a8  [T8, H, K] fp8: quantized activations, T8 = T rounded up to a multiple of 8 (zero rows): the TMA box of
+      a swizzled tile tiles the GMEM rows by 8 and Mosaic GPU rejects a row count that is not a multiple.
+    as_ [H, T_pad] f32 (per_token; T_pad = T rounded up to the CTA's rows, padded with 1.0) or [1] f32.
+    w   [H, N, K] fp8: K-major weights.
+    ws  [H, ceil(K/128), N/128] f32: weight block scales.
+  Returns out [T, H, N] bfloat16.
+  Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
+  """
+  check_shapes(t, h, k, n, cfg)
+  kwargs = {}
+  if interpret:   # True, or a plgpu.InterpretGPUParams (e.g. with detect_races=True)
+    kwargs["interpret"] = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
+  m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
+  num_tiles = m_tiles * n_tiles * h
+  grid = min(num_tiles, cfg.max_ctas)
+  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid)
+  # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
+  # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0; other T use a linear staging tile.
+  out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 else ()
+  return plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((t, h, n), jnp.bfloat16),
+      grid=(grid,), grid_names=("cta",),
+      num_threads=3, thread_name="wg",
+      scratch_types=[
+          plgpu.SMEM((cfg.stages, cfg.cta_m, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # A ring
+          plgpu.SMEM((cfg.stages, cfg.cta_n, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # B ring
+          plgpu.SMEM((2, TILE_M, TILE_N), jnp.bfloat16, transforms=out_transforms),               # out
+          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # full: A and B TMA of a chunk
+          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # empty: both consumers released it
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
+      **kwargs,
+  )

@@ -1,0 +1,168 @@
+"""quantize_and_bmm_fp8's sm_90 Mosaic kernel on the CPU: interpret mode (with race detection) against the
+reference, lowering for CUDA at sm_90 with a count of the fp8 wgmma instructions, dispatch and argument checks.
+
+Tolerance of the interpret-mode comparisons: the kernel quantizes ``a`` with the reference's own functions
+(bitwise the same ``a8`` and scales) and the interpreter computes the fp8 x fp8 products exactly in f32 (no
+Hopper accumulation error). Kernel and reference differ only in the f32 summation order (the kernel sums each
+128-wide K block, scales it, then adds the blocks; the reference multiplies dequantized values and sums all of
+K), about K 2^-24 relative to sum |terms|, and then both round to bf16. So an element differs by at most one bf16
+ulp (2^-7 relative) plus a tiny absolute term near zero, and the rel-L2 difference stays below 2^-8 (the unit
+roundoff of bf16).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mla_pallas
+from mla_pallas import _dispatch, quant, reference, testing
+from mla_pallas.kernels import bmm_fp8 as kbmm
+from mla_pallas.ops import bmm_fp8 as bmm_mod
+
+FP8 = jnp.float8_e4m3fn
+OP = "quantize_and_bmm_fp8"
+
+
+def make_inputs(rng, t, h, k, n):
+  """a with rows of very different magnitudes and one all-zero row; w whose 128x128 blocks have scales spread
+  over ~e^±2, so that a wrong block scale (or a wrong head/column/row offset) shows up."""
+  a = rng.normal(size=(t, h, k)) * np.exp(rng.normal(size=(t, h, 1)))
+  a[t // 2, h - 1] = 0.0
+  kb, nb = -(-k // 128), -(-n // 128)
+  mag = np.exp(rng.normal(size=(h, kb, nb)))
+  mag = np.repeat(np.repeat(mag, 128, axis=1), 128, axis=2)[:, :k, :n]
+  w = rng.normal(size=(h, k, n)) * 0.05 * mag
+  w8, ws = quant.quantize_blocks_fp8(jnp.asarray(w, jnp.float32))
+  return jnp.asarray(a, jnp.bfloat16), w8, ws
+
+
+def assert_matches_reference(out, a, w8, ws, act_scale):
+  want = reference.quantize_and_bmm_fp8(a, w8, ws, act_scale=act_scale)
+  assert out.shape == want.shape and out.dtype == jnp.bfloat16
+  g, r = np.asarray(out, np.float64), np.asarray(want, np.float64)
+  assert np.all(np.isfinite(g))
+  bad = np.abs(g - r) > 2.0 ** -7 * np.abs(r) + 1e-6 * np.abs(r).max()
+  assert not bad.any(), f"{bad.sum()} elements off by more than one bf16 ulp, first at {np.argwhere(bad)[0]}"
+  assert np.linalg.norm(g - r) <= 2.0 ** -8 * np.linalg.norm(r)
+
+
+# (T, H, K, N, act_scale, weight_layout): T = 1, 5 (one partial M tile), 70 (T % 8 != 0: linear output staging,
+# two M tiles), 16 (T % 8 == 0: swizzled output staging); K = 192 (a partial 64-wide last K block); K = 512
+# (8 chunks: the 4-slot ring wraps twice); N = 256 (consumers split N) and 128 (consumers split M).
+CASES = [
+    (1, 2, 128, 256, "per_token", "hkn"),
+    (5, 3, 192, 128, "per_tensor", "hkn"),
+    (70, 2, 192, 256, "per_token", "hnk"),
+    (70, 3, 128, 128, "per_token", "hkn"),
+    (5, 2, 128, 256, "per_tensor", "hnk"),
+    (16, 2, 512, 128, "per_token", "hnk"),
+]
+
+
+@pytest.mark.parametrize("t,h,k,n,act_scale,layout", CASES)
+def test_kernel_interpret_matches_reference(rng, t, h, k, n, act_scale, layout):
+  a, w8, ws = make_inputs(rng, t, h, k, n)
+  w = w8 if layout == "hkn" else bmm_mod.prepare_weight(w8)
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  testing.reset_interpreter()
+  out = mla_pallas.quantize_and_bmm_fp8(a, w, ws, act_scale=act_scale, weight_layout=layout, impl="mosaic",
+                                        interpret=params)
+  out = jax.block_until_ready(out)
+  assert _dispatch.last_impl(OP) == "mosaic-interpret"
+  assert not testing.races_found(), "the interpreter found a data race in the kernel"
+  assert_matches_reference(out, a, w8, ws, act_scale)
+
+
+@pytest.mark.parametrize("wg_split,stages", [("n", 4), ("m", 3)])
+def test_persistent_ctas_walk_several_tiles(rng, wg_split, stages):
+  """A grid of 2 CTAs over 2 x 2 x 3 (M, N, H) tiles: every CTA runs 6 tiles, the ring (3 chunks per tile, 3 or 4
+  slots) wraps within and across tiles, and the output staging tile is reused."""
+  t, h, k, n = 70 if wg_split == "n" else 140, 3, 192, 512 if wg_split == "n" else 256
+  a, w8, ws = make_inputs(rng, t, h, k, n)
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  testing.reset_interpreter()
+  out = bmm_mod._bmm_jit(a, bmm_mod.prepare_weight(w8), ws, act_scale="per_token", weight_layout="hnk",
+                         impl="mosaic", interpret=params,
+                         tuning=(("max_ctas", 2), ("stages", stages), ("wg_split", wg_split)))
+  out = jax.block_until_ready(out)
+  assert not testing.races_found(), "the interpreter found a data race in the kernel"
+  assert_matches_reference(out, a, w8, ws, "per_token")
+
+
+def test_auto_runs_kernel_in_interpret_mode_and_falls_back(rng):
+  a, w8, ws = make_inputs(rng, 3, 2, 128, 128)
+  out = mla_pallas.quantize_and_bmm_fp8(a, w8, ws, impl="auto", interpret=True)
+  assert _dispatch.last_impl(OP) == "mosaic-interpret"
+  assert_matches_reference(out, a, w8, ws, "per_token")
+  # Valid shapes the kernel does not take: K % 64 != 0, N % 128 != 0 -> XLA under "auto", an error under "mosaic".
+  for k, n, what in [(200, 128, "K=200"), (128, 136, "N=136")]:
+    a, w8, ws = make_inputs(rng, 3, 2, k, n)
+    out = mla_pallas.quantize_and_bmm_fp8(a, w8, ws, impl="auto", interpret=True)
+    assert _dispatch.last_impl(OP) == "xla"
+    assert_matches_reference(out, a, w8, ws, "per_token")
+    with pytest.raises(NotImplementedError, match=what):
+      mla_pallas.quantize_and_bmm_fp8(a, w8, ws, impl="mosaic", interpret=True)
+
+
+def test_weight_layouts_agree_on_xla_path(rng):
+  a, w8, ws = make_inputs(rng, 7, 3, 192, 256)
+  for act_scale in ("per_token", "per_tensor"):
+    x = mla_pallas.quantize_and_bmm_fp8(a, w8, ws, act_scale=act_scale, impl="xla")
+    y = mla_pallas.quantize_and_bmm_fp8(a, bmm_mod.prepare_weight(w8), ws, act_scale=act_scale,
+                                        weight_layout="hnk", impl="xla")
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  # The "hnk" XLA path contracts w's last axis: no transpose of the fp8 weight.
+  jaxpr = jax.make_jaxpr(lambda a, w, s: bmm_mod._xla_bmm(a, w, s, "per_token", "hnk"))(
+      a, bmm_mod.prepare_weight(w8), ws)
+  assert not any(e.primitive.name == "transpose" and e.invars[0].aval.dtype == FP8 for e in jaxpr.eqns)
+
+
+def test_bad_inputs_raise_value_error_through_the_op(rng):
+  a, w8, ws = make_inputs(rng, 3, 2, 128, 128)
+  wt = bmm_mod.prepare_weight(w8)
+  bad = [
+      ("weight_layout", (a, w8, ws), dict(weight_layout="nk")),
+      ("w", (a, w8[:, :, :64], ws), dict(weight_layout="hnk")),        # [H, K, N'] given as "hnk": K mismatch
+      ("w", (a, wt[:, :, :64], ws), dict(weight_layout="hnk")),
+      ("w", (a, wt.astype(jnp.bfloat16), ws), dict(weight_layout="hnk")),
+      ("w_scale", (a, wt, ws[:, :, :0]), dict(weight_layout="hnk")),
+      ("a", (a[0], w8, ws), {}),
+      ("act_scale", (a, w8, ws), dict(act_scale="per_row")),
+  ]
+  for name, args, kw in bad:
+    with pytest.raises(ValueError, match=name):
+      mla_pallas.quantize_and_bmm_fp8(*args, impl="mosaic", interpret=True, **kw)
+  with pytest.raises(ValueError, match="w"):
+    bmm_mod.prepare_weight(w8.astype(jnp.float32))
+
+
+def test_tuning_config_validation():
+  with pytest.raises(ValueError, match="wg_split"):
+    kbmm.TuningConfig(wg_split="k")
+  with pytest.raises(ValueError, match="stages"):
+    kbmm.TuningConfig(stages=0)
+  with pytest.raises(ValueError, match="SMEM"):
+    kbmm.TuningConfig(stages=12)
+  assert kbmm.smem_budget(kbmm.TuningConfig()) <= 120 * 1024   # default fits with room to spare
+
+
+# The real shapes: DeepSeek-V3.2 q_nope @ W_UK (K 128 -> N 512), GLM-5 (K 192 -> 512), output projections
+# (K 512 -> N 128 / 256). Each consumer warpgroup issues K / 32 m64n128k32 e4m3 wgmmas (one code path, shared by
+# both consumers).
+@pytest.mark.parametrize("k,n,t,act_scale", [
+    (128, 512, 4096, "per_token"),
+    (192, 512, 4096, "per_tensor"),
+    (512, 128, 4096, "per_token"),
+    (512, 256, 70, "per_token"),      # T % 8 != 0: linear output staging
+])
+def test_lowers_for_sm90(k, n, t, act_scale):
+  h = 128
+  S = jax.ShapeDtypeStruct
+  fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, act_scale, "hnk", False)   # pre-pass + kernel
+  low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
+                               S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
+  assert "mosaic_gpu" in low.hlo
+  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == k // 32
+  assert low.count(r"wgmma\.mma_async") == k // 32

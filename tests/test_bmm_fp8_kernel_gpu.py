@@ -1,0 +1,104 @@
+"""quantize_and_bmm_fp8 on a Hopper GPU (sm_90a): the Mosaic kernel at real sizes against the reference, beside
+the XLA path (cuBLASLt FP8).
+
+Error model. Both implementations quantize ``a`` exactly like the reference (bitwise the same ``a8`` and scales),
+so the only differences are (1) Hopper's fp8 wgmma accumulation, which is below f32 precision: max abs error
+~0.011 against an exact f32 product for N(0, 1) fp8 inputs at K = 128 (``testing.WGMMA_FP8_MAX_ABS_ERROR``),
+i.e. ~0.011 / sqrt(128) ~= 1e-3 relative to a K = 128 dot product's typical size. The kernel never accumulates
+more than one 128-wide K block in a wgmma chain (blocks are promoted into f32), so this holds for every K;
+(2) f32 summation order, negligible; (3) the final bf16 rounding of both outputs, sqrt(2) * 2^-8 / sqrt(3)
+RMS relative. The rel-L2 tolerance is 3x the quadrature sum of (1) and (3): 3 * sqrt(0.00097^2 + 0.0032^2) ~= 0.010.
+
+Run with ``-s`` to see the measured errors of both paths.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mla_pallas
+from mla_pallas import _dispatch, quant, reference, testing
+from mla_pallas.ops import bmm_fp8 as bmm_mod
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+
+OP = "quantize_and_bmm_fp8"
+# (K, N): DeepSeek-V3.2 q_nope @ W_UK, GLM-5 q_nope @ W_UK, output projections through W_UV.
+PAIRS = [(128, 512), (192, 512), (512, 128), (512, 256)]
+TOKENS = [1, 70, 1000, 4096]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _inputs_jit(key, t, h, k, n):
+  ka, kr, kw, km = jax.random.split(key, 4)
+  a = jax.random.normal(ka, (t, h, k)) * jnp.exp(jax.random.normal(kr, (t, h, 1)))
+  a = a.at[t // 2, h - 1].set(0.0)                        # an all-zero row (scale 1)
+  kb, nb = -(-k // 128), -(-n // 128)
+  mag = jnp.exp(jax.random.normal(km, (h, kb, nb)))       # block scales spread over ~e^±2
+  mag = jnp.repeat(jnp.repeat(mag, 128, axis=1), 128, axis=2)[:, :k, :n]
+  w8, ws = quant.quantize_blocks_fp8(jax.random.normal(kw, (h, k, n)) * 0.05 * mag)
+  return a.astype(jnp.bfloat16), w8, ws
+
+
+def make_inputs(rng, t, h, k, n):
+  """On-device version of tests/test_bmm_fp8_kernel.py's make_inputs (same distributions), for real sizes."""
+  return _inputs_jit(jax.random.key(int(rng.integers(2 ** 31))), t, h, k, n)
+
+
+def _tolerance() -> float:
+  wgmma = testing.WGMMA_FP8_MAX_ABS_ERROR[128] / math.sqrt(128)
+  out_bf16 = math.sqrt(2.0) * testing.BF16_UNIT_ROUNDOFF / math.sqrt(3.0)
+  return 3.0 * math.sqrt(wgmma ** 2 + out_bf16 ** 2)
+
+
+def _metrics(got, want):
+  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+  return rel, float(np.abs(g - w).max() / np.abs(w).max())
+
+
+@pytest.mark.parametrize("k,n", PAIRS)
+@pytest.mark.parametrize("t", TOKENS)
+def test_kernel_matches_reference(rng, k, n, t):
+  h = 128
+  act_scale = "per_token" if (t + k) % 2 == 0 else "per_tensor"
+  a, w8, ws = make_inputs(rng, t, h, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  want = reference.quantize_and_bmm_fp8(a, w8, ws, act_scale=act_scale)
+  out = mla_pallas.quantize_and_bmm_fp8(a, wt, ws, act_scale=act_scale, weight_layout="hnk", impl="mosaic")
+  assert _dispatch.last_impl(OP) == "mosaic"
+  out2 = mla_pallas.quantize_and_bmm_fp8(a, w8, ws, act_scale=act_scale, impl="mosaic")   # "hkn": transposed
+  xla = mla_pallas.quantize_and_bmm_fp8(a, wt, ws, act_scale=act_scale, weight_layout="hnk", impl="xla")
+  km, xm = _metrics(out, want), _metrics(xla, want)
+  print(f"\nT={t} H={h} K={k} N={n} {act_scale}: kernel rel-L2 {km[0]:.2e} max-abs/max {km[1]:.2e} | "
+        f"xla rel-L2 {xm[0]:.2e} max-abs/max {xm[1]:.2e}")
+  testing.assert_close_fp8(out, want, rel_l2=_tolerance(), min_cos=0.9999, what="kernel")
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), \
+      "weight layouts (or two runs) disagree"
+
+
+def test_partial_m_tiles(rng):
+  """T = 67 (T % 8 != 0, T % 64 != 0): the last M tile is partial on both the TMA loads (zero-filled rows) and the
+  TMA store (clipped rows, linear staging tile); its rows must equal those of a run on more tokens (rows are
+  independent under per-token scaling)."""
+  a, w8, ws = make_inputs(rng, 130, 16, 128, 256)
+  wt = bmm_mod.prepare_weight(w8)
+  full = mla_pallas.quantize_and_bmm_fp8(a, wt, ws, weight_layout="hnk", impl="mosaic")
+  part = mla_pallas.quantize_and_bmm_fp8(a[:67], wt, ws, weight_layout="hnk", impl="mosaic")
+  np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(full, np.float32)[:67])
+
+
+def test_jit_and_auto(rng):
+  a, w8, ws = make_inputs(rng, 256, 128, 128, 512)
+  wt = bmm_mod.prepare_weight(w8)
+  f = jax.jit(lambda a, w, s: mla_pallas.quantize_and_bmm_fp8(a, w, s, weight_layout="hnk"))
+  out = f(a, wt, ws)
+  assert _dispatch.last_impl(OP) == "mosaic"
+  want = reference.quantize_and_bmm_fp8(a, w8, ws)
+  testing.assert_close_fp8(out, want, rel_l2=_tolerance(), min_cos=0.9999)
+  assert jnp.dtype(out.dtype) == jnp.bfloat16
