@@ -3,9 +3,11 @@
 Public API (flat). Every op takes ``impl="auto" | "mosaic" | "xla"`` and ``interpret=False``; see
 :mod:`mla_pallas._dispatch`. Float32 oracles for every op live in :mod:`mla_pallas.reference`.
 """
-from mla_pallas import cache, config, quant, reference, testing
+from mla_pallas import cache, config, graph, layer, quant, reference, testing
 from mla_pallas._dispatch import last_impl
 from mla_pallas.config import MLAConfig, deepseek_v32, glm5
+from mla_pallas.graph import MLAWeightsBF16, MLAWeightsFP8, graph_report
+from mla_pallas.layer import MLAAttention, PagedCache
 from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
 from mla_pallas.ops.convert import (convert_bf16_to_fp8_e4m3fn, convert_fp8_e4m3fn_to_bf16,
                                     load_block_scaled_checkpoint)
@@ -17,7 +19,8 @@ from mla_pallas.ops.sparse_decode import sparse_mla_decode, sparse_mla_prefill
 __version__ = "0.1.0"
 
 __all__ = [
-    "MLAConfig", "cache", "config", "convert_bf16_to_fp8_e4m3fn", "convert_fp8_e4m3fn_to_bf16",
+    "MLAAttention", "MLAConfig", "MLAWeightsBF16", "MLAWeightsFP8", "PagedCache", "cache", "config", "graph",
+    "graph_report", "layer", "convert_bf16_to_fp8_e4m3fn", "convert_fp8_e4m3fn_to_bf16",
     "deepseek_v32", "dense_mla_decode", "fused_rope_rmsnorm_quantization", "glm5", "last_impl",
     "load_block_scaled_checkpoint", "mla_prefill", "quant", "quantize_and_bmm_fp8", "reference", "rms_norm",
     "rope", "rope_rmsnorm", "sparse_mla_decode", "sparse_mla_prefill", "testing",

@@ -6,11 +6,13 @@
                   [--no-interpret] [--seed N]
 
 ``bench`` times the implementations of one op side by side (:mod:`mla_pallas.bench`), prints a table, writes
-JSON (every sample) and a PNG into ``--out``. ``demo`` runs sparse MLA decode at a reduced preset shape through
-every implementation available here, checks each against :mod:`mla_pallas.reference` with
-:func:`mla_pallas.testing.compare_fp8`, and prints a comparison and timing table. Both exit with status 1 when
-an implementation fails its check or raises (an implementation that is merely unavailable here does not fail),
-and 2 on bad arguments.
+JSON (every sample) and a PNG into ``--out``. ``demo`` runs one FP8 MLA layer (:class:`mla_pallas.layer.MLAAttention`)
+at a reduced but real shape of the preset: a prefill and ``--steps`` decode steps (dense and sparse top-k attention
+alternating), each checked against the float32 reference layer, with per-stage timings and the implementation every
+graph step ran (:func:`mla_pallas.graph.graph_report`); then a kernel check: sparse MLA decode through every
+implementation available here (on a CPU the Mosaic GPU kernel in interpret mode at a tiny shape). Both exit with
+status 1 when an implementation fails its check or raises (an implementation that is merely unavailable here does
+not fail), and 2 on bad arguments.
 """
 from __future__ import annotations
 
@@ -64,13 +66,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                  help="run the mosaic kernel in GPU interpret mode (correctness only; times are meaningless)")
   b.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
 
-  d = sub.add_parser("demo", help="run sparse MLA decode through every available implementation and check it")
+  d = sub.add_parser("demo", help="run one FP8 MLA layer (prefill + decode steps) and the kernels, checked "
+                     "against the reference")
   d.add_argument("--preset", choices=("glm5", "deepseek_v32"), default="glm5", help="model preset")
-  d.add_argument("--batch", type=int, default=None, help="sequences (default 2 on CPU, 16 on GPU)")
-  d.add_argument("--steps", type=int, default=3, help="decode steps (fresh q and top-k each)")
-  d.add_argument("--topk", type=int, default=None, help="top-k (default 256 on CPU, the preset's on GPU)")
+  d.add_argument("--batch", type=int, default=None,
+                 help="sequences (default 2 on CPU; on GPU 4 for the layer, 16 for the kernel check)")
+  d.add_argument("--steps", type=int, default=3, help="decode steps of the layer (and kernel-check steps)")
+  d.add_argument("--topk", type=int, default=None,
+                 help="top-k of the sparse steps (default 64 layer / 256 kernel check on CPU, the preset's on GPU)")
   d.add_argument("--heads", type=int, default=None, help="query heads (default 16 on CPU, the preset's on GPU)")
-  d.add_argument("--ctx", type=int, default=None, help="cache tokens per sequence (default 1024 CPU, 8192 GPU)")
+  d.add_argument("--ctx", type=int, default=None,
+                 help="prompt tokens per sequence of the layer / cache tokens of the kernel check (default "
+                      "64 / 1024 on CPU, 256 / 8192 on GPU)")
   d.add_argument("--no-interpret", action="store_true",
                  help="on a machine without a supported GPU, skip the interpret-mode run of the kernel")
   d.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -197,6 +204,91 @@ def _demo_table(rows) -> str:
   return "\n".join(out)
 
 
+def _fmt_ms(s: float) -> str:
+  return f"{1e3 * s:.1f}"
+
+
+def _demo_layer(args, cfg, gpu) -> tuple[list[dict], str]:
+  """Prefill + ``args.steps`` decode steps of one FP8 MLA layer, each checked against the float32 reference layer.
+
+  Returns (rows, text). Reduced shape on the CPU (16 heads, hidden 512, q_lora_rank 256) so that it runs in
+  seconds; on a GPU the preset's layer (heads from --heads).
+  """
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from mla_pallas import cache as mcache, graph, layer as L, reference, testing
+  # the float32 reference prefill is O(T^2 H) memory: keep the packed prompt at ~1k tokens by default on a GPU
+  batch = args.batch or (4 if gpu else 2)
+  heads = args.heads or (cfg.num_heads if gpu else 16)
+  ctx = args.ctx or (256 if gpu else 64)
+  if gpu:
+    lcfg = cfg.with_heads(heads)
+  else:
+    lcfg = cfg.replace(num_heads=heads, hidden_size=512, q_lora_rank=256)
+  topk = min(args.topk or (cfg.index_topk if gpu else 64), ctx)
+  steps = args.steps
+  lines = [f"layer: {args.preset} reduced: H={lcfg.num_heads} hidden={lcfg.hidden_size} q_lora_rank="
+           f"{lcfg.q_lora_rank} nope={lcfg.qk_nope_head_dim} v={lcfg.v_head_dim} page={lcfg.page_size}; batch "
+           f"{batch}, prompt {ctx} tokens/sequence, {steps} decode steps (even: dense, odd: sparse top-{topk}); "
+           "FP8 weights (128x128 block scales), FP8 cache"]
+  k = jax.random.split(jax.random.key(args.seed), 4 + steps)
+  layer = L.MLAAttention.init(k[0], lcfg).to_fp8()
+  cos, sin = reference.rope_tables(ctx + steps + 1, 64, lcfg.rope_theta)
+  cache = L.PagedCache.create(lcfg, batch, ctx + steps, shuffle_key=k[1])
+  ref_cache = jax.tree.map(jnp.copy, cache)
+  lens = np.full(batch, ctx)
+  cu = jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)
+  pos = jnp.asarray(np.concatenate([np.arange(n) for n in lens]), jnp.int32)
+  x = jax.random.normal(k[2], (int(lens.sum()), lcfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+  logit_std = 2.0   # upper estimate: ~N(0, 1) queries, RMS-normed latent rows, scale (nope + 64)^-0.5
+  rows = []
+
+  def stage(name, run, run_ref, pv_length):
+    t0 = time.perf_counter()
+    y, new_cache = run()
+    jax.block_until_ready(y)
+    dt = time.perf_counter() - t0
+    rep = graph.graph_report()
+    want, new_ref = run_ref()
+    tol = testing.fp8_error_budget(logit_std=logit_std, pv_length=pv_length, fp8_mma=gpu)
+    r = testing.compare_fp8(y, want, rel_l2=tol, min_cos=0.97, what=name)
+    impls = ", ".join(f"{s['op']}={s['impl']}" for s in rep["steps"]) if rep else "-"
+    rows.append(dict(stage=name, seconds=dt, rel_l2=r.rel_l2, cos=r.cosine, tol=tol,
+                     check="PASS" if r.ok else "FAIL", impls=impls, report=graph.format_report(rep)))
+    return new_cache, new_ref
+
+  cache, ref_cache = stage(
+      "prefill", lambda: layer.prefill(x, pos, cache, cu, cos=cos, sin=sin),
+      lambda: L.reference_prefill(layer, x, pos, ref_cache, cu, cos=cos, sin=sin), ctx)
+  rng = np.random.default_rng(args.seed)
+  for i in range(steps):
+    xd = jax.random.normal(k[4 + i], (batch, 1, lcfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    p = cache.seq_lens[:, None]
+    kw, name, pv = {}, f"decode {i} (dense)", ctx + i + 1
+    if i % 2:
+      n_now = np.asarray(cache.seq_lens) + 1
+      tok = np.stack([np.r_[n - 1, rng.integers(0, n - 1, topk - 1)] for n in n_now])   # incl. the new token
+      kw = dict(indices=mcache.slots_for_positions(cache.block_table, jnp.asarray(tok[:, None], jnp.int32),
+                                                   lcfg.page_size))
+      name, pv = f"decode {i} (sparse)", topk
+    cache, ref_cache = stage(
+        name, lambda: layer.decode(xd, p, cache, cos=cos, sin=sin, **kw),
+        lambda: L.reference_decode(layer, xd, p, ref_cache, cos=cos, sin=sin, **kw), pv)
+  head = ["stage", "wall ms", "rel-L2", "cos", "tol", "check", "implementation per step"]
+  cells = [[r["stage"], _fmt_ms(r["seconds"]), f"{r['rel_l2']:.3e}", f"{r['cos']:.6f}", f"{r['tol']:.3g}",
+            r["check"], r["impls"]] for r in rows]
+  widths = [max(len(c) for c in col) for col in zip(head, *cells)]
+  fmt = lambda c: "  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip()  # noqa: E731
+  lines += [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(c) for c in cells]
+  lines.append("(wall ms includes compilation the first time a graph shape runs; the implementation names are "
+               "graph_report(): xla = XLA path, mosaic = Mosaic GPU kernel, mosaic-interpret = interpret mode)")
+  lines.append("last graph:\n" + rows[-1]["report"])
+  return rows, "\n".join(lines)
+
+
 def _cmd_demo(args, parser) -> int:
   import jax
   from mla_pallas import _dispatch, bench, config, testing
@@ -207,21 +299,30 @@ def _cmd_demo(args, parser) -> int:
   cfg = config.preset(args.preset)
   gpu = jax.default_backend() == "gpu"
   native = _dispatch.mosaic_arch(False)
+  print(f"mla-pallas demo: preset {args.preset}; device: {testing.device_kind()}, jax {jax.__version__}; native "
+        f"Mosaic GPU kernels: {native or 'none (needs compute capability 9.0 or 10.x)'}")
+  print("== part 1: one MLA layer (mla_pallas.layer.MLAAttention), checked against the float32 reference layer ==")
+  try:
+    layer_rows, text = _demo_layer(args, cfg, gpu)
+    print(text)
+    layer_failed = [r for r in layer_rows if r["check"] != "PASS"]
+  except Exception as e:  # noqa: BLE001 - report and fail the demo
+    print(f"layer: ERROR {type(e).__name__}: {' '.join(str(e).split())[:500]}")
+    layer_failed = [e]
+  print("== part 2: kernel check, sparse MLA decode through every implementation available here ==")
   spec = bench.get_spec("sparse_mla_decode")
   overrides = dict(
       B=args.batch or (16 if gpu else 2), s_q=1,
       H=args.heads or (cfg.num_heads if gpu else 16),
       topk=args.topk or (cfg.index_topk if gpu else 256),
-      page=cfg.page_size, ctx=args.ctx or (8192 if gpu else 1024),
+      page=cfg.page_size, ctx=max(args.ctx or (8192 if gpu else 1024), args.topk or 0),
       softmax_scale=cfg.softmax_scale)
   try:
     shape = spec.shape(overrides)
   except ValueError as e:
     parser.error(str(e))
-  print(f"mla-pallas demo: sparse MLA decode, preset {args.preset} ({cfg.num_heads} heads, top-k "
-        f"{cfg.index_topk}, softmax_scale {cfg.softmax_scale:.5g})")
-  print(f"device: {testing.device_kind()}, jax {jax.__version__}; native Mosaic GPU kernels: "
-        f"{native or 'none (needs compute capability 9.0 or 10.x)'}")
+  print(f"sparse MLA decode, preset {args.preset} ({cfg.num_heads} heads, top-k {cfg.index_topk}, softmax_scale "
+        f"{cfg.softmax_scale:.5g})")
   terms = testing.fp8_error_terms(pv_length=shape["topk"], logit_std=shape["softmax_scale"] * 24.0)
   print("error model (RMS relative terms): " + ", ".join(f"{k} {v:.2g}" for k, v in terms.items() if v)
         + f"; tolerance = 3 x sqrt(sum of squares) = {spec.tolerance(shape):.3g}")
@@ -251,8 +352,8 @@ def _cmd_demo(args, parser) -> int:
                      tol=spec.tolerance(shape), check="n/a", timer="-", median_us=None,
                      note="skipped (--no-interpret)"))
   print(_demo_table(rows))
-  failed = [r for r in rows if r["check"] in ("FAIL", "ERROR")]
-  print("demo: " + ("FAILED" if failed else "all available implementations match the reference"))
+  failed = [r for r in rows if r["check"] in ("FAIL", "ERROR")] + layer_failed
+  print("demo: " + ("FAILED" if failed else "the layer and all available implementations match the reference"))
   return 1 if failed else 0
 
 

@@ -142,6 +142,12 @@ def test_demo_cpu(capsys):
   assert rc == 0, out
   assert "xla" in out and "mosaic" in out and "PASS" in out
   assert "interpret" in out
+  # part 1: the MLA layer (prefill + 2 decode steps, dense then sparse), each stage checked and its graph's
+  # implementations reported (all XLA on a CPU)
+  assert "FAIL" not in out and "ERROR" not in out
+  for stage in ("prefill", "decode 0 (dense)", "decode 1 (sparse)"):
+    assert any(line.startswith(stage) and "PASS" in line for line in out.splitlines()), (stage, out)
+  assert "mla_prefill=xla" in out and "dense_mla_decode=xla" in out and "sparse_mla_decode=xla" in out
 
 
 def test_time_cupti_aggregation_with_fake_profiler(monkeypatch):

@@ -1,0 +1,310 @@
+"""MLA graphs (mla_pallas.graph) on the CPU: every branch, FP8 and BF16 weights, against the float32 reference graph.
+
+Error model (tolerances). The graph and its oracle (:func:`mla_pallas.graph.reference_decode_branch` etc.) use the
+same weights and the same cache format, so the weight quantization cancels; what differs:
+
+* cache write: the fused op's XLA path is bitwise the reference -> the new pages must be bitwise equal.
+* FP8 BMMs (``quantize_and_bmm_fp8``): both sides quantize the activation per token with the same formula and use
+  the same FP8 weights; the op multiplies FP8 operands (products exact in f32), the reference the dequantized
+  values in f32 -> equal up to f32 summation order; both round to bf16.
+* absorbed attention (``sparse_mla_decode`` / ``dense_mla_decode``): the ops round q (per row) and P to e4m3, the
+  reference does not: the terms of :func:`mla_pallas.testing.fp8_error_budget` (q_fp8 ~ 0.036 * logit_std,
+  p_fp8 ~ 0.036, bf16 output), ``fp8_mma=False`` (XLA on the CPU upcasts the fp8 operands: exact products).
+  The graph's q576 rope part is bf16, the reference's f32 (2^-8 relative, well below the q_fp8 term).
+* the output BMM re-quantizes the attention output per token: an input perturbation d moves the e4m3 rounding by
+  ~d on average, so the relative error carries through the linear map ~1:1 (random weights), plus one bf16
+  rounding (covered by the safety factor 3 of the budget).
+* dense prefill (not absorbed): no q/P quantization (``mla_prefill`` is f32 math on bf16 inputs); the graph's Q/K
+  rope parts and V are bf16 roundings of the reference's f32 values: RMS ~ 2^-8/sqrt(3) per rounded operand,
+  times logit_std for Q/K -> budget 3 * sqrt((2 * logit_std)^2 + 2) * 2^-8/sqrt(3) (< 0.03 here).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_pallas import cache as mcache, graph, reference, testing
+from mla_pallas.config import deepseek_v32, glm5
+
+FP8 = jnp.float8_e4m3fn
+PAGE = 16
+CFGS = {
+    "glm5": glm5().replace(num_heads=8, hidden_size=256, q_lora_rank=128, index_topk=64, page_size=PAGE),
+    "deepseek_v32": deepseek_v32().replace(num_heads=8, hidden_size=256, q_lora_rank=128, index_topk=64,
+                                           page_size=PAGE),
+}
+# Logit std of these inputs: q576 entries ~N(0, 1) (q_latent = q_nope @ w_uk with w_uk ~ N(0, 1/nope)), cache rows
+# RMS-normed to ~1, softmax_scale = (nope + 64)^-0.5 -> std ~ sqrt(576 / (nope + 64)) = 1.5 (GLM-5), 1.73
+# (DeepSeek-V3.2); 2.0 is an upper estimate.
+LOGIT_STD = 2.0
+
+
+def _weights(rng, cfg, fp8):
+  h, nope, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+  w_uk = rng.standard_normal((h, nope, 512)) / math.sqrt(nope)
+  w_uv = rng.standard_normal((h, 512, v)) / math.sqrt(512)
+  norm = 1.0 + 0.1 * rng.standard_normal(512)
+  w = graph.MLAWeightsBF16(jnp.asarray(w_uk, jnp.bfloat16), jnp.asarray(w_uv, jnp.bfloat16),
+                           jnp.asarray(norm, jnp.bfloat16))
+  return w.to_fp8() if fp8 else w
+
+
+def _bf16(rng, *shape, scale=1.0):
+  return jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _poisoned_cache(rng, num_pages, written_slots, kv_scale):
+  """FP8 cache: random rows at ``written_slots``, NaN everywhere else."""
+  rows = np.full((num_pages * PAGE, 576), np.nan, np.float32)
+  rows[written_slots] = rng.standard_normal((len(written_slots), 576))
+  return mcache.quantize_rows(jnp.asarray(rows), kv_scale).reshape(num_pages, PAGE, 576)
+
+
+def _bits(pages):
+  return np.asarray(jax.lax.bitcast_convert_type(pages, jnp.uint8))
+
+
+def _check_pages(new, want, old, slots):
+  """new == want bitwise; rows differ from old only at ``slots`` (NaN-poisoned rows elsewhere stay NaN)."""
+  nb, wb, ob = (_bits(x).reshape(-1, 576) for x in (new, want, old))
+  np.testing.assert_array_equal(nb, wb)
+  slots = np.asarray(slots).reshape(-1)
+  slots = slots[slots >= 0]
+  others = np.setdiff1d(np.arange(nb.shape[0]), slots)
+  np.testing.assert_array_equal(nb[others], ob[others])
+  assert not np.isnan(np.asarray(new, np.float32).reshape(-1, 576)[slots]).any()
+
+
+def _attention_budget(pv_length):
+  return testing.fp8_error_budget(logit_std=LOGIT_STD, pv_length=pv_length, fp8_mma=False)
+
+
+def _prefill_budget():
+  return 3 * math.sqrt((2 * LOGIT_STD) ** 2 + 2) * 2.0 ** -8 / math.sqrt(3)
+
+
+def _check_report(expect_attention_op, interpret_attention=False):
+  rep = graph.graph_report()
+  assert rep is not None
+  for s in rep["steps"]:
+    if interpret_attention and s["op"] == expect_attention_op:
+      assert s["impl"] == "mosaic-interpret", graph.format_report(rep)
+    elif jax.default_backend() == "cpu":
+      assert s["impl"] == "xla", graph.format_report(rep)
+  assert expect_attention_op in [s["op"] for s in rep["steps"]], graph.format_report(rep)
+  return rep
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------------------
+
+def _decode_case(rng, cfg, *, B=2, s_q=2, sparse, num_pages=12, kv_scale=0.05):
+  h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+  max_pages = 4
+  perm = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
+  block_table = jnp.asarray(perm, jnp.int32)
+  prev = rng.integers(8, max_pages * PAGE - s_q, size=B)
+  new_lens = prev + s_q
+  ctx_pos = [np.arange(p) for p in prev]
+  ctx_slots = np.concatenate([perm[b, ps // PAGE] * PAGE + ps % PAGE for b, ps in enumerate(ctx_pos)])
+  pages = _poisoned_cache(rng, num_pages, ctx_slots, kv_scale)
+  positions = jnp.asarray(prev[:, None] + np.arange(s_q)[None], jnp.int32)        # [B, s_q]
+  slots = mcache.slots_for_positions(block_table, positions, PAGE)
+  cos, sin = reference.rope_tables(512, 64, cfg.rope_theta)
+  case = dict(q_nope=_bf16(rng, B, s_q, h, nope), q_rope=_bf16(rng, B, s_q, h, 64), kv=_bf16(rng, B, s_q, 576),
+              positions=positions, slots=slots, cos=cos, sin=sin)
+  kw = {}
+  if sparse:
+    topk = cfg.index_topk
+    # causal top-k positions of each new token (some -1), then slots
+    lim = prev[:, None] + np.arange(s_q)[None] + 1                                   # [B, s_q]
+    pos = (rng.random((B, s_q, topk)) * lim[..., None]).astype(np.int32)
+    pos[..., -3:] = -1
+    pos[:, :, 0] = lim - 1                                                            # the token itself
+    idx = mcache.slots_for_positions(block_table, jnp.asarray(pos), PAGE)
+    kw = dict(indices=idx)
+  else:
+    kw = dict(block_table=block_table, cache_seqlens=jnp.asarray(new_lens, jnp.int32))
+  return pages, kv_scale, case, kw
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_decode_branch_matches_reference(rng, preset, fp8, sparse):
+  cfg = CFGS[preset]
+  w = _weights(rng, cfg, fp8)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=sparse)
+  old = jnp.array(pages, copy=True)
+  ref_out, ref_pages = graph.reference_decode_branch(w, old, kv_scale, **case, cfg=cfg, **kw)
+  fn = graph.mla_decode_branch_fp8 if fp8 else graph.mla_decode_branch_bf16
+  out, new_pages = fn(w, pages, kv_scale, **case, cfg=cfg, impl="auto", **kw)
+  assert out.shape == case["q_nope"].shape[:3] + (cfg.v_head_dim,) and out.dtype == jnp.bfloat16
+  _check_pages(new_pages, ref_pages, old, case["slots"])
+  pv = kw["indices"].shape[-1] if sparse else int(kw["block_table"].shape[1] * PAGE)
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(pv), min_cos=0.97, what="decode out")
+  rep = _check_report("sparse_mla_decode" if sparse else "dense_mla_decode")
+  assert rep["branch"] == "decode" and rep["variant"] == ("fp8" if fp8 else "bf16")
+  ops = [s["op"] for s in rep["steps"]]
+  assert ops[0] == "fused_rope_rmsnorm_quantization"
+  assert ops.count("quantize_and_bmm_fp8") == (2 if fp8 else 0)
+
+
+def test_decode_branch_under_outer_jit_and_donation(rng):
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True, B=1, s_q=1)
+  ref_out, _ = graph.reference_decode_branch(w, jnp.array(pages, copy=True), kv_scale, **case, cfg=cfg, **kw)
+
+  @jax.jit
+  def f(w, pages, case, kw):
+    return graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, impl="xla", **kw)
+
+  out, _ = f(w, pages, case, kw)
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), what="decode out (outer jit)")
+  assert graph.graph_report()["graph"] == "mla_decode_branch_fp8"
+  # the standalone graph donates the cache
+  pages2, _, case2, kw2 = _decode_case(rng, cfg, sparse=True, B=1, s_q=1)
+  graph.mla_decode_branch_fp8(w, pages2, kv_scale, **case2, cfg=cfg, **kw2)
+  assert pages2.is_deleted()
+
+
+def test_wrong_weights_and_missing_attention_inputs(rng):
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, False)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True, B=1, s_q=1)
+  with pytest.raises(ValueError, match="MLAWeightsFP8"):
+    graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, **kw)
+  with pytest.raises(ValueError, match="block_table"):
+    graph.mla_decode_branch_bf16(w, pages, kv_scale, **case, cfg=cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------------------
+
+def _prefill_case(rng, cfg, *, lens=(5, 11), num_pages=10, kv_scale=0.05, pad=2, sparse=False):
+  h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+  B = len(lens)
+  max_pages = 2
+  perm = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
+  block_table = jnp.asarray(perm, jnp.int32)
+  pages = _poisoned_cache(rng, num_pages, np.zeros(0, np.int64), kv_scale)        # all NaN
+  positions = np.concatenate([np.arange(n) for n in lens] + [np.zeros(pad, np.int64)]).astype(np.int32)
+  seq = np.concatenate([np.full(n, b) for b, n in enumerate(lens)] + [np.zeros(pad, np.int64)])
+  slots = perm[seq, positions // PAGE] * PAGE + positions % PAGE
+  slots[sum(lens):] = -1                                                           # padding tokens
+  t = len(positions)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  cos, sin = reference.rope_tables(512, 64, cfg.rope_theta)
+  case = dict(q_nope=_bf16(rng, t, h, nope), q_rope=_bf16(rng, t, h, 64), kv=_bf16(rng, t, 576),
+              positions=jnp.asarray(positions), slots=jnp.asarray(slots, jnp.int32), cos=cos, sin=sin)
+  extra = dict(cu_seqlens=cu)
+  if sparse:   # top-k among the token's own sequence prefix (causal), as slots
+    topk = 8
+    idx = np.full((t, topk), -1, np.int32)
+    for i in range(sum(lens)):
+      b, p = seq[i], positions[i]
+      cand = rng.permutation(p + 1)[:topk]
+      idx[i, :len(cand)] = perm[b, cand // PAGE] * PAGE + cand % PAGE
+    extra = dict(indices=jnp.asarray(idx))
+  return pages, kv_scale, case, extra, max(lens)
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_prefill_branch_matches_reference(rng, preset, fp8):
+  cfg = CFGS[preset]
+  w = _weights(rng, cfg, fp8)
+  pages, kv_scale, case, extra, _ = _prefill_case(rng, cfg)
+  old = jnp.array(pages, copy=True)
+  ref_out, ref_pages = graph.reference_prefill_branch(w, old, kv_scale, **case, **extra, cfg=cfg)
+  fn = graph.mla_prefill_branch_fp8 if fp8 else graph.mla_prefill_branch_bf16
+  out, new_pages = fn(w, pages, kv_scale, **case, **extra, cfg=cfg)
+  assert out.shape == (case["q_nope"].shape[0], cfg.num_heads, cfg.v_head_dim)
+  _check_pages(new_pages, ref_pages, old, case["slots"])
+  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(), min_cos=0.999, what="prefill out")
+  assert np.all(np.asarray(out, np.float32)[-2:] == 0), "padding tokens (outside cu_seqlens) give 0"
+  rep = _check_report("mla_prefill")
+  assert rep["branch"] == "prefill"
+  # head dim of the un-absorbed attention: nope + 64 (192 DeepSeek-V3.2, 256 GLM-5)
+  assert cfg.qk_head_dim == {"glm5": 256, "deepseek_v32": 192}[preset]
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_sparse_prefill_branch_matches_reference(rng, preset, fp8):
+  cfg = CFGS[preset]
+  w = _weights(rng, cfg, fp8)
+  pages, kv_scale, case, extra, _ = _prefill_case(rng, cfg, sparse=True)
+  old = jnp.array(pages, copy=True)
+  ref_out, ref_pages = graph.reference_prefill_branch_sparse(w, old, kv_scale, **case, **extra, cfg=cfg)
+  fn = graph.mla_prefill_branch_sparse_fp8 if fp8 else graph.mla_prefill_branch_sparse_bf16
+  out, new_pages = fn(w, pages, kv_scale, **case, **extra, cfg=cfg)
+  _check_pages(new_pages, ref_pages, old, case["slots"])
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(8), min_cos=0.97, what="sparse prefill out")
+  rep = _check_report("sparse_mla_prefill")
+  assert rep["branch"] == "sparse_prefill"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prefill_decode_graph
+# ----------------------------------------------------------------------------------------------------------
+
+def test_choose_branch_is_static():
+  assert graph.choose_branch(1) == "decode"
+  assert graph.choose_branch(7) == "prefill"
+  assert graph.choose_branch(7, sparse=True) == "sparse_prefill"
+  with pytest.raises(ValueError, match="max_seqlen"):
+    graph.choose_branch(0)
+  with pytest.raises(ValueError, match="max_seqlen"):
+    graph.choose_branch(jnp.int32(3))
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_prefill_decode_graph_picks_branch(rng, fp8):
+  cfg = CFGS["deepseek_v32"]
+  w = _weights(rng, cfg, fp8)
+  fn = graph.mla_prefill_decode_graph_fp8 if fp8 else graph.mla_prefill_decode_graph_bf16
+  # prefill: max_seqlen 11 > 1
+  pages, kv_scale, case, extra, max_len = _prefill_case(rng, cfg)
+  ref_out, _ = graph.reference_prefill_decode_graph(w, jnp.array(pages, copy=True), kv_scale, **case, **extra,
+                                                    cfg=cfg, max_seqlen=max_len)
+  out, _ = fn(w, pages, kv_scale, **case, **extra, cfg=cfg, max_seqlen=max_len)
+  rep = graph.graph_report()
+  assert rep["branch"] == "prefill" and rep["graph"].startswith("mla_prefill_decode_graph")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(), what="pd graph prefill")
+  # decode: one new token per sequence (B = T)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=False, B=3, s_q=1)
+  flat = {k: (v[:, 0] if k not in ("cos", "sin") else v) for k, v in case.items()}
+  ref_out, _ = graph.reference_prefill_decode_graph(w, jnp.array(pages, copy=True), kv_scale, **flat, **kw,
+                                                    cfg=cfg, max_seqlen=1)
+  out, _ = fn(w, pages, kv_scale, **flat, **kw, cfg=cfg, max_seqlen=1)
+  assert out.shape == (3, cfg.num_heads, cfg.v_head_dim)
+  rep = graph.graph_report()
+  assert rep["branch"] == "decode" and "dense_mla_decode" in [s["op"] for s in rep["steps"]]
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), what="pd graph decode")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# interpret mode: the attention kernel inside the graph
+# ----------------------------------------------------------------------------------------------------------
+
+def test_decode_graph_runs_attention_kernel_in_interpret_mode(rng):
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True, B=1, s_q=1)
+  ref_out, _ = graph.reference_decode_branch(w, jnp.array(pages, copy=True), kv_scale, **case, cfg=cfg, **kw)
+  t0 = time.perf_counter()
+  out, _ = graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, **kw,
+                                       impl={"sparse_mla_decode": "mosaic", "default": "xla"}, interpret=True)
+  jax.block_until_ready(out)
+  assert time.perf_counter() - t0 < 60
+  _check_report("sparse_mla_decode", interpret_attention=True)
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), min_cos=0.97, what="interpret decode")

@@ -1,0 +1,145 @@
+"""MLAAttention (mla_pallas.layer) on the CPU: init / to_fp8, and prefill followed by decode steps against the float32
+reference layer (mla_pallas.layer.reference_prefill / reference_decode).
+
+Tolerances (see also tests/test_graph.py):
+* layer vs its own reference (same weights): the attention ops round q and P to e4m3 (fp8_error_budget terms); the
+  layer keeps q/kv projections in bf16 where the reference keeps f32 (2^-8 relative, small next to 2^-4).
+* FP8 layer vs the reference of the bf16 layer it came from: in addition every FP8 GEMM rounds its weight (block
+  scales) and its activation (per token) to e4m3: two independent relative errors of RMS r8 = 2^-4/sqrt(3) per
+  product term -> a relative error ~ sqrt(2) r8 = 0.051 of the GEMM output for generic data. The query goes
+  through 3 GEMMs (W_q_a, W_q_b, W_uk), the key/value latent through 1 (W_kv_a), the output through 2 (W_uv,
+  W_o); query/key errors act on the logits (times logit_std), the rest on the output 1:1. RMS^2 =
+  logit_std^2 (3 + 1) g^2 + 3 g^2 + r8^2 (logit_std^2 + 1) with g = 0.051, times the safety factor 3 (0.71 at
+  logit_std 2; measured ~0.10 rel-L2, cosine ~0.994 on these shapes, so the cosine bound 0.98 is the sharper check).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_pallas import layer as L, quant, reference, testing
+from mla_pallas.config import deepseek_v32, glm5
+
+CFGS = {
+    "glm5": glm5().replace(num_heads=8, hidden_size=256, q_lora_rank=128, index_topk=64, page_size=16),
+    "deepseek_v32": deepseek_v32().replace(num_heads=8, hidden_size=256, q_lora_rank=128, index_topk=64,
+                                           page_size=16),
+}
+LOGIT_STD = 2.0
+R8 = 2.0 ** -4 / math.sqrt(3)
+
+
+def _same_weights_budget(ctx):
+  return testing.fp8_error_budget(logit_std=LOGIT_STD, pv_length=ctx, fp8_mma=False)
+
+
+def _fp8_vs_bf16_budget():
+  g = math.sqrt(2) * R8
+  rms2 = LOGIT_STD ** 2 * 4 * g ** 2 + 3 * g ** 2 + R8 ** 2 * (LOGIT_STD ** 2 + 1)
+  return 3 * math.sqrt(rms2)
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+def test_init_shapes_and_fp8_round_trip(key, preset):
+  cfg = CFGS[preset]
+  lay = L.MLAAttention.init(key, cfg)
+  h, nope, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+  assert lay.w_q_a.shape == (256, 128) and lay.w_q_b.shape == (h, 128, nope + 64)
+  assert lay.w_kv_a.shape == (256, 576) and lay.w_uk.shape == (h, nope, 512) and lay.w_uv.shape == (h, 512, v)
+  assert lay.w_o.shape == (h, v, 256) and lay.num_heads == h and not lay.fp8
+  l8 = lay.to_fp8()
+  assert l8.fp8 and l8.w_uk.dtype == quant.FP8 and l8.w_uk_scale.shape == (h, -(-nope // 128), 4)
+  assert l8.to_fp8() is l8
+  back = l8.dequantized()
+  for name in ("w_q_a", "w_q_b", "w_kv_a", "w_uk", "w_uv", "w_o"):
+    a = np.asarray(getattr(lay, name), np.float64)
+    b = np.asarray(getattr(back, name), np.float64)
+    # e4m3 round to nearest: |err| <= 2^-4 |w| (normal range) + 2^-10 * block scale (subnormals) + bf16 rounding
+    scale = np.asarray(quant.expand_block_scales(getattr(l8, name + "_scale"), a.shape))
+    assert np.all(np.abs(a - b) <= 2.0 ** -4 * np.abs(a) * (1 + 2.0 ** -7) + 2.0 ** -10 * scale + 2.0 ** -8 * np.abs(b))
+    rel = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert rel < 1.5 * R8, (name, rel)
+  # pytree: cfg and fp8 are static metadata; None fields are empty subtrees
+  leaves = jax.tree_util.tree_leaves(l8)
+  assert len(leaves) == 8 + 6
+  no_lora = L.MLAAttention.init(key, cfg.replace(q_lora_rank=None))
+  assert no_lora.w_q_a is None and no_lora.w_q_b.shape == (h, 256, nope + 64)
+
+
+def _prefill_inputs(key, cfg, lens):
+  cu = jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)
+  pos = jnp.asarray(np.concatenate([np.arange(n) for n in lens]), jnp.int32)
+  x = jax.random.normal(key, (int(sum(lens)), cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+  return x, pos, cu
+
+
+@pytest.mark.parametrize("preset,fp8", [("glm5", True), ("deepseek_v32", False), ("deepseek_v32", True)])
+def test_prefill_then_decode_matches_reference(key, preset, fp8):
+  cfg = CFGS[preset]
+  k0, k1, k2, k3 = jax.random.split(key, 4)
+  lay16 = L.MLAAttention.init(k0, cfg)
+  lay = lay16.to_fp8() if fp8 else lay16
+  cos, sin = reference.rope_tables(256, 64, cfg.rope_theta)
+  lens = [9, 20]
+  cache = L.PagedCache.create(cfg, 2, 64, shuffle_key=k3)
+  ref_cache = ref16_cache = cache
+  x, pos, cu = _prefill_inputs(k1, cfg, lens)
+  steps = []
+  ref_y, ref_cache = L.reference_prefill(lay, x, pos, ref_cache, cu, cos=cos, sin=sin)
+  ref16_y, ref16_cache = L.reference_prefill(lay16, x, pos, ref16_cache, cu, cos=cos, sin=sin)
+  y, cache = lay.prefill(x, pos, jax.tree.map(jnp.copy, cache), cu, cos=cos, sin=sin)
+  steps.append(("prefill", y, ref_y, ref16_y, max(lens)))
+  np.testing.assert_array_equal(np.asarray(cache.seq_lens), lens)
+  for i, kk in enumerate(jax.random.split(k2, 2)):
+    xd = jax.random.normal(kk, (2, 1, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    p = cache.seq_lens[:, None]
+    kw = {}
+    if i == 1:   # the second step: sparse attention over a causal top-k of each sequence (incl. the new token)
+      topk = 16
+      rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
+      lens_now = np.asarray(cache.seq_lens) + 1
+      tok = np.stack([np.r_[n - 1, rng.integers(0, n - 1, topk - 1)] for n in lens_now])
+      from mla_pallas import cache as mcache
+      kw = dict(indices=mcache.slots_for_positions(cache.block_table, jnp.asarray(tok[:, None], jnp.int32), 16))
+    ref_yd, ref_cache = L.reference_decode(lay, xd, p, ref_cache, cos=cos, sin=sin, **kw)
+    ref16_yd, ref16_cache = L.reference_decode(lay16, xd, p, ref16_cache, cos=cos, sin=sin, **kw)
+    yd, cache = lay.decode(xd, p, cache, cos=cos, sin=sin, **kw)
+    steps.append((f"decode {i}", yd, ref_yd, ref16_yd, 64))
+  np.testing.assert_array_equal(np.asarray(cache.seq_lens), np.asarray(lens) + 2)
+  # the FP8 cache holds the same bits as the reference layer's (fused write of the same kv rows; the layer's kv
+  # projection is bf16, the reference's f32, so compare the dequantized rows loosely)
+  a = np.asarray(cache.pages, np.float32)
+  b = np.asarray(ref_cache.pages, np.float32)
+  assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2 * R8
+  for name, got, want, want16, ctx in steps:
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    testing.assert_close_fp8(got, want, rel_l2=_same_weights_budget(ctx), min_cos=0.97, what=f"{name} vs ref")
+    if fp8:
+      testing.assert_close_fp8(got, want16, rel_l2=_fp8_vs_bf16_budget(), min_cos=0.98,
+                               what=f"{name} fp8 layer vs bf16 reference")
+
+
+def test_from_checkpoint_splits_heads_like_the_unabsorbed_math(rng):
+  cfg = CFGS["deepseek_v32"]
+  h, nope, v, hid, ql = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.hidden_size, cfg.q_lora_rank
+  f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+  w_q_b, w_kv_b, w_o = f32(ql, h * (nope + 64)), f32(512, h * (nope + v)), f32(h * v, hid)
+  lay = L.MLAAttention.from_checkpoint(cfg, w_q_a=f32(hid, ql), q_a_norm=f32(ql), w_q_b=w_q_b,
+                                       w_kv_a=f32(hid, 576), kv_a_norm=f32(512), w_kv_b=w_kv_b, w_o=w_o)
+  qa, c, o = f32(3, ql), f32(3, 512), f32(3, h, v)
+  hi = jax.lax.Precision.HIGHEST
+  np.testing.assert_allclose(np.asarray(jnp.einsum("tk,hkn->thn", qa, lay.w_q_b, precision=hi)),
+                             np.asarray(jnp.dot(qa, w_q_b, precision=hi)).reshape(3, h, nope + 64), rtol=1e-5, atol=1e-4)
+  w_kv_b16 = w_kv_b.astype(jnp.bfloat16).astype(jnp.float32)   # w_uk / w_uv are stored in bf16
+  kv_full = np.asarray(jnp.dot(c, w_kv_b16, precision=hi)).reshape(3, h, nope + v)
+  w_uk = lay.w_uk.astype(jnp.float32)
+  np.testing.assert_allclose(np.asarray(jnp.einsum("tc,hnc->thn", c, w_uk, precision=hi)), kv_full[..., :nope],
+                             rtol=1e-5, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(jnp.einsum("tc,hcv->thv", c, lay.w_uv.astype(jnp.float32), precision=hi)),
+                             kv_full[..., nope:], rtol=1e-5, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(jnp.einsum("thv,hvd->td", o, lay.w_o, precision=hi)),
+                             np.asarray(jnp.dot(o.reshape(3, h * v), w_o, precision=hi)), rtol=1e-5, atol=1e-3)
