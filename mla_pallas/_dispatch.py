@@ -6,7 +6,9 @@ Every public op takes ``impl: "auto" | "mosaic" | "xla"`` and ``interpret: bool`
 * ``"mosaic"``: the Mosaic GPU kernel. Needs a CUDA GPU of compute capability 9.0 (Hopper, sm_90a) or 10.x
   (Blackwell, sm_100a), or ``interpret=True`` (Pallas' GPU interpret mode, on any backend). Raises
   ``NotImplementedError`` when no kernel can run here or the kernel does not take this input.
-* ``"auto"``: the kernel when ``"mosaic"`` would succeed, the XLA path otherwise (the reason is logged at INFO).
+* ``"auto"``: the kernel when ``"mosaic"`` would succeed *and* the kernel has been validated on this GPU family
+  (``validated_on``; a kernel so far only checked in interpret mode and by lowering is not chosen automatically
+  on hardware), the XLA path otherwise (the reason is logged at INFO). With ``interpret=True`` the kernel runs.
 
 Which implementation ran is recorded per op (:func:`last_impl`), so that a graph, the demo and the benchmarks can
 say which steps ran a kernel and which ran XLA.
@@ -60,7 +62,8 @@ def mosaic_arch(interpret: bool = False) -> str | None:
 
 
 def choose(op: str, impl: str, *, interpret: bool,
-           supported: Callable[[], None] | None = None) -> str:
+           supported: Callable[[], None] | None = None,
+           validated_on: tuple[str, ...] = ("sm90",)) -> str:
   """Resolve ``impl`` to "mosaic" or "xla" for one call of ``op``.
 
   Args:
@@ -69,6 +72,8 @@ def choose(op: str, impl: str, *, interpret: bool,
     interpret: run the Mosaic kernel in GPU interpret mode.
     supported: raises NotImplementedError(reason) when the kernel cannot take this input; None means the op
       has no kernel yet.
+    validated_on: kernel families ("sm90", "sm100") on which this op's kernel has been run and checked against the
+      reference on real hardware; "auto" picks the kernel natively only there.
   """
   check_impl(impl)
   if impl == "xla":
@@ -84,6 +89,9 @@ def choose(op: str, impl: str, *, interpret: bool,
       supported()
     except NotImplementedError as e:
       reason = str(e)
+  if reason is None and impl == "auto" and not interpret and mosaic_arch(False) not in validated_on:
+    reason = (f"{op}: the Mosaic GPU kernel has not been validated on {mosaic_arch(False)} hardware yet "
+              "(use impl='mosaic' to run it anyway)")
   if reason is None:
     record(op, "mosaic-interpret" if interpret else "mosaic")
     return "mosaic"

@@ -204,6 +204,9 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
   _dispatch.check_impl(impl)
   _check_args(a, w, w_scale, act_scale, weight_layout)
   n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
-  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, interpret))
+  # validated_on=(): interpret mode and sm_90 lowering only so far; "auto" keeps XLA on hardware until the GPU
+  # tests (tests/test_bmm_fp8_kernel_gpu.py) have passed on an H200.
+  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, interpret),
+                          validated_on=())
   return _bmm_jit(a, w, w_scale, act_scale=act_scale, weight_layout=weight_layout, impl=used,
                   interpret=interpret if used == "mosaic" else False)
