@@ -4,8 +4,13 @@
 Semantics are exactly those of :func:`mla_pallas.reference.rope`, :func:`~mla_pallas.reference.rms_norm`,
 :func:`~mla_pallas.reference.rope_rmsnorm` and :func:`~mla_pallas.reference.rope_rmsnorm_quantize_write`; the XLA
 paths use the reference's float32 formulations (elementwise math that XLA fuses into one pass), so results are
-bitwise those of the reference. There is no Mosaic kernel yet: ``impl="mosaic"`` raises ``NotImplementedError``,
-``impl="auto"`` runs XLA.
+bitwise those of the reference.
+
+Mosaic GPU kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`, sm_90a or interpret mode) for :func:`rope_rmsnorm` and
+:func:`fused_rope_rmsnorm_quantization`: bf16 ``kv``/``q_rope`` with ``H % 64 == 0`` or ``64 % H == 0``; others raise
+``NotImplementedError`` under ``impl="mosaic"`` and run XLA under ``impl="auto"``. The kernel sums the RMS in a
+different order than XLA, so a few values can differ from the reference by one bf16 ulp / one e4m3 step (see the
+kernel docstring). ``rope`` and ``rms_norm`` alone have no kernel (XLA).
 
 Conventions:
 * Latent row: 576 values, [0, 512) latent (RMS-normed), [512, 576) the key's rope part (rotated).
@@ -34,6 +39,10 @@ D_V = 512
 D_ROPE = 64
 _ACT = (jnp.bfloat16, jnp.float32)
 
+
+# The rope/rmsnorm kernel has run in interpret mode and been lowered for sm_90, not yet on a GPU: "auto" keeps
+# XLA on hardware until tests/test_rope_rmsnorm_kernel_gpu.py has passed on an H200.
+_VALIDATED_ON: tuple[str, ...] = ()
 
 def _check_bool(name, v):
   if not isinstance(v, (bool, np.bool_)):
@@ -71,6 +80,91 @@ def _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleave
   _checks.check_array("norm_weight", norm_weight, ndim=1, shape=(D_V,), dtypes=_ACT, expect="[512]")
   _checks.check_scalar("eps", eps)
   return _check_bool("interleaved", interleaved)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mosaic GPU kernel plumbing (mla_pallas.kernels.rope_rmsnorm)
+# ---------------------------------------------------------------------------------------------------------
+
+KERNEL_HEAD_MULTIPLE = 64   # the kernel processes q_rope in tiles of 64 rows: H % 64 == 0 or 64 % H == 0
+
+
+def _kernel_supported(op, kv, q_rope, interpret, num_slots=None):
+  """``supported`` callable for :func:`_dispatch.choose`: raises NotImplementedError for inputs the kernel lacks."""
+  def check():
+    arch = _dispatch.mosaic_arch(interpret)
+    if arch != "sm90":
+      raise NotImplementedError(f"{op} has a Mosaic GPU kernel for sm_90 (Hopper) only; this device needs the "
+                                f"{arch} kernel, which does not exist yet")
+    if kv.dtype != jnp.bfloat16 or q_rope.dtype != jnp.bfloat16:
+      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for these inputs: it takes bfloat16 kv and q_rope; "
+                                f"got {np.dtype(kv.dtype).name} and {np.dtype(q_rope.dtype).name}")
+    t, h = q_rope.shape[:2]
+    if t == 0 or h == 0 or (h % KERNEL_HEAD_MULTIPLE and KERNEL_HEAD_MULTIPLE % h):
+      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for these inputs: it needs T >= 1 and H a multiple "
+                                f"or a divisor of {KERNEL_HEAD_MULTIPLE}; got T={t}, H={h}")
+    if num_slots is not None and num_slots == 0:
+      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for an empty cache")
+  return check
+
+
+def _swap_matrix(interleaved):
+  """[64, 64] bf16 0/1 matrix P with (x @ P)[:, n] = x[:, partner(n)] (the other member of n's rotation pair)."""
+  n = np.arange(D_ROPE)
+  partner = n ^ 1 if interleaved else (n + D_ROPE // 2) % D_ROPE
+  p = np.zeros((D_ROPE, D_ROPE), np.float32)
+  p[partner, n] = 1.0
+  return jnp.asarray(p, jnp.bfloat16)
+
+
+def _kernel_tables(positions, cos, sin, interleaved, rows):
+  """Per-token tables arranged per column, [rows, 64] f32 each: y = x * C + swap(x) * S (see the kernel doc)."""
+  half = D_ROPE // 2
+  p = jnp.clip(positions, 0, cos.shape[0] - 1)
+  p = jnp.pad(p, (0, rows - p.shape[0]))
+  c = jnp.take(cos, p, axis=0, mode="clip")
+  s = jnp.take(sin, p, axis=0, mode="clip")
+  if interleaved:
+    return jnp.repeat(c, 2, axis=1), jnp.stack([-s, s], axis=-1).reshape(rows, 2 * half)
+  return jnp.concatenate([c, c], axis=1), jnp.concatenate([-s, s], axis=1)
+
+
+def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved):
+  from mla_pallas.kernels import rope_rmsnorm as rk
+  t, h, _ = q_rope.shape
+  blocks = -(-t // rk.TB)
+  tp = blocks * rk.TB
+  kv_rows = rk.kv_rows_for(t)   # the TMA box must fit the array, and TMA into the swizzled tile needs 8 | rows
+  kv_in = jnp.pad(kv, ((0, kv_rows - t), (0, 0))) if kv_rows != t else kv
+  c_tab, s_tab = _kernel_tables(positions, cos, sin, interleaved, tp)
+  w = norm_weight.astype(jnp.float32).reshape(D_V // 64, 64)
+  q2 = q_rope.reshape(t * h, D_ROPE)
+  q_rows = rk.q_rows_for(t, h)
+  q_in = jnp.pad(q2, ((0, q_rows - t * h), (0, 0))) if q_rows != t * h else q2   # small H only
+  return rk, tp, (kv_in, q_in, c_tab, s_tab, w, _swap_matrix(interleaved))
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved", "interpret"))
+def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, interpret):
+  t, h, _ = q_rope.shape
+  rk, _, args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved)
+  scal = jnp.stack([jnp.float32(1.0), eps.astype(jnp.float32)])
+  q_out, kv_out = rk.build(t, h, 0, False, interpret=interpret)(*args, scal)
+  return kv_out[:t], q_out[:t * h].reshape(t, h, D_ROPE)
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved", "interpret"), donate_argnums=(0,))
+def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved,
+                  interpret):
+  t, h, _ = q_rope.shape
+  rk, tp, args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved)
+  num_slots = pages.size // D_QK
+  keep = _last_writer(slots, num_slots)                # at most one token writes each slot: no CTA races
+  dest = jnp.pad(jnp.where(keep, slots, -1), (0, tp - t), constant_values=-1)
+  scal = jnp.stack([1.0 / kv_scale.astype(jnp.float32), eps.astype(jnp.float32)])   # as quant.quantize_fp8
+  cache = jax.new_ref(pages.reshape(num_slots, D_QK // 64, 64))   # mutable ref: aliased in place by the kernel
+  (q_out,) = rk.build(t, h, num_slots, True, interpret=interpret)(*args, dest, scal, cache)
+  return jax.freeze(cache).reshape(pages.shape), q_out[:t * h].reshape(t, h, D_ROPE)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,8 +252,11 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
     norm_weight: [512] bfloat16/float32 (kv_a_layernorm weight).
     eps: python float or f32 scalar.
     interleaved: python bool, see :func:`rope`.
-    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
-    interpret: accepted for API uniformity.
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`) for
+      bfloat16 kv/q_rope with H % 64 == 0 or 64 % H == 0 on a Hopper GPU or with ``interpret``; otherwise
+      NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path by one bf16
+      ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
+    interpret: run the kernel in Pallas' GPU interpret mode (CPU): True or a ``plgpu.InterpretGPUParams``.
 
   Returns:
     (kv_out [T, 576] in kv's dtype, q_rope_out [T, H, 64] in q_rope's dtype):
@@ -168,7 +265,12 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
   """
   _dispatch.check_impl(impl)
   interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
-  _dispatch.choose("rope_rmsnorm", impl, interpret=interpret, supported=None)
+  used = _dispatch.choose("rope_rmsnorm", impl, interpret=interpret,
+                          supported=_kernel_supported("rope_rmsnorm", kv, q_rope, interpret),
+                          validated_on=_VALIDATED_ON)
+  if used == "mosaic":
+    return _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
+                                interleaved=interleaved, interpret=interpret)
   return _rope_rmsnorm_jit(kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                            interleaved=interleaved)
 
@@ -209,8 +311,9 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   """Fused MLA cache write: :func:`rope_rmsnorm`, FP8 quantization and a scatter into the paged cache.
 
   Args:
-    pages: float8_e4m3fn cache [num_pages, page_size, 576] or flat [num_slots, 576]. DONATED: the XLA path is
-      jitted with ``donate_argnums=0``, so on backends that support donation (GPU, TPU, CPU) the buffer passed in
+    pages: float8_e4m3fn cache [num_pages, page_size, 576] or flat [num_slots, 576]. DONATED: both paths are
+      jitted with ``donate_argnums=0`` (the kernel writes the donated buffer in place, through an input/output
+      alias), so on backends that support donation (GPU, TPU, CPU) the buffer passed in
       is consumed and must not be used afterwards; keep a copy if you need the old contents.
     kv: [T, 576] bfloat16 (or float32): latent [0, 512) ‖ key rope part [512, 576).
     q_rope: [T, H, 64] bfloat16 (or float32).
@@ -223,8 +326,11 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
       padding tokens) is skipped; every slot not written is left bitwise untouched (NaN stays NaN). Duplicate
       slots: the last token (highest t) wins.
     interleaved: python bool, see :func:`rope`.
-    impl: "auto" | "mosaic" | "xla"; no kernel yet ("mosaic" raises NotImplementedError).
-    interpret: accepted for API uniformity.
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`) for
+      bfloat16 kv/q_rope with H % 64 == 0 or 64 % H == 0 on a Hopper GPU or with ``interpret``; otherwise
+      NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path by one bf16
+      ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
+    interpret: run the kernel in Pallas' GPU interpret mode (CPU): True or a ``plgpu.InterpretGPUParams``.
 
   Returns:
     (new_pages, q_rope_out): new_pages has pages' shape and dtype with
@@ -242,6 +348,13 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   t = kv.shape[0]
   _checks.check_array("slots", slots, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
-  _dispatch.choose("fused_rope_rmsnorm_quantization", impl, interpret=interpret, supported=None)
+  num_slots = pages.size // D_QK
+  used = _dispatch.choose("fused_rope_rmsnorm_quantization", impl, interpret=interpret,
+                          supported=_kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, interpret,
+                                                      num_slots),
+                          validated_on=_VALIDATED_ON)
+  if used == "mosaic":
+    return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
+                         jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved, interpret=interpret)
   return _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                     jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved)
