@@ -65,14 +65,13 @@ outer jit) and under ``jax.shard_map``. No custom_vjp.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_pallas import _dispatch, cache as _cache, quant, reference
+from mla_pallas import _dispatch, reference
 from mla_pallas.config import MLAConfig
 from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
 from mla_pallas.ops.dense_decode import dense_mla_decode

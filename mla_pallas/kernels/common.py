@@ -57,7 +57,7 @@ def smem_bytes(*buffers: tuple[tuple[int, ...], object], align: int = 1024) -> i
   return sum(-(-math.prod(s) * jnp.dtype(d).itemsize // align) * align for s, d in buffers)
 
 
-def gather_rows(kv_rows, rows_smem, row_of, lin_slot, barrier, *, tile: int):
+def gather_rows(kv_rows, row_of, lin_slot, barrier, *, tile: int):
   """Issue one TMA per gathered row into a linear, 640-byte-padded SMEM slot.
 
   Args:
@@ -65,12 +65,10 @@ def gather_rows(kv_rows, rows_smem, row_of, lin_slot, barrier, *, tile: int):
       copied is 10 chunks (640 bytes, the next row's first chunk rides along, zero-filled past the end). A row id
       of ``num_slots`` (the sanitised "invalid" marker) lies wholly past the end, so TMA zero-fills it: nothing is
       read out of bounds.
-    rows_smem: unused placeholder for symmetry (kept for the caller's readability).
     row_of: function r -> scalar int32 row id of tile row ``r``.
     lin_slot: SMEM ref [tile, 10, 64] fp8 (one ring slot).
     barrier: barrier ref receiving one arrival per copy (``num_arrivals=tile``).
   """
-  del rows_smem
   per_warp = tile // 4
 
   # Issued per warp: in Lane semantics a warpgroup-level copy adds a warpgroup barrier and 128 barrier arrivals

@@ -80,11 +80,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels.common import CHUNK, D_QK, FP8, N_CHUNKS, SLOT_CHUNKS, SMEM_LIMIT, swizzled
+from mla_pallas.quant import FP8_MAX
 
 TB = 64            # tokens per CTA (rows of the latent tile) = rows of one q tile (64 heads)
 D_ROPE = 64
 BF16 = jnp.bfloat16
-FP8_MAX = 448.0
 # Explicit register layouts: with inference alone, lowering (layout inference) did not finish in 10 minutes.
 TILE_LAYOUT = plgpu.Layout.WGMMA            # every [64, 64] register tile
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # a [64] vector broadcast along rows (per-column values)

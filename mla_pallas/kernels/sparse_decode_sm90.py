@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import (CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, SLOT_CHUNKS, SMEM_LIMIT,
+from mla_pallas.kernels.common import (CHUNK, D_V, FP8, LN2, N_CHUNKS, SLOT_CHUNKS, SMEM_LIMIT,
                                        swizzled)
 
 TILE = 64          # query rows per CTA and gathered keys per pipeline step
@@ -154,7 +154,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
     plgpu.barrier_wait(idx_bar)
 
     def gather(t, slot):
-      common.gather_rows(kv_gmem, None, (lambda r: 0) if 'hbm' in cfg.ablate else (lambda r: idx_smem[t, r]), lin.at[slot], lin_full.at[slot], tile=TILE)
+      common.gather_rows(kv_gmem, (lambda r: 0) if 'hbm' in cfg.ablate else (lambda r: idx_smem[t, r]), lin.at[slot], lin_full.at[slot], tile=TILE)
 
     for t0 in range(min(stages, n_tiles)):      # prologue: fill the ring
       gather(t0, t0)

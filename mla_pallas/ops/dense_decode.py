@@ -38,7 +38,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_pallas import _checks, _dispatch
+from mla_pallas import _checks, _dispatch, quant
 from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
 from mla_pallas.ops import sparse_decode as _sparse
 
@@ -120,7 +120,7 @@ def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax
   limit = _limits(cache_seqlens, s_q, n_pos, causal)                       # [B, s_q]
   row_limit = jnp.max(limit, axis=1)                                       # [B]: rows any token may read
 
-  q8, q_scale = _sparse.quantize_q(q)                                      # [B, s_q, H, 576], [B, s_q, H]
+  q8, q_scale = quant.quantize_rows_fp8(q)                                 # [B, s_q, H, 576], [B, s_q, H]
   logit_scale = (q_scale * (softmax_scale * kv_scale * LOG2E))[..., None]  # base-2 logits
   c = cp * page_size
   offs = jnp.arange(c, dtype=jnp.int32)

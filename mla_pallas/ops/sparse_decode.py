@@ -23,13 +23,11 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from mla_pallas import _checks, _dispatch
+from mla_pallas import _checks, _dispatch, quant
 from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
+from mla_pallas.kernels.sparse_decode_sm90 import P_SCALE   # the XLA path quantizes P exactly as the kernel
 
-FP8_MAX = 448.0
-P_SCALE = 256.0          # P in [0, 1] stored as fp8(256 p); a power of two, so exact, and 256 < 448
 KERNEL_HEADS = (8, 16, 32, 64, 128)
-MAX_SQ = 8
 
 
 def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
@@ -69,22 +67,13 @@ def _valid_mask(indices, num_slots, topk_length):
   return valid
 
 
-def quantize_q(q):
-  """Per-row (per token and head) dynamic e4m3 quantization: q ≈ q8 · scale. Returns (q8, scale f32 [...])."""
-  qf = q.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(qf), axis=-1)
-  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-  q8 = jnp.clip(qf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
-  return q8, scale
-
-
 def _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length):
   """FP8 XLA path. q [B, S, H, 576]; kv_flat [N, 576] fp8; indices [B, S, K]."""
   num_slots = kv_flat.shape[0]
   valid = _valid_mask(indices, num_slots, topk_length)                      # [B, S, K]
   rows = jnp.take(kv_flat, jnp.where(valid, indices, 0), axis=0)           # [B, S, K, 576] fp8
   rows = jnp.where(valid[..., None], rows, jnp.zeros((), FP8))             # masked rows: exact zeros, never NaN
-  q8, q_scale = quantize_q(q)
+  q8, q_scale = quant.quantize_rows_fp8(q)                                 # per (token, head) row
   s = jnp.einsum("bshd,bskd->bshk", q8, rows, preferred_element_type=jnp.float32)
   s = s * (q_scale * (softmax_scale * kv_scale * LOG2E))[..., None]        # base-2 logits
   s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
@@ -155,9 +144,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   rows = jnp.where(valid, indices, num_slots).reshape(n_tok, topk)
   rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, tile)
-  q8, q_scale = quantize_q(q.reshape(n_tok, h, D_QK))
+  q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
   row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
-  rows_per_tile = min(h, tile)
   if h < tile:
     q8 = jnp.pad(q8, ((0, 0), (0, tile - h), (0, 0)))
     row_scale = jnp.pad(row_scale, ((0, 0), (0, tile - h)))
@@ -174,7 +162,6 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     o, lse = o[:, 0], lse[:, 0]
   o = o.reshape(n_tok, tiles_per_token * tile, D_V)[:, :h]
   lse = lse.reshape(n_tok, tiles_per_token * tile)[:, :h]
-  del rows_per_tile
   return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
 
 
