@@ -9,53 +9,58 @@ tiles) against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of th
     s    = S · row_scale                  row_scale = q_scale(row) · kv_scale · softmax_scale · log2(e)
     s    = −inf where the key is invalid (index < 0, ≥ num_slots, or past topk_length)
     online softmax in base 2 (m, l per row)
-    P8   = fp8(256 · 2^(s − m))           FA3-style: P in [0, 1] scaled by 256 into e4m3's range
-    O   += P8 · V8                        fp8 wgmma, V = first 512 values, as two N = 256 halves
-    out  = O · kv_scale / (256 · l),  lse = (m + log2 l) · ln 2
+    default (pv_dtype="f16"):  O += f16(p) · f16(V8)   f16 wgmma, f32 accumulate; P in registers, V upcast exactly
+    pv_dtype="fp8":            O += P8 · V8, P8 = fp8(256 · p)   FA3-style scaling of P into e4m3's range
+    out  = O · kv_scale / (256 · l or l),  lse = (m + log2 l) · ln 2
 
 Inputs are prepared by ``mla_pallas.ops.sparse_decode`` (one fused XLA pre-pass): Q quantized per row, indices
 sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the split grid with the same marker).
 A row id of ``num_slots`` lies wholly past the end of the cache, so its TMA box is zero-filled by the hardware:
 the kernel never reads out of bounds, and the consumer masks those columns to −inf.
 
-Warpgroup roles (``num_threads=3``, Lane semantics), default TuningConfig
--------------------------------------------------------------------------
+Warpgroup roles (``num_threads=3``, Lane semantics), default TuningConfig (stages=1, k_buffers=2, pv_dtype="f16")
+-----------------------------------------------------------------------------------------------------------------
 * WG2 — loader (56 registers): TMA of Q (9 chunks) and of the split's indices; per-row TMA gathers into the
-  linear ring of ``stages`` slots (64 rows per tile, issued by the 4 warps, 16 rows each); the K re-swizzle of
-  each tile (linear → nine 64 × 64 swizzled tiles, FP8→FP8, ``Layout.WGMMA_8BIT``); then it refills the slot.
-* WG0, WG1 — consumers (224 registers each). Per tile: issue the nine QKᵀ wgmmas (async); meanwhile transpose
-  their half of V (4 chunks) from the *swizzled K tiles* into Vᵀ (512 × 64 swizzled, the K-major B operand FP8
-  wgmma requires on Hopper); read S, release K (``k_empty``); online softmax; P as fp8 to their own SMEM tile;
-  P·V for their 256 output columns (64 × 256 f32 accumulator = 128 registers per thread). S is computed by both
-  consumers (redundant: 576/1088 more MMA work, but no cross-warpgroup exchange of S or P). WG0 writes lse.
+  linear slot (64 rows per tile, issued by the 4 warps, 16 rows each); the K re-swizzle of each tile (linear →
+  nine 64 × 64 swizzled tiles, FP8→FP8, ``Layout.WGMMA_8BIT``) into one of two K buffers; then it refills the
+  slot with the next tile's gather, so the re-swizzle of tile t+1 overlaps the consumers' work on tile t.
+* WG0, WG1 — consumers (224 registers each). Per tile: issue the nine QKᵀ fp8 wgmmas (async); meanwhile stage
+  their half of V (4 chunks) from the *swizzled K tiles*: default, an exact e4m3 → f16 upcast (16-bit wgmma
+  takes an MN-major B, so no transpose); pv_dtype="fp8", a transpose into Vᵀ (512 × 64 swizzled, the K-major B
+  operand FP8 wgmma requires on Hopper). Read S, release the K buffer (``k_empty``); online softmax; P·V for
+  their 256 output columns (64 × 256 f32 accumulator = 128 registers per thread), with P as an f16 register
+  operand (default) or fp8(256 p) through their own SMEM tile. S is computed by both consumers (redundant:
+  576/1088 more MMA work, but no cross-warpgroup exchange of S or P). WG0 writes lse.
 
-Measured on an H200 (2026-11-29, benchmarks/RESULTS.md): the chain K re-swizzle → (QKᵀ ∥ V transpose) →
-softmax + P·V, coupled by the single K buffer, is the limiter (~1.2 µs per 64-key tile each); the gather alone
-takes a third of the time. Alternatives measured slower and kept as switches: V transposed by the loader
-(``v_stager="loader"``), K re-swizzled by the consumers (``k_stager="consumers"``).
-Not yet timed (interpret-mode and lowering checks only): ``k_buffers=2`` (double-buffered K, with one linear
-slot) and ``pv_dtype="f16"`` (P·V as f16 wgmma: V upcast exactly from the swizzled K tiles with a vectorised
-layout and no transpose, since 16-bit wgmma takes an MN-major B; P stays in f16 registers on hardware).
+Why P·V in f16 by default (measured on an H200, 2026-11-30, benchmarks/RESULTS.md): it removes the slow FP8
+transpose of V (vector-length-1 layout) and the P round trip through SMEM; at the FlashMLA headline shape it ran
+562.7 µs against 616.1 µs for the FP8 P·V design (same run), and P keeps 11 bits instead of 3 (smaller error).
+V is still the cache's e4m3 values (the upcast is exact); QKᵀ stays native FP8. The FP8 P·V design remains as
+``pv_dtype="fp8"`` (tested in interpret mode and on the H200).
+Limiter (ablations, 2026-11-29): the chain K re-swizzle → (QKᵀ ∥ V staging) → softmax + P·V costs ~1.2 µs per
+64-key tile each; the gather alone takes a third of the time. Alternatives measured slower and kept as
+switches: V staged by the loader (``v_stager="loader"``), K re-swizzled by the consumers (``k_stager="consumers"``).
 Why not a fourth warpgroup: with 512 threads ptxas caps registers at 128 per thread at entry and rejects the
 m64n256 f32 wgmma ("Insufficient registers (128) ... 154 or higher"); three warpgroups give a cap of 170.
-Why V is transposed from the swizzled K tiles: a column of the 128-byte-aligned linear rows lies in one SMEM
+Why V is staged from the swizzled K tiles: a column of the 128-byte-aligned linear rows lies in one SMEM
 bank; transposing from the linear ring cost ~665 of 1172 µs at the FlashMLA headline shape.
 
 Lane semantics: JAX 0.11.2's Warpgroup semantics miscompiles register loads from the strided column views of the
 linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. Lane needs TMA copies in multiples of
 128 bytes, hence the 640-byte row box from the cache viewed as [num_slots · 9, 64].
 
-SMEM budget (bytes, defaults stages=2, 64-token tiles, top-k split of up to 2048)
---------------------------------------------------------------------------------
-    Q (9 × 64 × 64 fp8, swizzled)                 36 864
-    linear ring (stages × 64 × 640 fp8)           81 920
-    K swizzled (9 × 64 × 64 fp8)                  36 864
-    Vᵀ swizzled (512 × 64 fp8)                    32 768
-    P (2 consumers × 64 × 64 fp8)                  8 192
-    indices (tiles_per_split × 64 int32)           8 192   (2048 keys per split)
-    lse staging (64 f32) + barriers                 ~400
-    Mosaic reduction scratch                        2 048   (CompilerParams.reduction_scratch_bytes default)
-    total                                        ~207 KB  (limit 227 KB: one CTA per SM)
+SMEM budget (bytes, 64-token tiles, top-k split of up to 2048 keys)
+--------------------------------------------------------------------
+                                               default (f16 P·V)    pv_dtype="fp8", stages=2, k_buffers=1
+    Q (9 × 64 × 64 fp8, swizzled)                 36 864               36 864
+    linear ring (stages × 64 × 640 fp8)           40 960               81 920
+    K swizzled (k_buffers × 9 × 64 × 64 fp8)      73 728               36 864
+    V f16 (64 × 512, swizzled) / Vᵀ fp8 (512×64)  65 536               32 768
+    P (2 consumers × 64 × 64 fp8)                      0                8 192
+    indices (tiles_per_split × 64 int32)           8 192                8 192
+    lse staging (64 f32) + barriers                 ~600                 ~600
+    Mosaic reduction scratch                        2 048                2 048
+    total (smem_budget, buffers rounded to 1 KB) 229 888              208 384   (limit 232 448: one CTA per SM)
 """
 from __future__ import annotations
 
@@ -85,12 +90,13 @@ class TuningConfig(common.TuningConfigBase):
   stages: linear gather ring slots (each 64 rows × 640 B).
   tiles_per_split: 64-key tiles one CTA processes (the split length is 64 · tiles_per_split keys).
   """
-  stages: int = 2
+  stages: int = 1
   tiles_per_split: int = 32
   v_stager: str = "consumers"
   k_stager: str = "loader"
-  k_buffers: int = 1            # 2: double-buffered K tiles (needs stages=1 to fit in SMEM)
-  pv_dtype: str = "fp8"         # "f16": P.V in float16 (V upcast exactly, no transpose; P in f16 registers)
+  k_buffers: int = 2            # 2: double-buffered K tiles (needs stages=1 to fit in SMEM)
+  pv_dtype: str = "f16"         # "f16": P.V in float16 (V upcast exactly, no transpose; P in f16 registers);
+                                # "fp8": P as fp8(256 p) through SMEM, V transposed to fp8 V^T (FP8 wgmma)
   auto_barriers: bool = True    # False: CompilerParams(unsafe_no_auto_barriers=True); see the module docstring
   approx_math: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
