@@ -201,4 +201,14 @@ def test_tuning_config_validates():
   for bad in (0, -1, 9):
     with pytest.raises(ValueError):
       rk.TuningConfig(stages=bad)
+  for bad in (0, 65):
+    with pytest.raises(ValueError, match="q_splits"):
+      rk.TuningConfig(q_splits=bad)
+
+
+def test_default_q_splits_fill_the_gpu_and_keep_work_per_cta():
+  assert rk.default_q_splits(1, 128) == 1              # 2 q tiles: no split
+  assert rk.default_q_splits(4096, 128) == 5          # 64 blocks x 5 >= 2 x 132 CTAs
+  assert rk.default_q_splits(8192, 16) == 3           # 16 q tiles per block: at least 4 each
+  assert rk.default_q_splits(10 ** 6, 128) == 1       # plenty of blocks
   assert rk.smem_budget(rk.TuningConfig(), True) <= rk.SMEM_LIMIT

@@ -48,12 +48,14 @@ so a first version should reach roughly 60-80 %; more stages (or a smaller laten
 are the knobs. NOT YET RUN ON A GPU: checked in interpret mode (CPU, race detector) and by lowering for sm_90a
 only; tests/test_rope_rmsnorm_kernel_gpu.py holds the GPU checks and a bandwidth report (kernel, XLA, copy).
 
-Lowering semantics: Warpgroup (the 576-byte per-row TMA store is not a multiple of 128 bytes, which Lane refuses).
-No register loads from strided SMEM views (JAX 0.11.2 miscompiles those in Warpgroup semantics, README §6); the
-fp8 rows are *stored* into a strided view of the 640-byte-slot staging buffer (unverified on hardware). Register
-layouts are given explicitly (``Layout.WGMMA`` tiles, ``WGMMA.reduce(0)`` column vectors): with inference alone the
-layout search did not finish in 10 minutes. The q loop reads its token's table row from GMEM, not from the SMEM
-tables: a row load from an SMEM buffer that is also read as [64, 64] tiles made the search endless too.
+Lowering semantics: Lane. The first version used Warpgroup semantics and failed on the H200 (2026-11-30): the fp8
+rows are stored into the strided views ``rows.at[:, c]`` of the 640-byte-slot staging buffer, and JAX 0.11.2's
+Warpgroup lowering writes chunks c >= 2 to the wrong place (the same defect as its strided *loads*,
+../shared/mgpu/README.md section 6); interpret mode and CPU lowering cannot see it. Lane handles strided views
+correctly. Register layouts are given explicitly (``Layout.WGMMA`` tiles, ``WGMMA.reduce(0)`` column vectors); the
+unswizzled f32 table tiles are loaded with ``optimized=False`` (Lane finds no bank-conflict-free plan for them).
+The q loop reads its token's table row from GMEM, not from the SMEM tables (a row load from an SMEM buffer that
+is also read as [64, 64] tiles sent Warpgroup layout inference into an endless search; kept as is).
 
 SMEM budget (bytes, TB = 64, stages = 3)
 ----------------------------------------
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 from jax import lax
@@ -90,8 +93,8 @@ TILE_LAYOUT = plgpu.Layout.WGMMA            # every [64, 64] register tile
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # a [64] vector broadcast along rows (per-column values)
 
 
-def _tile(ref):
-  return plgpu.load(ref, layout=TILE_LAYOUT)
+def _tile(ref, optimized=True):
+  return plgpu.load(ref, layout=TILE_LAYOUT, optimized=optimized)
 
 
 def _cols(ref, optimized=True):
@@ -103,12 +106,17 @@ class TuningConfig(common.TuningConfigBase):
   """Tuning knobs of the rope/rmsnorm kernel.
 
   stages: depth of the q-tile ring (64 × 64 bf16 tiles in and out).
+  q_splits: CTAs per 64-token block (grid axis "j"); CTA j takes q tiles j, j + q_splits, ...; CTA 0 also does
+    the latent/k_rope part. None: chosen by :func:`default_q_splits` from T and H to fill the SMs.
   """
   stages: int = 3
+  q_splits: int | None = None
 
   def validate(self):
     if self.stages > 8:
       raise ValueError(f"TuningConfig.stages must be <= 8; got {self.stages}")
+    if self.q_splits is not None and not 1 <= self.q_splits <= 64:
+      raise ValueError(f"TuningConfig.q_splits must be None or in [1, 64]; got {self.q_splits}")
     for fused in (False, True):
       need = smem_budget(self, fused)
       if need > SMEM_LIMIT:
@@ -125,6 +133,13 @@ def smem_budget(cfg: TuningConfig, fused: bool) -> int:
   ) + (common.smem_bytes(((TB, SLOT_CHUNKS, CHUNK), FP8)) if fused else 0) + 128
 
 
+def default_q_splits(num_tokens: int, heads: int, num_sms: int = 132) -> int:
+  """CTAs per token block: enough for about two CTAs per SM, at most one per 4 q tiles of a block."""
+  n_blocks = -(-num_tokens // TB)
+  q_tiles = -(-min(num_tokens, TB) * heads // TB)          # q tiles of the first block
+  return max(1, min(-(-2 * num_sms // n_blocks), q_tiles // 4, 64))
+
+
 def _swap(x_sw, p_sw):
   """swap(x) = x @ P, exact in f32 (P a 0/1 permutation): one 64 × 64 × 64 bf16 wgmma."""
   def mma(acc):
@@ -133,47 +148,62 @@ def _swap(x_sw, p_sw):
   return pl.run_scoped(mma, plgpu.ACC((TB, D_ROPE), jnp.float32))
 
 
+def _unpack(fused: bool, refs) -> types.SimpleNamespace:
+  """Name the kernel's refs: inputs, outputs, scratch (see :func:`build`)."""
+  gmem = (("kv", "q", "c", "s", "w", "p", "slots", "scal", "pages", "qo") if fused else
+          ("kv", "q", "c", "s", "w", "p", "scal", "qo", "kvo"))
+  scratch = ("kv_sw", "cs_smem", "w_smem", "p_sw", "q_sw", "qo_sw") + (("rows",) if fused else ())
+  names = gmem + scratch + ("in_bar", "p_bar", "q_full")
+  return types.SimpleNamespace(**dict(zip(names, refs, strict=True)))
+
+
 def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningConfig, *refs):
-  if fused:
-    (kv_gmem, q_gmem, c_gmem, s_gmem, w_gmem, p_gmem, slots_gmem, scal_gmem, pages_gmem,   # inputs
-     qo_gmem,                                                                             # outputs
-     kv_sw, cs_smem, w_smem, p_sw, q_sw, qo_sw, rows, in_bar, q_full) = refs
-  else:
-    (kv_gmem, q_gmem, c_gmem, s_gmem, w_gmem, p_gmem, scal_gmem,
-     qo_gmem, kvo_gmem,
-     kv_sw, cs_smem, w_smem, p_sw, q_sw, qo_sw, in_bar, q_full) = refs
-  stages = cfg.stages
-  # q is processed as tiles of 64 consecutive rows of the flat [T * H, 64] view: H >= 64 (H % 64 == 0): H / 64
-  # tiles per token; H < 64 (H | 64): one tile holds the heads of g = 64 / H consecutive tokens.
-  hb = max(heads // TB, 1)                  # q tiles per token (H >= 64)
-  g = max(TB // heads, 1)                   # tokens per q tile (H < 64)
+  r = _unpack(fused, refs)
+  n_split = cfg.q_splits
   b = lax.axis_index("b")
+  j = lax.axis_index("j")       # this CTA's share of the block's q tiles: j, j + n_split, ...
   t0 = b * TB
   n_valid = jnp.minimum(TB, num_tokens - t0)
-  n_steps = (n_valid * heads + TB - 1) // TB     # q tiles of this block (the last one may be partial)
+  n_tiles = (n_valid * heads + TB - 1) // TB     # q tiles of this block (the last one may be partial)
+  n_steps = (n_tiles - j + n_split - 1) // n_split   # q tiles of this CTA
 
-  # ---- inputs of the block: kv (9 chunks), tables, weight, P (one barrier, 13 arrivals) ----
-  for c in range(N_CHUNKS):
-    plgpu.copy_gmem_to_smem(kv_gmem.at[pl.ds(t0, TB), pl.ds(c * CHUNK, CHUNK)], kv_sw.at[c], in_bar)
-  plgpu.copy_gmem_to_smem(c_gmem.at[pl.ds(t0, TB)], cs_smem.at[0], in_bar)
-  plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(t0, TB)], cs_smem.at[1], in_bar)
-  plgpu.copy_gmem_to_smem(w_gmem, w_smem, in_bar)
-  plgpu.copy_gmem_to_smem(p_gmem, p_sw, in_bar)
+  # ---- inputs: P (every CTA); kv (9 chunks), tables, weight (CTA 0 of the block: one barrier, 12 arrivals) ----
+  plgpu.copy_gmem_to_smem(r.p, r.p_sw, r.p_bar)
 
-  def q_row(i):   # first row of q tile i in the [T * H, 64] view
-    return t0 * heads + i * TB
+  @pl.when(j == 0)
+  def _():
+    for c in range(N_CHUNKS):
+      plgpu.copy_gmem_to_smem(r.kv.at[pl.ds(t0, TB), pl.ds(c * CHUNK, CHUNK)], r.kv_sw.at[c], r.in_bar)
+    plgpu.copy_gmem_to_smem(r.c.at[pl.ds(t0, TB)], r.cs_smem.at[0], r.in_bar)
+    plgpu.copy_gmem_to_smem(r.s.at[pl.ds(t0, TB)], r.cs_smem.at[1], r.in_bar)
+    plgpu.copy_gmem_to_smem(r.w, r.w_smem, r.in_bar)
 
-  def issue_q(i, slot):
-    plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(q_row(i), TB)], q_sw.at[slot], q_full.at[slot])
+  def q_row(k):   # first row of this CTA's k-th q tile in the [T * H, 64] view
+    return t0 * heads + (j + k * n_split) * TB
 
-  for s in range(stages):      # prologue: fill the q ring while the latent is processed
+  def issue_q(k, slot):
+    plgpu.copy_gmem_to_smem(r.q.at[pl.ds(q_row(k), TB)], r.q_sw.at[slot], r.q_full.at[slot])
+
+  for s in range(cfg.stages):      # prologue: fill the q ring while the latent is processed
     @pl.when(s < n_steps)
     def _():
       issue_q(s, s)
 
-  plgpu.barrier_wait(in_bar)
-  inv_scale = scal_gmem[0]
-  eps = scal_gmem[1]
+  plgpu.barrier_wait(r.p_bar)    # once per CTA (each wait expects the barrier's next phase)
+
+  @pl.when(j == 0)
+  def _():
+    _latent_and_k_rope(fused, num_slots, r, t0, n_valid)
+
+  _q_rope(heads, cfg.stages, n_split, r, t0, j, n_steps, q_row, issue_q)
+
+
+def _latent_and_k_rope(fused, num_slots, r, t0, n_valid):
+  """RMS norm of the latent and RoPE of k_rope for the block's tokens; fp8 rows to the cache or bf16 kv_out."""
+  kv_sw = r.kv_sw
+  plgpu.barrier_wait(r.in_bar)
+  inv_scale = r.scal[0]
+  eps = r.scal[1]
 
   # ---- RMS norm of the latent (8 chunks of 64 columns) ----
   ss = None
@@ -186,41 +216,52 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
   def emit(c, y):   # y: [TB, 64] f32 values of chunk c of the rows
     if fused:
       q8 = jnp.clip(y * inv_scale, -FP8_MAX, FP8_MAX).astype(FP8)
-      rows.at[:, c][...] = q8
+      r.rows.at[:, c][...] = q8
     else:
       kv_sw.at[c][...] = y.astype(BF16)    # in place: each thread rewrites the elements it just read
 
   for c in range(N_CHUNKS - 1):
     x = _tile(kv_sw.at[c]).astype(jnp.float32)
-    w = _cols(w_smem.at[c])
+    w = _cols(r.w_smem.at[c])
     y = x * lax.broadcast_in_dim(inv, x.shape, [0]) * lax.broadcast_in_dim(w, x.shape, [1])
     emit(c, y)
 
   # ---- RoPE of the key's rope part ----
   xr = _tile(kv_sw.at[N_CHUNKS - 1]).astype(jnp.float32)
-  sw = _swap(kv_sw.at[N_CHUNKS - 1], p_sw)
-  emit(N_CHUNKS - 1, xr * _tile(cs_smem.at[0]) + sw * _tile(cs_smem.at[1]))
+  sw = _swap(kv_sw.at[N_CHUNKS - 1], r.p_sw)
+  emit(N_CHUNKS - 1, xr * _tile(r.cs_smem.at[0], False) + sw * _tile(r.cs_smem.at[1], False))
   plgpu.commit_smem()
 
   if fused:
     @pl.loop(0, n_valid)
-    def _(r):
-      slot = slots_gmem[t0 + r]
+    def _(row):
+      slot = r.slots[t0 + row]
 
       @pl.when((slot >= 0) & (slot < num_slots))
       def _():
-        plgpu.copy_smem_to_gmem(rows.at[pl.ds(r, 1), pl.ds(0, N_CHUNKS)], pages_gmem.at[pl.ds(slot, 1)])
+        plgpu.copy_smem_to_gmem(r.rows.at[pl.ds(row, 1), pl.ds(0, N_CHUNKS)], r.pages.at[pl.ds(slot, 1)])
   else:
     for c in range(N_CHUNKS):
-      plgpu.copy_smem_to_gmem(kv_sw.at[c], kvo_gmem.at[pl.ds(t0, TB), pl.ds(c * CHUNK, CHUNK)])
+      plgpu.copy_smem_to_gmem(kv_sw.at[c], r.kvo.at[pl.ds(t0, TB), pl.ds(c * CHUNK, CHUNK)])
 
-  # ---- RoPE of q: one 64-head tile per step through the ring ----
+
+def _q_rope(heads, stages, n_split, r, t0, j, n_steps, q_row, issue_q):
+  """RoPE of this CTA's q tiles through the ring.
+
+  q is processed as tiles of 64 consecutive rows of the flat [T · H, 64] view: H >= 64 (H % 64 == 0): H / 64
+  tiles per token; H < 64 (H | 64): one tile holds the heads of g = 64 / H consecutive tokens.
+  """
+  q_sw, qo_sw, q_full = r.q_sw, r.qo_sw, r.q_full
+  hb = max(heads // TB, 1)                  # q tiles per token (H >= 64)
+  g = max(TB // heads, 1)                   # tokens per q tile (H < 64)
+
   @pl.loop(0, n_steps)
-  def _(i):
-    slot = lax.rem(i, stages)
+  def _(k):
+    i = j + k * n_split                     # the tile's index within the block
+    slot = lax.rem(k, stages)
     plgpu.barrier_wait(q_full.at[slot])
     x = _tile(q_sw.at[slot]).astype(jnp.float32)
-    sw = _swap(q_sw.at[slot], p_sw)
+    sw = _swap(q_sw.at[slot], r.p_sw)
     # The token's table row, read from GMEM (L2: the block's rows were just TMA'd). A row load from cs_smem, which
     # is also read as [64, 64] tiles, sent layout inference into an endless search (JAX 0.11.2).
     def table(tab_gmem):
@@ -230,20 +271,20 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
         return row(t0 + i // hb)
       head_row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, x.shape, 0), TILE_LAYOUT)
       out = row(t0 + i * g)
-      for k in range(1, g):   # rows [k H, (k + 1) H) belong to the tile's k-th token
-        out = jnp.where(head_row >= k * heads, row(t0 + i * g + k), out)
+      for u in range(1, g):   # rows [u H, (u + 1) H) belong to the tile's u-th token
+        out = jnp.where(head_row >= u * heads, row(t0 + i * g + u), out)
       return out
-    c = table(c_gmem)
-    s = table(s_gmem)
+    c = table(r.c)
+    s = table(r.s)
     y = (x * c + sw * s).astype(BF16)
     plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)   # the store issued from this slot has read it
     qo_sw[slot] = y
     plgpu.commit_smem()   # fence + warpgroup barrier: q_sw[slot] fully read, qo_sw[slot] visible to TMA
-    plgpu.copy_smem_to_gmem(qo_sw.at[slot], qo_gmem.at[pl.ds(q_row(i), TB)])
+    plgpu.copy_smem_to_gmem(qo_sw.at[slot], r.qo.at[pl.ds(q_row(k), TB)])
 
-    @pl.when(i + stages < n_steps)
+    @pl.when(k + stages < n_steps)
     def _():
-      issue_q(i + stages, slot)
+      issue_q(k + stages, slot)
 
   plgpu.wait_smem_to_gmem(0)
 
@@ -275,6 +316,8 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   """
   if heads % TB and TB % heads:
     raise ValueError(f"heads must be a multiple or a divisor of {TB}; got {heads}")
+  if cfg.q_splits is None:
+    cfg = dataclasses.replace(cfg, q_splits=default_q_splits(num_tokens, heads))
   body = functools.partial(_body, bool(fused), num_tokens, heads, num_slots, cfg)
   kwargs = {}
   if interpret:   # True, or a plgpu.InterpretGPUParams (e.g. with detect_races=True)
@@ -294,13 +337,14 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   ]
   if fused:
     scratch.append(plgpu.SMEM((TB, SLOT_CHUNKS, CHUNK), FP8))                        # fp8 rows, 640-B slots
-  scratch += [plgpu.Barrier(num_arrivals=N_CHUNKS + 4),                              # in_bar
+  scratch += [plgpu.Barrier(num_arrivals=N_CHUNKS + 3),                              # in_bar
+              plgpu.Barrier(),                                                       # p_bar
               plgpu.Barrier(num_barriers=cfg.stages)]                                # q_full
   return plgpu.kernel(
       body,
       out_type=tuple(out_type),
-      grid=(n_blocks,), grid_names=("b",),
+      grid=(n_blocks, cfg.q_splits), grid_names=("b", "j"),
       scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.WARPGROUP),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **kwargs,
   )
