@@ -8,7 +8,8 @@ Every public op takes ``impl: "auto" | "mosaic" | "xla"`` and ``interpret: bool`
   ``NotImplementedError`` when no kernel can run here or the kernel does not take this input.
 * ``"auto"``: the kernel when ``"mosaic"`` would succeed *and* the kernel has been validated on this GPU family
   (``validated_on``; a kernel so far only checked in interpret mode and by lowering is not chosen automatically
-  on hardware), the XLA path otherwise (the reason is logged at INFO). With ``interpret=True`` the kernel runs.
+  on hardware) *and* it has not been measured slower than XLA for such an input (``slower_than_xla``); the XLA
+  path otherwise (the reason is logged at INFO). With ``interpret=True`` the kernel runs.
 
 Which implementation ran is recorded per op (:func:`last_impl`), so that a graph, the demo and the benchmarks can
 say which steps ran a kernel and which ran XLA.
@@ -63,7 +64,8 @@ def mosaic_arch(interpret: bool = False) -> str | None:
 
 def choose(op: str, impl: str, *, interpret: bool,
            supported: Callable[[], None] | None = None,
-           validated_on: tuple[str, ...] = ("sm90",)) -> str:
+           validated_on: tuple[str, ...] = ("sm90",),
+           slower_than_xla: Callable[[], str | None] | None = None) -> str:
   """Resolve ``impl`` to "mosaic" or "xla" for one call of ``op``.
 
   Args:
@@ -74,6 +76,8 @@ def choose(op: str, impl: str, *, interpret: bool,
       has no kernel yet.
     validated_on: kernel families ("sm90", "sm100") on which this op's kernel has been run and checked against the
       reference on real hardware; "auto" picks the kernel natively only there.
+    slower_than_xla: for "auto" on hardware: returns a reason (a measurement) when the kernel is known to be
+      slower than the XLA path for this input, else None; "auto" then takes XLA. "mosaic" ignores it.
   """
   check_impl(impl)
   if impl == "xla":
@@ -92,6 +96,8 @@ def choose(op: str, impl: str, *, interpret: bool,
   if reason is None and impl == "auto" and not interpret and mosaic_arch(False) not in validated_on:
     reason = (f"{op}: the Mosaic GPU kernel has not been validated on {mosaic_arch(False)} hardware yet "
               "(use impl='mosaic' to run it anyway)")
+  if reason is None and impl == "auto" and not interpret and slower_than_xla is not None:
+    reason = slower_than_xla()
   if reason is None:
     record(op, "mosaic-interpret" if interpret else "mosaic")
     return "mosaic"

@@ -64,3 +64,24 @@ def test_blackwell_family(fake_arch):
 def test_bad_impl():
   with pytest.raises(ValueError, match="impl must be one of"):
     _dispatch.choose("op_f", "triton", interpret=False, supported=_ok)
+
+
+def test_auto_skips_kernel_measured_slower(fake_arch):
+  fake_arch((9, 0))
+  slow = lambda: "measured slower here"        # noqa: E731
+  fast = lambda: None                          # noqa: E731
+  assert _dispatch.choose("op_f", "auto", interpret=False, supported=_ok, slower_than_xla=slow) == "xla"
+  assert _dispatch.choose("op_f", "auto", interpret=False, supported=_ok, slower_than_xla=fast) == "mosaic"
+  # an explicit request and interpret mode ignore the measurement
+  assert _dispatch.choose("op_f", "mosaic", interpret=False, supported=_ok, slower_than_xla=slow) == "mosaic"
+  assert _dispatch.choose("op_f", "auto", interpret=True, supported=_ok, slower_than_xla=slow) == "mosaic"
+
+
+def test_graph_kernels_auto_rules():
+  """bmm / rope ops: auto takes the kernel only at the sizes where the H200 measured it faster than XLA."""
+  from mla_pallas.ops import bmm_fp8, rope_rmsnorm
+  assert bmm_fp8._slower_than_xla(1)() is not None
+  assert bmm_fp8._slower_than_xla(bmm_fp8.AUTO_MIN_TOKENS)() is None
+  assert rope_rmsnorm._slower_than_xla("op", 128, 128)() is not None
+  assert rope_rmsnorm._slower_than_xla("op", 8192, 16)() is not None
+  assert rope_rmsnorm._slower_than_xla("op", 4096, 128)() is None

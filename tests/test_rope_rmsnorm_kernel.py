@@ -212,3 +212,18 @@ def test_default_q_splits_fill_the_gpu_and_keep_work_per_cta():
   assert rk.default_q_splits(8192, 16) == 3           # 16 q tiles per block: at least 4 each
   assert rk.default_q_splits(10 ** 6, 128) == 1       # plenty of blocks
   assert rk.smem_budget(rk.TuningConfig(), True) <= rk.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("t", [1, 37, op.PAIRWISE_MAX_T + 88])   # both branches of the duplicate check
+def test_last_writer_matches_python_oracle(rng, t):
+  num_slots = max(t // 2, 4)                  # many duplicates
+  slots = rng.integers(-3, num_slots + 3, size=t).astype(np.int32)   # -3..-1 and >= num_slots: skipped
+  want = np.zeros(t, bool)
+  seen = set()
+  for i in range(t - 1, -1, -1):              # the last token of each in-range slot wins
+    s = int(slots[i])
+    if 0 <= s < num_slots and s not in seen:
+      want[i] = True
+      seen.add(s)
+  got = np.asarray(jax.jit(op._last_writer, static_argnums=1)(jnp.asarray(slots), num_slots))
+  np.testing.assert_array_equal(got, want)

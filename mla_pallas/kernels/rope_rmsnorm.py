@@ -1,8 +1,9 @@
 """RoPE + RMS norm of new MLA tokens, with an optional fused FP8 quantization and paged-cache write (sm_90a).
 
-What one CTA computes (grid axis "b": blocks of ``TB = 64`` tokens; a single warpgroup)
-------------------------------------------------------------------------------------
-For the tokens ``t0 = b · 64 .. t0 + n_valid`` (``n_valid = min(64, T − t0)``):
+What the CTAs compute (grid (b, j): b = blocks of ``TB = 64`` tokens, j < q_splits; one warpgroup per CTA)
+--------------------------------------------------------------------------------------------------------
+For the tokens ``t0 = b · 64 .. t0 + n_valid`` (``n_valid = min(64, T − t0)``), CTA (b, 0) computes the latent and
+k_rope rows, and CTA (b, j) the q tiles j, j + q_splits, ... of the block:
 
     latent  y = x · rsqrt(sum(x²)/512 + eps) · w          x = kv[t, :512] (bf16 → f32), RMS over 512, f32 math
     k_rope  y = x · C + swap(x) · S                         x = kv[t, 512:]
@@ -54,8 +55,9 @@ Warpgroup lowering writes chunks c >= 2 to the wrong place (the same defect as i
 ../shared/mgpu/README.md section 6); interpret mode and CPU lowering cannot see it. Lane handles strided views
 correctly. Register layouts are given explicitly (``Layout.WGMMA`` tiles, ``WGMMA.reduce(0)`` column vectors); the
 unswizzled f32 table tiles are loaded with ``optimized=False`` (Lane finds no bank-conflict-free plan for them).
-The q loop reads its token's table row from GMEM, not from the SMEM tables (a row load from an SMEM buffer that
-is also read as [64, 64] tiles sent Warpgroup layout inference into an endless search; kept as is).
+The q loop reads its token's table row from the SMEM tables (under Warpgroup semantics such a row load sent
+layout inference into an endless search; Lane has no layout inference), and the fused row loop reads the slots
+from SMEM: the first H200 run read both from GMEM and paid ~1 µs of exposed latency per row/tile.
 
 SMEM budget (bytes, TB = 64, stages = 3)
 ----------------------------------------
@@ -66,6 +68,7 @@ SMEM budget (bytes, TB = 64, stages = 3)
     q ring (stages × 64 × 64 bf16, swizzled)       24 576
     q_out ring (stages × 64 × 64 bf16, swizzled)   24 576
     fp8 rows (64 × 640, fused only)                40 960
+    slots (64 int32, fused only)                      256
     barriers, scalars                                ~100
     total                                         ~207 KB fused, ~166 KB unfused (limit 227 KB)
 """
@@ -130,7 +133,7 @@ def smem_budget(cfg: TuningConfig, fused: bool) -> int:
       ((N_CHUNKS - 1, CHUNK), jnp.float32),              # norm weight
       ((D_ROPE, D_ROPE), BF16),                          # P
       ((2 * cfg.stages, TB, D_ROPE), BF16),              # q in / out rings
-  ) + (common.smem_bytes(((TB, SLOT_CHUNKS, CHUNK), FP8)) if fused else 0) + 128
+  ) + (common.smem_bytes(((TB, SLOT_CHUNKS, CHUNK), FP8), ((TB,), jnp.int32)) if fused else 0) + 128
 
 
 def default_q_splits(num_tokens: int, heads: int, num_sms: int = 132) -> int:
@@ -152,7 +155,7 @@ def _unpack(fused: bool, refs) -> types.SimpleNamespace:
   """Name the kernel's refs: inputs, outputs, scratch (see :func:`build`)."""
   gmem = (("kv", "q", "c", "s", "w", "p", "slots", "scal", "pages", "qo") if fused else
           ("kv", "q", "c", "s", "w", "p", "scal", "qo", "kvo"))
-  scratch = ("kv_sw", "cs_smem", "w_smem", "p_sw", "q_sw", "qo_sw") + (("rows",) if fused else ())
+  scratch = ("kv_sw", "cs_smem", "w_smem", "p_sw", "q_sw", "qo_sw") + (("rows", "slots_smem") if fused else ())
   names = gmem + scratch + ("in_bar", "p_bar", "q_full")
   return types.SimpleNamespace(**dict(zip(names, refs, strict=True)))
 
@@ -167,16 +170,19 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
   n_tiles = (n_valid * heads + TB - 1) // TB     # q tiles of this block (the last one may be partial)
   n_steps = (n_tiles - j + n_split - 1) // n_split   # q tiles of this CTA
 
-  # ---- inputs: P (every CTA); kv (9 chunks), tables, weight (CTA 0 of the block: one barrier, 12 arrivals) ----
+  # ---- inputs: P and the block's tables (every CTA: p_bar, 3 arrivals); kv (9 chunks), weight and (fused) the
+  # block's slots (CTA 0 of the block: in_bar, 10 or 11 arrivals) ----
   plgpu.copy_gmem_to_smem(r.p, r.p_sw, r.p_bar)
+  plgpu.copy_gmem_to_smem(r.c.at[pl.ds(t0, TB)], r.cs_smem.at[0], r.p_bar)
+  plgpu.copy_gmem_to_smem(r.s.at[pl.ds(t0, TB)], r.cs_smem.at[1], r.p_bar)
 
   @pl.when(j == 0)
   def _():
     for c in range(N_CHUNKS):
       plgpu.copy_gmem_to_smem(r.kv.at[pl.ds(t0, TB), pl.ds(c * CHUNK, CHUNK)], r.kv_sw.at[c], r.in_bar)
-    plgpu.copy_gmem_to_smem(r.c.at[pl.ds(t0, TB)], r.cs_smem.at[0], r.in_bar)
-    plgpu.copy_gmem_to_smem(r.s.at[pl.ds(t0, TB)], r.cs_smem.at[1], r.in_bar)
     plgpu.copy_gmem_to_smem(r.w, r.w_smem, r.in_bar)
+    if fused:
+      plgpu.copy_gmem_to_smem(r.slots.at[pl.ds(t0, TB)], r.slots_smem, r.in_bar)
 
   def q_row(k):   # first row of this CTA's k-th q tile in the [T * H, 64] view
     return t0 * heads + (j + k * n_split) * TB
@@ -195,7 +201,7 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
   def _():
     _latent_and_k_rope(fused, num_slots, r, t0, n_valid)
 
-  _q_rope(heads, cfg.stages, n_split, r, t0, j, n_steps, q_row, issue_q)
+  _q_rope(heads, cfg.stages, n_split, r, j, n_steps, q_row, issue_q)
 
 
 def _latent_and_k_rope(fused, num_slots, r, t0, n_valid):
@@ -235,7 +241,7 @@ def _latent_and_k_rope(fused, num_slots, r, t0, n_valid):
   if fused:
     @pl.loop(0, n_valid)
     def _(row):
-      slot = r.slots[t0 + row]
+      slot = r.slots_smem[row]   # from SMEM: a scalar GMEM load per row exposed ~1 us of latency each
 
       @pl.when((slot >= 0) & (slot < num_slots))
       def _():
@@ -245,7 +251,7 @@ def _latent_and_k_rope(fused, num_slots, r, t0, n_valid):
       plgpu.copy_smem_to_gmem(kv_sw.at[c], r.kvo.at[pl.ds(t0, TB), pl.ds(c * CHUNK, CHUNK)])
 
 
-def _q_rope(heads, stages, n_split, r, t0, j, n_steps, q_row, issue_q):
+def _q_rope(heads, stages, n_split, r, j, n_steps, q_row, issue_q):
   """RoPE of this CTA's q tiles through the ring.
 
   q is processed as tiles of 64 consecutive rows of the flat [T · H, 64] view: H >= 64 (H % 64 == 0): H / 64
@@ -262,20 +268,19 @@ def _q_rope(heads, stages, n_split, r, t0, j, n_steps, q_row, issue_q):
     plgpu.barrier_wait(q_full.at[slot])
     x = _tile(q_sw.at[slot]).astype(jnp.float32)
     sw = _swap(q_sw.at[slot], r.p_sw)
-    # The token's table row, read from GMEM (L2: the block's rows were just TMA'd). A row load from cs_smem, which
-    # is also read as [64, 64] tiles, sent layout inference into an endless search (JAX 0.11.2).
-    def table(tab_gmem):
+    # The token's table row (block-local token index), read from the SMEM tables.
+    def table(tab_smem):
       def row(tok):
-        return lax.broadcast_in_dim(_cols(tab_gmem.at[tok], optimized=False), x.shape, [1])
+        return lax.broadcast_in_dim(_cols(tab_smem.at[tok], optimized=False), x.shape, [1])
       if g == 1:
-        return row(t0 + i // hb)
+        return row(i // hb)
       head_row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, x.shape, 0), TILE_LAYOUT)
-      out = row(t0 + i * g)
+      out = row(i * g)
       for u in range(1, g):   # rows [u H, (u + 1) H) belong to the tile's u-th token
-        out = jnp.where(head_row >= u * heads, row(t0 + i * g + u), out)
+        out = jnp.where(head_row >= u * heads, row(i * g + u), out)
       return out
-    c = table(r.c)
-    s = table(r.s)
+    c = table(r.cs_smem.at[0])
+    s = table(r.cs_smem.at[1])
     y = (x * c + sw * s).astype(BF16)
     plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)   # the store issued from this slot has read it
     qo_sw[slot] = y
@@ -336,9 +341,10 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
       plgpu.SMEM((cfg.stages, TB, D_ROPE), BF16, transforms=swizzled(BF16, 128)),   # q_out ring
   ]
   if fused:
-    scratch.append(plgpu.SMEM((TB, SLOT_CHUNKS, CHUNK), FP8))                        # fp8 rows, 640-B slots
-  scratch += [plgpu.Barrier(num_arrivals=N_CHUNKS + 3),                              # in_bar
-              plgpu.Barrier(),                                                       # p_bar
+    scratch += [plgpu.SMEM((TB, SLOT_CHUNKS, CHUNK), FP8),                          # fp8 rows, 640-B slots
+                plgpu.SMEM((TB,), jnp.int32)]                                        # the block's slots
+  scratch += [plgpu.Barrier(num_arrivals=N_CHUNKS + 1 + int(fused)),                 # in_bar
+              plgpu.Barrier(num_arrivals=3),                                         # p_bar
               plgpu.Barrier(num_barriers=cfg.stages)]                                # q_full
   return plgpu.kernel(
       body,

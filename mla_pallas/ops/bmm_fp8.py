@@ -134,6 +134,21 @@ def _kernel_config(n: int, tuning=()):
   return kbmm.TuningConfig(**kw)
 
 
+# Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md, 2026-11-30) the kernel took 11.9 us
+# against XLA's 8.6 at T = 1 (DeepSeek-V3.2 W_UK, H = 128), and won from T = 128 on (18.6 vs 32.7 us); sizes in
+# between were not measured.
+AUTO_MIN_TOKENS = 128
+
+
+def _slower_than_xla(tokens: int):
+  def reason():
+    if tokens < AUTO_MIN_TOKENS:
+      return (f"{OP}: T={tokens} < {AUTO_MIN_TOKENS} tokens, where the kernel measured slower than XLA "
+              "(benchmarks/RESULTS.md)")
+    return None
+  return reason
+
+
 def _kernel_supported(a_shape, n: int, interpret):
   def check():
     from mla_pallas.kernels import bmm_fp8 as kbmm
@@ -204,9 +219,9 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
   _dispatch.check_impl(impl)
   _check_args(a, w, w_scale, act_scale, weight_layout)
   n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
-  # validated_on=(): interpret mode and sm_90 lowering only so far; "auto" keeps XLA on hardware until the GPU
-  # tests (tests/test_bmm_fp8_kernel_gpu.py) have passed on an H200.
+  # Validated on an H200 (tests/test_bmm_fp8_kernel_gpu.py, 2026-11-30); "auto" takes XLA where it measured
+  # faster (AUTO_MIN_TOKENS).
   used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, interpret),
-                          validated_on=())
+                          validated_on=("sm90",), slower_than_xla=_slower_than_xla(a.shape[0]))
   return _bmm_jit(a, w, w_scale, act_scale=act_scale, weight_layout=weight_layout, impl=used,
                   interpret=interpret if used == "mosaic" else False)

@@ -40,9 +40,22 @@ D_ROPE = 64
 _ACT = (jnp.bfloat16, jnp.float32)
 
 
-# The rope/rmsnorm kernel has run in interpret mode and been lowered for sm_90, not yet on a GPU: "auto" keeps
-# XLA on hardware until tests/test_rope_rmsnorm_kernel_gpu.py has passed on an H200.
-_VALIDATED_ON: tuple[str, ...] = ()
+# Validated on an H200 (tests/test_rope_rmsnorm_kernel_gpu.py, 2026-11-30). "auto" takes the kernel only where it
+# measured faster than XLA (benchmarks/RESULTS.md, H200): T = 4096 and 8192 with H = 128 (fused 68.8 vs 95.8 us,
+# unfused 62.5 vs 90.2 at T = 4096); it was slower at T = 128 (19.2 vs 8.9 us) and at H = 16 (88.6 vs 85.4 at
+# T = 8192); other sizes were not measured.
+_VALIDATED_ON: tuple[str, ...] = ("sm90",)
+AUTO_MIN_TOKENS = 4096
+AUTO_MIN_HEADS = 128
+
+
+def _slower_than_xla(op: str, tokens: int, heads: int):
+  def reason():
+    if tokens < AUTO_MIN_TOKENS or heads < AUTO_MIN_HEADS:
+      return (f"{op}: the kernel is used automatically only for T >= {AUTO_MIN_TOKENS} and H >= {AUTO_MIN_HEADS} "
+              f"(where it measured faster than XLA); got T={tokens}, H={heads}")
+    return None
+  return reason
 
 def _check_bool(name, v):
   if not isinstance(v, (bool, np.bool_)):
@@ -267,7 +280,8 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
   interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
   used = _dispatch.choose("rope_rmsnorm", impl, interpret=interpret,
                           supported=_kernel_supported("rope_rmsnorm", kv, q_rope, interpret),
-                          validated_on=_VALIDATED_ON)
+                          validated_on=_VALIDATED_ON,
+                          slower_than_xla=_slower_than_xla("rope_rmsnorm", kv.shape[0], q_rope.shape[1]))
   if used == "mosaic":
     return _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                                 interleaved=interleaved, interpret=interpret)
@@ -279,16 +293,25 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
 # fused rope + rms norm + fp8 quantization + cache write
 # ---------------------------------------------------------------------------------------------------------
 
+PAIRWISE_MAX_T = 512   # up to this many tokens the duplicate check compares all pairs (T^2 booleans)
+
+
 def _last_writer(slots, num_slots):
-  """[T] bool: slot in [0, num_slots) and no later token (higher t) writes the same slot. O(T log T)."""
+  """[T] bool: slot in [0, num_slots) and no later token (higher t) writes the same slot.
+
+  No sort (an argsort of 4096 slots took 32 us on an H200, a third of the fused op): for T <= PAIRWISE_MAX_T all
+  pairs are compared; beyond, a scatter-max of the token index over a [num_slots] int32 array (a memset of
+  4 · num_slots bytes plus T scattered writes) finds each slot's last writer.
+  """
   t = slots.shape[0]
   in_range = (slots >= 0) & (slots < num_slots)
-  order = jnp.argsort(slots, stable=True)              # equal slots keep increasing t
-  s_sorted = slots[order]
-  last_in_run = jnp.concatenate([s_sorted[:-1] != s_sorted[1:], jnp.ones((1,), bool)]) if t > 1 \
-      else jnp.ones((t,), bool)
-  keep = jnp.zeros((t,), bool).at[order].set(last_in_run, unique_indices=True)
-  return keep & in_range
+  tok = jnp.arange(t, dtype=jnp.int32)
+  if t <= PAIRWISE_MAX_T:
+    later_same = (slots[None, :] == slots[:, None]) & (tok[None, :] > tok[:, None])   # [t, t'] t' > t, same slot
+    return in_range & ~jnp.any(later_same, axis=1)
+  safe = jnp.where(in_range, slots, num_slots)                        # out of range: dropped by the scatter
+  last = jnp.full((num_slots,), -1, jnp.int32).at[safe].max(tok, mode="drop")
+  return in_range & (last.at[safe].get(mode="fill", fill_value=-1) == tok)
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved",), donate_argnums=(0,))
@@ -352,7 +375,9 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   used = _dispatch.choose("fused_rope_rmsnorm_quantization", impl, interpret=interpret,
                           supported=_kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, interpret,
                                                       num_slots),
-                          validated_on=_VALIDATED_ON)
+                          validated_on=_VALIDATED_ON,
+                          slower_than_xla=_slower_than_xla("fused_rope_rmsnorm_quantization", t,
+                                                           q_rope.shape[1]))
   if used == "mosaic":
     return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                          jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved, interpret=interpret)
