@@ -28,6 +28,20 @@ Timing:
 Conventions: FLOPs follow FlashMLA, 2 * H * (576 + 512) per query token and attended key; "gathered bytes"
 count one 576-byte fp8 row per query token and top-k entry (FlashMLA's convention: each query token's gather
 is counted, even when tokens of a sequence share rows).
+
+Specs: ``sparse_mla_decode``, ``sparse_mla_prefill``; ``quantize_and_bmm_fp8`` (XLA = fp8 ``dot_general``, i.e.
+cuBLASLt on a GPU; FLOPs 2*T*H*K*N, "moved" bytes; reference evaluated on the CPU, see
+``BenchSpec.reference_on_cpu``); ``fused_rope_rmsnorm_quantization`` and ``rope_rmsnorm`` ("moved" bytes = what the
+op must read and write; extra impl ``copy``: a device copy of the same bytes in the same run, reported as
+"% copy BW"); ``mla_decode_step``: one decode step of :func:`mla_pallas.graph.mla_decode_branch_fp8` (fused cache
+write, q absorb, sparse attention, v up-projection) with the graph's ``impl=`` argument, ``info.steps`` = the
+graph's :func:`~mla_pallas.graph.graph_report` per impl.
+
+Ops that update a buffer in place (the fp8 cache: ``BenchSpec.state``) are timed with that buffer donated and each
+call's output fed to the next call (:func:`time_cupti_state`, :func:`time_wall_state`), as a serving loop runs
+them; otherwise XLA would copy the whole cache in every call. In the CUPTI per-kernel breakdown a kernel name
+repeated within one call gets ``#2``, ``#3``, ... in launch order (every Mosaic kernel is
+"anonymous_mosaic_gpu_kernel"), so the stages of a graph stay apart.
 """
 from __future__ import annotations
 
@@ -50,7 +64,8 @@ import numpy as np
 from mla_pallas import testing
 
 __all__ = ["BenchSpec", "Result", "SPECS", "register", "get_spec", "parse_shape", "run", "format_table",
-           "write_outputs", "environment", "IMPLS", "D_QK", "D_V"]
+           "write_outputs", "environment", "time_wall", "time_cupti", "time_wall_state", "time_cupti_state",
+           "IMPLS", "D_QK", "D_V"]
 
 D_QK = 576
 D_V = 512
@@ -125,6 +140,26 @@ class BenchSpec:
   tolerance: Callable[[dict], float]
   outputs: tuple[str, ...] = ("out",)
   module: str | None = None
+  #: optional (impl, shape, interpret) -> callable, instead of ``partial(mla_pallas.<name>, **op_kwargs, impl=)``.
+  make_op: Callable[[str, dict, Any], Callable] | None = None
+  #: optional (shape) -> callable, instead of ``partial(mla_pallas.reference.<name>, **op_kwargs)``.
+  make_reference: Callable[[dict], Callable] | None = None
+  #: implementations besides IMPLS that only this spec has (e.g. "copy": a device copy of the op's bytes); they
+  #: are part of ``--impl all``.
+  extra_impls: tuple[str, ...] = ()
+  #: (input index, output index): the op consumes (donates) that input and returns its new value at that output
+  #: (a cache updated in place). Timing then donates it and feeds each call's output to the next call, as a
+  #: serving loop does; without this, XLA would copy the whole buffer in every call.
+  state: tuple[int, int] | None = None
+  #: what ``gathered_bytes`` counts: "gathered" (FlashMLA's convention) or "moved" (bytes read + written).
+  bytes_kind: str = "gathered"
+  #: conventions written to the JSON (default: FlashMLA's FLOPs / gathered bytes).
+  conventions: dict[str, str] | None = None
+  #: optional (impl, shape) -> dict, called after an impl ran: extra facts for the JSON (e.g. graph_report()).
+  info: Callable[[str, dict], dict] | None = None
+  #: evaluate the reference on the CPU backend (its float32 math is not float32-accurate when XLA:GPU compiles
+  #: it: reference.quantize_and_bmm_fp8 came out 2.5e-2 rel-L2 off a float64 evaluation on an H200).
+  reference_on_cpu: bool = False
 
   def shape(self, overrides: dict[str, Any] | None = None, *, preset: str | None = None,
             gpu: bool | None = None) -> dict[str, Any]:
@@ -138,11 +173,16 @@ class BenchSpec:
     if preset:
       shape.update(self.preset(preset))
     for k, v in (overrides or {}).items():
-      if k not in self.keys:
-        raise ValueError(f"unknown shape key {k!r} for {self.name}; valid keys: {', '.join(self.keys)}")
+      if k not in self.keys:   # accept another case when it is unambiguous (t= for T=)
+        folded = [key for key in self.keys if key.lower() == str(k).lower()]
+        if len(folded) != 1:
+          raise ValueError(f"unknown shape key {k!r} for {self.name}; valid keys: {', '.join(self.keys)}")
+        k = folded[0]
       typ = self.keys[k][0]
       try:
-        if typ is int:
+        if typ is str:
+          shape[k] = str(v)
+        elif typ is int:
           fv = float(v)
           if not fv.is_integer():
             raise ValueError
@@ -156,12 +196,26 @@ class BenchSpec:
 
   def op(self, impl: str, shape: dict, *, interpret: bool = False) -> Callable:
     """Callable ``f(*inputs)`` running implementation ``impl`` of the op (traceable; not jitted)."""
+    if self.make_op is not None:
+      return self.make_op(impl, shape, interpret)
     return functools.partial(_public_op(self.name, self.module), **self.op_kwargs(shape), impl=impl,
                              interpret=interpret)
 
   def reference(self, shape: dict) -> Callable:
     """Callable ``f(*inputs)`` of the float32 reference (mla_pallas.reference)."""
+    if self.make_reference is not None:
+      return self.make_reference(shape)
     return functools.partial(_reference(self.name), **self.op_kwargs(shape))
+
+  @property
+  def impls(self) -> tuple[str, ...]:
+    """Every implementation name this spec accepts."""
+    return IMPLS + tuple(i for i in self.extra_impls if i not in IMPLS)
+
+  @property
+  def all_impls(self) -> tuple[str, ...]:
+    """What ``--impl all`` runs: xla, mosaic, then the spec's extra impls."""
+    return ("xla", "mosaic") + tuple(i for i in self.extra_impls if i not in ("xla", "mosaic"))
 
 
 SPECS: dict[str, BenchSpec] = {}
@@ -369,6 +423,427 @@ register(BenchSpec(
 ))
 
 
+# ---- quantize_and_bmm_fp8 --------------------------------------------------------------------------------
+
+_BMM_KEYS = {
+    "T": (int, "tokens (rows of a [T, H, K])"),
+    "H": (int, "heads (the batch of the BMM)"),
+    "K": (int, "reduction dim (W_UK: qk_nope 128 DeepSeek-V3.2 / 192 GLM-5; W_UV: 512)"),
+    "N": (int, "output dim (W_UK: 512; W_UV: v_head_dim 128 / 256)"),
+    "hnk": (int, "1: weight prepared once as [H, N, K] (what the kernel reads); 0: [H, K, N] (the kernel path "
+                 "then transposes it in every call)"),
+    "per_tensor": (int, "1: one activation scale for all of a; 0: per-token (per (t, h) row) scales"),
+}
+
+
+def _bmm_preset(name: str) -> dict[str, Any]:
+  from mla_pallas import config
+  cfg = config.preset(name)     # the absorbed q_nope @ W_UK of the model (K = qk_nope, N = kv_lora_rank)
+  return {"H": cfg.num_heads, "K": cfg.qk_nope_head_dim, "N": cfg.kv_lora_rank}
+
+
+def _check_flags(shape, *names):
+  for n in names:
+    if shape[n] not in (0, 1):
+      raise ValueError(f"shape key {n!r} must be 0 or 1; got {shape[n]}")
+
+
+def _bmm_validate(s):
+  _check_positive(s, "T", "H", "K", "N")
+  _check_flags(s, "hnk", "per_tensor")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _bmm_inputs_jit(shape_items, key):
+  from mla_pallas import quant
+  s = dict(shape_items)
+  t, h, k, n = s["T"], s["H"], s["K"], s["N"]
+  k_a, k_w = jax.random.split(key)
+  a = jax.random.normal(k_a, (t, h, k), jnp.bfloat16)
+  w8, ws = quant.quantize_blocks_fp8(jax.random.normal(k_w, (h, k, n), jnp.float32) * k ** -0.5)
+  if s["hnk"]:
+    w8 = jnp.swapaxes(w8, 1, 2)       # mla_pallas.ops.bmm_fp8.prepare_weight, done once (weights are static)
+  return a, w8, ws
+
+
+def _bmm_kwargs(s):
+  return dict(act_scale="per_tensor" if s["per_tensor"] else "per_token")
+
+
+def _bmm_op(impl, s, interpret):
+  from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
+  return functools.partial(quantize_and_bmm_fp8, **_bmm_kwargs(s), weight_layout="hnk" if s["hnk"] else "hkn",
+                           impl=impl, interpret=interpret)
+
+
+def _bmm_reference(s):
+  from mla_pallas import reference
+
+  def ref(a, w, w_scale):
+    return reference.quantize_and_bmm_fp8(a, jnp.swapaxes(w, 1, 2) if s["hnk"] else w, w_scale, **_bmm_kwargs(s))
+  return ref
+
+
+def _bmm_bytes(s):
+  t, h, k, n = s["T"], s["H"], s["K"], s["N"]
+  return float(t * h * k * 2 + h * k * n + h * (-(-k // 128)) * (-(-n // 128)) * 4 + t * h * n * 2)
+
+
+def _bmm_tolerance(s):
+  # Both paths quantize a exactly as the reference does (bitwise the same fp8 operands), so what is left is the
+  # accumulation of the fp8 products (Hopper fp8 wgmma / cuBLASLt: the error model's "qk_mma" term with reduction
+  # length K on N(0, 1)-like data) and the bf16 rounding of both outputs ("out_bf16"); no q/P quantization term.
+  return testing.fp8_error_budget(quantized_q=False, quantized_p=False, fp8_mma=True, d_qk=s["K"], pv_length=1,
+                                  logit_std=1.0)
+
+
+register(BenchSpec(
+    name="quantize_and_bmm_fp8",
+    keys=_BMM_KEYS,
+    cpu_defaults=dict(T=8, H=4, K=128, N=256, hnk=1, per_tensor=0),
+    gpu_defaults=dict(T=4096, H=128, K=128, N=512, hnk=1, per_tensor=0),
+    preset=_bmm_preset,
+    validate=_bmm_validate,
+    make_inputs=lambda s, key: _bmm_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=_bmm_kwargs,
+    flops=lambda s: 2.0 * s["T"] * s["H"] * s["K"] * s["N"],
+    gathered_bytes=_bmm_bytes,
+    set_bytes=_bmm_bytes,
+    touched_bytes=_bmm_bytes,
+    tolerance=_bmm_tolerance,
+    make_op=_bmm_op,
+    make_reference=_bmm_reference,
+    reference_on_cpu=True,
+    bytes_kind="moved",
+    conventions={"flops": "2*T*H*K*N", "gathered_bytes": "moved bytes: a bf16 [T,H,K] in, fp8 weight and its "
+                 "block scales in, bf16 [T,H,N] out (the minimum; the Mosaic path also writes and re-reads a8)"},
+    module="mla_pallas.ops.bmm_fp8",
+))
+
+
+# ---- fused_rope_rmsnorm_quantization / rope_rmsnorm ------------------------------------------------------
+
+_ROPE_KEYS = {
+    "T": (int, "tokens (decode: B * s_q)"),
+    "H": (int, "query heads (of the q_rope [T, H, 64] rotated alongside)"),
+    "interleaved": (int, "1: DeepSeek interleaved RoPE pairs; 0: NeoX half-split pairs"),
+    "page": (int, "cache page size (multiple of 16); the cache holds ceil(2T/page) pages"),
+    "max_pos": (int, "rows of the cos/sin tables (positions are random in [0, max_pos))"),
+    "kv_scale": (float, "per-tensor scale of the fp8 cache"),
+}
+_ROPE_EPS = 1e-6
+
+
+def _rope_validate(s):
+  _check_positive(s, "T", "H", "page", "max_pos")
+  _check_page(s)
+  _check_flags(s, "interleaved")
+  if not s["kv_scale"] > 0:
+    raise ValueError("shape key 'kv_scale' must be positive")
+
+
+def _rope_num_pages(s):
+  return -(-2 * s["T"] // s["page"])
+
+
+def _rope_moved(s, fused):
+  """Bytes the op must read and write: kv [T,576] bf16 in, q_rope [T,H,64] bf16 in and out, the cos/sin rows of
+  the T positions (2 x 32 f32), positions (+ slots) int32, the norm weight; then fp8 rows [T,576] out (fused) or
+  bf16 kv rows [T,576] out (unfused)."""
+  t, h = s["T"], s["H"]
+  b = t * D_QK * 2 + 2 * t * h * 64 * 2 + t * 2 * 32 * 4 + t * 4 + D_V * 2
+  return float(b + (t * D_QK + t * 4 if fused else t * D_QK * 2))
+
+
+def _copy_words(s, fused):
+  # "copy" reads and writes half of the op's bytes each: a uint32 buffer of moved / 8 elements.
+  return max(1, int(_rope_moved(s, fused)) // 8)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _rope_inputs_jit(shape_items, fused, key):
+  from mla_pallas import reference
+  s = dict(shape_items)
+  t, h = s["T"], s["H"]
+  k_kv, k_q, k_p, k_w, k_s, k_b = jax.random.split(key, 6)
+  kv = (jax.random.normal(k_kv, (t, D_QK), jnp.float32) * 2.0).astype(jnp.bfloat16)
+  q_rope = jax.random.normal(k_q, (t, h, 64), jnp.bfloat16)
+  positions = jax.random.randint(k_p, (t,), 0, s["max_pos"], jnp.int32)
+  cos, sin = reference.rope_tables(s["max_pos"])
+  norm_w = (1.0 + 0.1 * jax.random.normal(k_w, (D_V,), jnp.float32)).astype(jnp.bfloat16)
+  buf = jax.random.bits(k_b, (_copy_words(s, fused),), jnp.uint32)
+  if not fused:
+    return kv, q_rope, positions, cos, sin, norm_w, buf
+  num_pages = _rope_num_pages(s)
+  pages = jnp.zeros((num_pages, s["page"], D_QK), FP8)
+  slots = jax.random.permutation(k_s, num_pages * s["page"])[:t].astype(jnp.int32)   # distinct, scattered
+  return pages, kv, q_rope, positions, cos, sin, norm_w, slots, buf
+
+
+def _copy(buf):
+  # A read + write of buf's bytes that XLA cannot elide or turn into a no-op (x + 0 / x * 1 would be folded).
+  return jnp.bitwise_not(buf)
+
+
+def _fused_op(impl, s, interpret):
+  kw = dict(eps=_ROPE_EPS, kv_scale=float(s["kv_scale"]), interleaved=bool(s["interleaved"]))
+  if impl == "copy":
+    return lambda pages, kv, q, pos, cos, sin, w, slots, buf: (pages, _copy(buf))
+  from mla_pallas.ops.rope_rmsnorm import fused_rope_rmsnorm_quantization
+
+  def f(pages, kv, q, pos, cos, sin, w, slots, buf):
+    return fused_rope_rmsnorm_quantization(pages, kv, q, pos, cos, sin, w, slots=slots, impl=impl,
+                                           interpret=interpret, **kw)
+  return f
+
+
+def _fused_reference(s):
+  from mla_pallas import reference
+
+  def ref(pages, kv, q, pos, cos, sin, w, slots, buf):
+    return reference.rope_rmsnorm_quantize_write(pages, kv, q, pos, cos, sin, w, eps=_ROPE_EPS,
+                                                 kv_scale=float(s["kv_scale"]), slots=slots,
+                                                 interleaved=bool(s["interleaved"]))
+  return ref
+
+
+def _unfused_op(impl, s, interpret):
+  if impl == "copy":
+    return lambda kv, q, pos, cos, sin, w, buf: _copy(buf)
+  from mla_pallas.ops.rope_rmsnorm import rope_rmsnorm
+
+  def f(kv, q, pos, cos, sin, w, buf):
+    return rope_rmsnorm(kv, q, pos, cos, sin, w, eps=_ROPE_EPS, interleaved=bool(s["interleaved"]), impl=impl,
+                        interpret=interpret)
+  return f
+
+
+def _unfused_reference(s):
+  from mla_pallas import reference
+
+  def ref(kv, q, pos, cos, sin, w, buf):
+    return reference.rope_rmsnorm(kv, q, pos, cos, sin, w, eps=_ROPE_EPS, interleaved=bool(s["interleaved"]))
+  return ref
+
+
+# The XLA paths are bitwise the reference; the kernel differs in a few values by one bf16 ulp / one e4m3 step
+# (RMS summation order; tests/_rope_inputs.py checks that near-bitwise). The tolerance here is the RMS of one
+# rounding to the output format (testing's unit roundoffs / sqrt(3)): an implementation may not be worse than
+# re-rounding every element once.
+_E4M3_ROUNDING = testing.E4M3_UNIT_ROUNDOFF / math.sqrt(3.0)
+_BF16_ROUNDING = testing.BF16_UNIT_ROUNDOFF / math.sqrt(3.0)
+_ROPE_CONVENTIONS = {
+    "flops": "0 (memory-bound op)",
+    "gathered_bytes": "moved bytes: kv [T,576] bf16 in, q_rope [T,H,64] bf16 in and out, cos/sin rows of the T "
+                      "positions (2 x 32 f32), positions/slots int32, norm weight; fp8 [T,576] rows out (fused) "
+                      "or bf16 [T,576] out (rope_rmsnorm)",
+    "copy": "impl 'copy': bitwise_not of a uint32 buffer of moved/2 bytes (reads and writes the op's bytes) in "
+            "the same run; frac_of_copy = copy time / impl time",
+}
+
+register(BenchSpec(
+    name="fused_rope_rmsnorm_quantization",
+    keys=_ROPE_KEYS,
+    cpu_defaults=dict(T=16, H=16, interleaved=1, page=64, max_pos=4096, kv_scale=1.0),
+    gpu_defaults=dict(T=4096, H=128, interleaved=1, page=64, max_pos=32768, kv_scale=1.0),
+    preset=lambda name: {"H": _model_preset(name)["H"], "page": _model_preset(name)["page"]},
+    validate=_rope_validate,
+    make_inputs=lambda s, key: _rope_inputs_jit(tuple(sorted(s.items())), True, key),
+    op_kwargs=lambda s: {},
+    flops=lambda s: 0.0,
+    gathered_bytes=lambda s: _rope_moved(s, True),
+    set_bytes=lambda s: float(_rope_moved(s, True) * 1.5 + _rope_num_pages(s) * s["page"] * D_QK
+                              + 2 * s["max_pos"] * 32 * 4),
+    touched_bytes=lambda s: 2.0 * _rope_moved(s, True),      # the op's bytes, then the copy's
+    tolerance=lambda s: {"cache": _E4M3_ROUNDING, "q_rope": _BF16_ROUNDING},
+    outputs=("cache", "q_rope"),
+    make_op=_fused_op,
+    make_reference=_fused_reference,
+    extra_impls=("copy",),
+    state=(0, 0),
+    bytes_kind="moved",
+    conventions=_ROPE_CONVENTIONS,
+    module="mla_pallas.ops.rope_rmsnorm",
+))
+
+register(BenchSpec(
+    name="rope_rmsnorm",
+    keys={k: v for k, v in _ROPE_KEYS.items() if k not in ("page", "kv_scale")},
+    cpu_defaults=dict(T=16, H=16, interleaved=1, max_pos=4096),
+    gpu_defaults=dict(T=4096, H=128, interleaved=1, max_pos=32768),
+    preset=lambda name: {"H": _model_preset(name)["H"]},
+    validate=lambda s: (_check_positive(s, "T", "H", "max_pos"), _check_flags(s, "interleaved")),
+    make_inputs=lambda s, key: _rope_inputs_jit(tuple(sorted(s.items())), False, key),
+    op_kwargs=lambda s: {},
+    flops=lambda s: 0.0,
+    gathered_bytes=lambda s: _rope_moved(s, False),
+    set_bytes=lambda s: float(_rope_moved(s, False) * 1.5 + 2 * s["max_pos"] * 32 * 4),
+    touched_bytes=lambda s: 2.0 * _rope_moved(s, False),
+    tolerance=lambda s: {"kv": _BF16_ROUNDING, "q_rope": _BF16_ROUNDING},
+    outputs=("kv", "q_rope"),
+    make_op=_unfused_op,
+    make_reference=_unfused_reference,
+    extra_impls=("copy",),
+    bytes_kind="moved",
+    conventions=_ROPE_CONVENTIONS,
+    module="mla_pallas.ops.rope_rmsnorm",
+))
+
+
+# ---- mla_decode_step: one decode step of an MLA layer's attention graph --------------------------------------
+
+_STEP_KEYS = {
+    "model": (str, "model config: deepseek_v32 or glm5 (mla_pallas.config)"),
+    "B": (int, "batch (sequences)"),
+    "s_q": (int, "new tokens per sequence (MTP: 2)"),
+    "H": (int, "query heads of the whole model (0: the model's); the step runs H / tp of them"),
+    "tp": (int, "tensor-parallel degree: the step runs one shard's H / tp heads"),
+    "topk": (int, "indexer top-k (0: the model's index_topk)"),
+    "page": (int, "cache page size (0: the model's page_size)"),
+    "ctx": (int, "cache tokens per sequence, the new ones included (the cache holds B * ceil(ctx/page) pages)"),
+    "kv_scale": (float, "per-tensor scale of the fp8 cache"),
+}
+
+
+def _step_cfg(s):
+  from mla_pallas import config
+  cfg = config.preset(s["model"]).replace(page_size=s["page"])
+  return cfg.with_heads(s["H"] // s["tp"])
+
+
+def _step_validate(s):
+  from mla_pallas import config
+  if s["model"] not in config.PRESETS:
+    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
+  cfg = config.preset(s["model"])
+  for k, v in (("H", cfg.num_heads), ("topk", cfg.index_topk), ("page", cfg.page_size)):
+    if s[k] == 0:            # resolved in place, so that the JSON and the table show the values that ran
+      s[k] = v
+  _check_positive(s, "B", "s_q", "H", "tp", "topk", "page", "ctx")
+  _check_page(s)
+  if s["H"] % s["tp"]:
+    raise ValueError(f"shape key 'tp' must divide H={s['H']}; got {s['tp']}")
+  if s["s_q"] > s["ctx"]:
+    raise ValueError(f"shape key 'ctx' must be >= s_q (the cache holds the new tokens); got {s['ctx']}")
+  if not s["kv_scale"] > 0:
+    raise ValueError("shape key 'kv_scale' must be positive")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _step_inputs_jit(shape_items, key):
+  from mla_pallas import quant, reference
+  s = dict(shape_items)
+  cfg = _step_cfg(s)
+  b, s_q, h, page, ctx = s["B"], s["s_q"], cfg.num_heads, s["page"], s["ctx"]
+  nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+  pps = _pages_per_seq(s)
+  ks = jax.random.split(key, 10)
+  pages = _random_cache(ks[0], b * pps, page)
+  block_table = jax.random.permutation(ks[1], b * pps).astype(jnp.int32).reshape(b, pps)
+  indices = _random_slots(ks[2], block_table, (b, s_q), ctx, s["topk"], page)
+  positions = jnp.broadcast_to(ctx - s_q + jnp.arange(s_q, dtype=jnp.int32), (b, s_q))   # the last tokens
+  from mla_pallas import cache as mcache
+  slots = mcache.slots_for_positions(block_table, positions, page)
+  q_nope = jax.random.normal(ks[3], (b, s_q, h, nope), jnp.bfloat16)
+  q_rope = jax.random.normal(ks[4], (b, s_q, h, 64), jnp.bfloat16)
+  kv = jax.random.normal(ks[5], (b, s_q, D_QK), jnp.bfloat16)
+  cos, sin = reference.rope_tables(ctx, 64, cfg.rope_theta)
+  # weights with std 1/sqrt(fan_in): q_latent ~ N(0, 1) like the cache rows
+  w_uk, uks = quant.quantize_blocks_fp8(jax.random.normal(ks[6], (h, nope, D_V), jnp.float32) * nope ** -0.5)
+  w_uv, uvs = quant.quantize_blocks_fp8(jax.random.normal(ks[7], (h, D_V, v), jnp.float32) * D_V ** -0.5)
+  norm_w = (1.0 + 0.1 * jax.random.normal(ks[8], (D_V,), jnp.float32)).astype(jnp.bfloat16)
+  kv_scale = jnp.asarray(s["kv_scale"], jnp.float32)
+  return (pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, w_uk, uks, w_uv, uvs, norm_w)
+
+
+def _step_op(impl, s, interpret):
+  if impl not in IMPLS:
+    raise ValueError(f"mla_decode_step has no impl {impl!r}")
+  from mla_pallas import graph
+  cfg = _step_cfg(s)
+
+  def f(pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, w_uk, uks, w_uv, uvs, norm_w):
+    w = graph.MLAWeightsFP8(w_uk, uks, w_uv, uvs, norm_w)
+    return graph.mla_decode_branch_fp8(w, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                                       cfg=cfg, indices=indices, impl=impl, interpret=interpret)
+  return f
+
+
+def _step_reference(s):
+  from mla_pallas import graph
+  cfg = _step_cfg(s)
+
+  def ref(pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, w_uk, uks, w_uv, uvs, norm_w):
+    w = graph.MLAWeightsFP8(w_uk, uks, w_uv, uvs, norm_w)
+    return graph.reference_decode_branch(w, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                                         cfg=cfg, indices=indices)
+  return ref
+
+
+def _step_info(impl, s):
+  from mla_pallas import graph
+  cfg = _step_cfg(s)
+  rep = graph.graph_report()
+  return {"steps": rep["steps"] if rep else None, "graph": rep["graph"] if rep else None,
+          "heads_run": cfg.num_heads, "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim,
+          "softmax_scale": cfg.softmax_scale, "impl_argument": impl}
+
+
+def _step_flops(s):
+  cfg = _step_cfg(s)
+  t, h = s["B"] * s["s_q"], cfg.num_heads
+  return (2.0 * t * h * s["topk"] * (D_QK + D_V)
+          + 2.0 * t * h * D_V * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+
+
+def _step_weight_bytes(s):
+  cfg = _step_cfg(s)
+  return float(cfg.num_heads * D_V * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+
+
+def _step_tolerance(s):
+  cfg = _step_cfg(s)
+  # q_latent and the cache rows are ~N(0, 1): logits of std softmax_scale * sqrt(576) * kv_scale. The BMMs add
+  # only fp8 accumulation error (their activation quantization is the reference's); the attention term dominates.
+  return testing.fp8_error_budget(logit_std=cfg.softmax_scale * math.sqrt(D_QK) * s["kv_scale"],
+                                  pv_length=s["topk"], fp8_mma=_on_gpu())
+
+
+register(BenchSpec(
+    name="mla_decode_step",
+    keys=_STEP_KEYS,
+    cpu_defaults=dict(model="deepseek_v32", B=2, s_q=1, H=16, tp=1, topk=64, page=64, ctx=256, kv_scale=1.0),
+    gpu_defaults=dict(model="deepseek_v32", B=128, s_q=1, H=0, tp=1, topk=0, page=0, ctx=32768, kv_scale=1.0),
+    preset=lambda name: {"model": name, "H": 0, "topk": 0, "page": 0},
+    validate=_step_validate,
+    make_inputs=lambda s, key: _step_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=lambda s: {},
+    flops=_step_flops,
+    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * D_QK),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK + _step_weight_bytes(s)
+                              + s["B"] * s["s_q"] * s["topk"] * 4),
+    touched_bytes=lambda s: float(min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * D_QK
+                                  + _step_weight_bytes(s)),
+    tolerance=_step_tolerance,
+    outputs=("out",),                  # the new cache (output 1) is not compared: it can be gigabytes
+    make_op=_step_op,
+    make_reference=_step_reference,
+    extra_impls=("auto",),
+    state=(0, 1),
+    conventions={
+        "flops": "attention 2*T*H*topk*(576+512) (FlashMLA) + the two absorbed BMMs 2*T*H*512*(nope+v); "
+                 "H = heads run (H/tp), T = B*s_q",
+        "gathered_bytes": "576 B per query token and top-k entry (FlashMLA)",
+        "scope": "mla_pallas.graph.mla_decode_branch_fp8 (sparse top-k): fused rope+rmsnorm+fp8 cache write, "
+                 "q_nope @ W_UK, sparse_mla_decode, o @ W_UV; the projections (W_q_a/W_q_b/W_kv_a/W_o) and the "
+                 "indexer are not included. Cache donated and updated in place; impl = the graph's impl argument; "
+                 "results[].info.steps = graph_report() (which implementation each step ran)",
+    },
+    info=_step_info,
+    module="mla_pallas.graph",
+))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Environment
 # ----------------------------------------------------------------------------------------------------------
@@ -435,6 +910,8 @@ class Result:
   ``check``: comparison with the float32 reference on input set 0 (output name -> Report.as_dict()), or None.
   ``kernels``: CUPTI only: kernel name -> median microseconds per call.
   ``interpret``: the op ran with ``interpret=True`` (the mosaic kernel in interpret mode; times meaningless).
+  ``gathered_bytes`` / ``gathered_gbps``: bytes per call as ``bytes_kind`` says ("gathered": FlashMLA's gathered
+  rows; "moved": bytes the op must read and write), and those bytes over the median time.
   """
   op: str
   impl: str
@@ -452,6 +929,12 @@ class Result:
   kernels: dict[str, float] | None = None
   speedup_vs_xla: float | None = None
   interpret: bool = False
+  #: what ``gathered_bytes`` counts ("gathered" or "moved"; see BenchSpec.bytes_kind).
+  bytes_kind: str = "gathered"
+  #: specs with a "copy" impl: this impl's GB/s as a fraction of the copy's (same bytes, same run).
+  frac_of_copy: float | None = None
+  #: extra facts from BenchSpec.info (e.g. the graph's per-step implementations).
+  info: dict[str, Any] | None = None
 
   @property
   def label(self) -> str:
@@ -486,7 +969,7 @@ class Result:
   @property
   def tflops(self) -> float | None:
     m = self.median_us
-    return self.flops / (m * 1e-6) / 1e12 if m else None
+    return self.flops / (m * 1e-6) / 1e12 if m and self.flops else None
 
   @property
   def gathered_gbps(self) -> float | None:
@@ -575,16 +1058,119 @@ def time_cupti(fn: Callable, sets: Sequence[tuple], *, iters: int, warmup: int,
     raise RuntimeError("CUPTI recorded no kernel launches")
   if iters == 1:
     timings = [timings]
+  return _aggregate_cupti(timings, n)
+
+
+def _state_sets(sets: Sequence[tuple], state: tuple[int, int]) -> list[list]:
+  """Mutable copies of the input sets whose state input is a fresh copy (the callers' arrays stay valid)."""
+  i_in, _ = state
+  out = []
+  for s in sets:
+    s = list(s)
+    s[i_in] = jax.tree.map(jnp.copy, s[i_in])
+    out.append(s)
+  jax.block_until_ready(out)
+  return out
+
+
+def _state_step(fn: Callable, state: tuple[int, int]) -> Callable[[list], Any]:
+  """``step(set)``: one call of ``fn`` with the state input donated; the set's state becomes the new value."""
+  i_in, i_out = state
+  f = jax.jit(fn, donate_argnums=(i_in,))
+
+  def step(s):
+    out = f(*s)
+    s[i_in] = out[i_out]
+    return out
+  return step
+
+
+def time_wall_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int], *, iters: int, warmup: int,
+                    progress: Callable[[], None] | None = None) -> list[float]:
+  """:func:`time_wall` for an op that updates one input in place (``BenchSpec.state``): that input is donated
+  and each call's output feeds the next call on the same set."""
+  step = _state_step(fn, state)
+  sets = _state_sets(sets, state)
+  for s in sets:
+    jax.block_until_ready(step(s))
+    if progress:
+      progress()
+  for _ in range(max(warmup - 1, 0)):
+    for s in sets:
+      jax.block_until_ready(step(s))
+  samples = []
+  for _ in range(iters):
+    for s in sets:
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(s))
+      samples.append((time.perf_counter() - t0) * 1e6)
+  return samples
+
+
+def _aggregate_cupti(iter_timings: Sequence[Sequence[tuple[str, float]]], n: int
+                     ) -> tuple[list[float], dict[str, float]]:
+  """Samples (µs per call) and kernel name -> median µs per call. Within one call, a name that occurs again (every
+  Mosaic GPU kernel is "anonymous_mosaic_gpu_kernel") gets "#2", "#3", ... in launch order, so that the stages
+  of a graph stay apart."""
   samples, per_kernel = [], {}
-  for it in timings:
+  for it in iter_timings:
     samples.append(sum(ms for _, ms in it) * 1e3 / n)
+    per_call = len(it) // n if n and len(it) % n == 0 else len(it)
     acc: dict[str, float] = {}
-    for name, ms in it:
-      acc[name] = acc.get(name, 0.0) + ms * 1e3 / n
+    for i0 in range(0, len(it), max(per_call, 1)):
+      seen: dict[str, int] = {}
+      for name, ms in it[i0:i0 + per_call]:
+        seen[name] = seen.get(name, 0) + 1
+        label = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        acc[label] = acc.get(label, 0.0) + ms * 1e3 / n
     for name, us in acc.items():
       per_kernel.setdefault(name, []).append(us)
-  kernels = {k: statistics.median(v) for k, v in per_kernel.items()}
-  return samples, kernels
+  return samples, {k: statistics.median(v) for k, v in per_kernel.items()}
+
+
+def _cupti_ext():
+  """The Mosaic GPU extension whose CUPTI hooks ``profiler.measure`` uses (RuntimeError without a CUDA build)."""
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    return mosaic_gpu_lib._mosaic_gpu_ext
+  except (ImportError, AttributeError) as e:
+    raise RuntimeError(f"CUPTI profiling is not available: {e}") from None
+
+
+def time_cupti_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int], *, iters: int, warmup: int,
+                     progress: Callable[[], None] | None = None) -> tuple[list[float], dict[str, float]]:
+  """:func:`time_cupti` for an op that updates one input in place (``BenchSpec.state``).
+
+  ``profiler.measure`` calls its function again and again on the same arguments, so it cannot donate; this runs
+  the same CUPTI session around a Python loop instead: per iteration, one call on each set (state donated, the
+  output fed to the next call on that set). One sample = kernel time of one pass over the sets / ``len(sets)``.
+  """
+  ext = _cupti_ext()
+  step = _state_step(fn, state)
+  sets = _state_sets(sets, state)
+  for s in sets:
+    jax.block_until_ready(step(s))
+    if progress:
+      progress()
+  for _ in range(max(warmup, 1)):
+    for s in sets:
+      step(s)
+  jax.block_until_ready(sets)
+  n = len(sets)
+  ext._cupti_init()
+  try:
+    for _ in range(iters):
+      for s in sets:
+        step(s)
+    jax.block_until_ready(sets)
+  finally:
+    timings = ext._cupti_get_timings(True)
+  if not timings:
+    raise RuntimeError("CUPTI recorded no kernel launches")
+  if len(timings) % iters:
+    raise RuntimeError(f"CUPTI recorded {len(timings)} kernel launches, not a multiple of iters={iters}")
+  per = len(timings) // iters
+  return _aggregate_cupti([timings[i * per:(i + 1) * per] for i in range(iters)], n)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -609,9 +1195,26 @@ def _check(spec: BenchSpec, shape: dict, fn: Callable, inputs: tuple, tol: float
   got = got if isinstance(got, (tuple, list)) else (got,)
   want = ref_out if isinstance(ref_out, (tuple, list)) else (ref_out,)
   reports = {}
-  for name, g, w in zip(spec.outputs, got, want):
-    reports[name] = testing.compare_fp8(g, w, rel_l2=tol, what=f"{spec.name} {name}").as_dict()
+  for name, g, w in zip(spec.outputs, got, want):   # only the outputs named in spec.outputs are compared
+    t = tol.get(name) if isinstance(tol, dict) else tol
+    reports[name] = testing.compare_fp8(g, w, rel_l2=t, what=f"{spec.name} {name}").as_dict()
   return reports
+
+
+def _reference_out(spec: BenchSpec, shape: dict, inputs: tuple):
+  ref = jax.jit(spec.reference(shape))
+  if spec.reference_on_cpu and jax.default_backend() != "cpu":
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+      return ref(*jax.device_put(inputs, cpu))
+  return ref(*inputs)
+
+
+def _main_tol(spec: BenchSpec, tol) -> float | None:
+  """The tolerance of the main output (``tolerance`` may return one float or {output name: float})."""
+  if isinstance(tol, dict):
+    return tol.get(spec.outputs[0])
+  return tol
 
 
 def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any] | None = None, *,
@@ -621,8 +1224,10 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
   """Benchmark ``impls`` of ``op`` side by side on the same input sets.
 
   Args:
-    op: a key of :data:`SPECS` ("sparse_mla_decode", "sparse_mla_prefill").
-    impls: implementations, each "xla", "mosaic" or "auto" (passed as ``impl=`` to ``mla_pallas.<op>``).
+    op: a key of :data:`SPECS` ("sparse_mla_decode", "sparse_mla_prefill", "quantize_and_bmm_fp8",
+      "fused_rope_rmsnorm_quantization", "rope_rmsnorm", "mla_decode_step").
+    impls: implementations, each "xla", "mosaic" or "auto" (passed as ``impl=`` to ``mla_pallas.<op>``), or one of
+      the spec's ``extra_impls`` ("copy": a device copy of the op's bytes).
     shape: overrides of the shape keys (see ``SPECS[op].keys``); the rest are platform defaults.
     preset: "deepseek_v32" or "glm5": sets H, topk and page from :mod:`mla_pallas.config` (before ``shape``).
     iters: timed iterations (GPU default 20, at least 10 recommended; CPU default 3).
@@ -641,8 +1246,8 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
   shape = spec.shape(shape, preset=preset)
   gpu = _on_gpu()
   for impl in impls:
-    if impl not in IMPLS:
-      raise ValueError(f"impls entries must be one of {IMPLS}; got {impl!r}")
+    if impl not in spec.impls:
+      raise ValueError(f"impls entries must be one of {spec.impls}; got {impl!r}")
   if timer is None:
     timer = "cupti" if gpu else "wall"
   if timer == "cupti" and iters is not None and iters < _MIN_GPU_ITERS:
@@ -664,7 +1269,7 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
   tol = spec.tolerance(shape)
   ref_out = None
   if check:
-    ref_out = jax.jit(spec.reference(shape))(*sets[0])
+    ref_out = _reference_out(spec, shape, sets[0])
 
   results = []
   bar = _progress_bar(len(impls) * n_inputs, f"{op}", progress)
@@ -673,7 +1278,8 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
       bar.set_postfix_str(impl)
     res = Result(op=op, impl=impl, shape=dict(shape), timer=timer, n_inputs=n_inputs, iters=iters,
                  warmup=warmup, flops=spec.flops(shape), gathered_bytes=spec.gathered_bytes(shape),
-                 tolerance=tol, interpret=interpret and impl != "xla")
+                 tolerance=_main_tol(spec, tol), interpret=interpret and impl in ("mosaic", "auto"),
+                 bytes_kind=spec.bytes_kind)
     done = [0]
 
     def step():
@@ -683,19 +1289,26 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
 
     try:
       fn = spec.op(impl, shape, interpret=res.interpret)
+      if spec.state is not None:
+        t_cupti = functools.partial(time_cupti_state, state=spec.state)
+        t_wall = functools.partial(time_wall_state, state=spec.state)
+      else:
+        t_cupti, t_wall = time_cupti, time_wall
       if timer == "cupti":
         try:
-          res.samples_us, res.kernels = time_cupti(fn, sets, iters=iters, warmup=warmup, progress=step)
+          res.samples_us, res.kernels = t_cupti(fn, sets, iters=iters, warmup=warmup, progress=step)
         except RuntimeError as e:
           if "CUPTI" not in str(e):
             raise
           print(f"warning: CUPTI unavailable ({e}); using wall clock", file=sys.stderr)
           res.timer = "wall"
-          res.samples_us = time_wall(fn, sets, iters=iters, warmup=0)
+          res.samples_us = t_wall(fn, sets, iters=iters, warmup=0)
       else:
-        res.samples_us = time_wall(fn, sets, iters=iters, warmup=warmup, progress=step)
-      if check:
+        res.samples_us = t_wall(fn, sets, iters=iters, warmup=warmup, progress=step)
+      if check and impl in IMPLS:      # extra impls (a device copy) compute something else
         res.check = _check(spec, shape, fn, sets[0], tol, ref_out)
+      if spec.info is not None:
+        res.info = spec.info(impl, shape)
     except NotImplementedError as e:
       res.status = f"unavailable: {' '.join(str(e).split())}"
       res.samples_us = []
@@ -709,9 +1322,12 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
     bar.close()
 
   base = next((r for r in results if r.impl == "xla" and r.ok), None)
+  copy = next((r for r in results if r.impl == "copy" and r.ok and r.median_us), None)
   for r in results:
     if base is not None and r.ok and r.median_us:
       r.speedup_vs_xla = base.median_us / r.median_us
+    if copy is not None and r.ok and r.median_us:
+      r.frac_of_copy = copy.median_us / r.median_us     # same bytes: GB/s ratio = time ratio
   return results
 
 
@@ -723,21 +1339,31 @@ def _num(x, fmt):
   return "-" if x is None else format(x, fmt)
 
 
+_KIND_SHORT = {"gathered": "gath", "moved": "moved"}
+
+
 def format_table(results: Sequence[Result]) -> str:
   """Plain-text table: impl, timer, median/p10/p90 µs, TFLOP/s, gathered GB/s, speedup vs xla, rel-L2."""
-  head = ["impl", "timer", "median µs", "p10 µs", "p90 µs", "TFLOP/s", "gath GB/s", "vs xla", "rel-L2",
-          "check"]
+  kind = results[0].bytes_kind if results else "gathered"
+  with_copy = any(r.frac_of_copy is not None for r in results)
+  head = ["impl", "timer", "median µs", "p10 µs", "p90 µs", "TFLOP/s", f"{_KIND_SHORT.get(kind, kind)} GB/s",
+          "vs xla"]
+  head += ["% copy BW"] if with_copy else []
+  head += ["rel-L2", "check"]
   rows = []
   notes = []
   for r in results:
     if not r.ok:
-      rows.append([r.label, r.timer] + ["-"] * 8)
+      rows.append([r.label, r.timer] + ["-"] * (len(head) - 2))
       notes.append(f"  {r.label}: {r.status}")
       continue
     chk = "-" if r.check_ok is None else ("PASS" if r.check_ok else "FAIL")
-    rows.append([r.label, r.timer, _num(r.median_us, ".1f"), _num(r.p10_us, ".1f"), _num(r.p90_us, ".1f"),
-                 _num(r.tflops, ".3g"), _num(r.gathered_gbps, ".4g"),
-                 "-" if r.speedup_vs_xla is None else f"{r.speedup_vs_xla:.3g}x", _num(r.rel_l2, ".2e"), chk])
+    row = [r.label, r.timer, _num(r.median_us, ".1f"), _num(r.p10_us, ".1f"), _num(r.p90_us, ".1f"),
+           _num(r.tflops, ".3g"), _num(r.gathered_gbps, ".4g"),
+           "-" if r.speedup_vs_xla is None else f"{r.speedup_vs_xla:.3g}x"]
+    if with_copy:
+      row.append("-" if r.frac_of_copy is None else f"{100 * r.frac_of_copy:.0f}%")
+    rows.append(row + [_num(r.rel_l2, ".2e"), chk])
   widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
   line = lambda cells: "  ".join(str(c).rjust(w) if i > 1 else str(c).ljust(w)  # noqa: E731
                                  for i, (c, w) in enumerate(zip(cells, widths)))
@@ -746,8 +1372,12 @@ def format_table(results: Sequence[Result]) -> str:
     r0 = results[0]
     shape = ",".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in r0.shape.items())
     out.insert(0, f"{r0.op}  [{shape}]  inputs={r0.n_inputs} iters={r0.iters}  "
-                  f"GFLOP/call={r0.flops / 1e9:.3f}  gathered MB/call={r0.gathered_bytes / 1e6:.2f}  "
+                  f"GFLOP/call={r0.flops / 1e9:.3f}  {kind} MB/call={r0.gathered_bytes / 1e6:.2f}  "
                   f"tol rel-L2={_num(r0.tolerance, '.3g')}")
+  for r in results:   # which implementation each step of a graph ran (BenchSpec.info)
+    steps = (r.info or {}).get("steps")
+    if steps:
+      out.append(f"  {r.label} ran: " + ", ".join(f"{st['op']}={st['impl']}" for st in steps))
   if notes:
     out.append("not run:")
     out += notes
@@ -768,14 +1398,15 @@ def plot(results: Sequence[Result], path: str, *, title: str = "") -> str:
   med = [r.median_us or 0.0 for r in results]
   lo = [max((r.median_us or 0.0) - (r.p10_us or 0.0), 0.0) for r in results]
   hi = [max((r.p90_us or 0.0) - (r.median_us or 0.0), 0.0) for r in results]
-  tf = [r.tflops or 0.0 for r in results]
+  by_bytes = not any(r.flops for r in results)      # memory-bound op without FLOPs: plot GB/s instead
+  tf = [(r.gathered_gbps if by_bytes else r.tflops) or 0.0 for r in results]
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   x = np.arange(len(results))
   timers = sorted({r.timer for r in results if r.ok}) or ["-"]
   axes[0].bar(x, med, yerr=[lo, hi], capsize=4, color="tab:blue")
   axes[0].set_ylabel(f"median µs per call ({'/'.join(timers)}; whiskers p10-p90)")
   axes[1].bar(x, tf, color="tab:orange")
-  axes[1].set_ylabel("TFLOP/s (FlashMLA convention)")
+  axes[1].set_ylabel(f"{results[0].bytes_kind} GB/s" if by_bytes else "TFLOP/s")
   for ax in axes:
     ax.set_xticks(x, names)
   for i, r in enumerate(results):
@@ -789,6 +1420,18 @@ def plot(results: Sequence[Result], path: str, *, title: str = "") -> str:
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return path
+
+
+_TIMER_CONVENTION = "cupti = device time of all kernels of one call; wall = host wall clock"
+
+
+def _conventions(op: str) -> dict[str, str]:
+  spec = SPECS.get(op)
+  if spec is not None and spec.conventions is not None:
+    return {**spec.conventions, "timer": _TIMER_CONVENTION}
+  return {"flops": "2*H*(576+512) per query token and attended key (FlashMLA)",
+          "gathered_bytes": "576 B per query token and top-k entry (FlashMLA)",
+          "timer": _TIMER_CONVENTION}
 
 
 def write_outputs(results: Sequence[Result], out_dir: str, *, make_plot: bool = True,
@@ -807,9 +1450,8 @@ def write_outputs(results: Sequence[Result], out_dir: str, *, make_plot: bool = 
       "op": r0.op, "shape": r0.shape, "command": command, **env,
       "n_inputs": r0.n_inputs, "iters": r0.iters, "warmup": r0.warmup, "flops": r0.flops,
       "gathered_bytes": r0.gathered_bytes,
-      "conventions": {"flops": "2*H*(576+512) per query token and attended key (FlashMLA)",
-                      "gathered_bytes": "576 B per query token and top-k entry (FlashMLA)",
-                      "timer": "cupti = device time of all kernels of one call; wall = host wall clock"},
+      "bytes_kind": r0.bytes_kind,
+      "conventions": _conventions(r0.op),
       "results": [r.as_dict() for r in results],
       **(extra or {}),
   }

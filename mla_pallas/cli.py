@@ -32,7 +32,12 @@ def _bench_epilog() -> str:
       cpu, gpu = spec.cpu_defaults[k], spec.gpu_defaults[k]
       fmt = (lambda v: f"{v:.6g}") if typ is float else str
       lines.append(f"    {k:<14} {desc} [{fmt(cpu)} | {fmt(gpu)}]")
-  lines.append("presets set H, topk and page from mla_pallas.config; --shape entries override them.")
+    extra = [i for i in spec.all_impls if i not in ("xla", "mosaic")]
+    if extra:
+      lines.append(f"    --impl all = {','.join(spec.all_impls)}")
+  lines.append("presets set the model's sizes from mla_pallas.config (sparse decode/prefill: H, topk, page; "
+               "quantize_and_bmm_fp8: H, K=qk_nope, N=512; rope: H (, page); mla_decode_step: model); --shape "
+               "entries override them. Shape keys are case-insensitive when unambiguous.")
   lines.append("timer: cupti (device time, GPU) or wall (host wall clock incl. dispatch, CPU); "
                "never compare the two.")
   return "\n".join(lines)
@@ -49,11 +54,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                      epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
   b.add_argument("op", choices=sorted(bench.SPECS), help=OPS_HELP)
   b.add_argument("--impl", default="xla,mosaic",
-                 help="comma-separated implementations among xla, mosaic, auto; 'all' = xla,mosaic "
-                      "(default: %(default)s)")
+                 help="comma-separated implementations among xla, mosaic, auto (and the op's extras, e.g. copy); "
+                      "'all' = xla,mosaic plus the op's extras (default: %(default)s)")
   b.add_argument("--shape", default="",
                  help="shape overrides, e.g. B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768")
-  b.add_argument("--preset", choices=("deepseek_v32", "glm5"), help="model preset (H, topk, page)")
+  b.add_argument("--preset", choices=("deepseek_v32", "glm5"), help="model preset (sizes of the model)")
   b.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 on GPU, 3 on CPU)")
   b.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 2 on GPU, 1 on CPU)")
   b.add_argument("--inputs", type=int, default=None,
@@ -85,23 +90,23 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
   return p, {"bench": b, "demo": d}
 
 
-def _parse_impls(text: str) -> tuple[str, ...]:
+def _parse_impls(text: str, spec=None) -> tuple[str, ...]:
   from mla_pallas import bench
+  known = spec.impls if spec is not None else bench.IMPLS
   if text.strip() == "all":
-    return ("xla", "mosaic")
+    return spec.all_impls if spec is not None else ("xla", "mosaic")
   impls = tuple(s.strip() for s in text.split(",") if s.strip())
-  bad = [i for i in impls if i not in bench.IMPLS]
+  bad = [i for i in impls if i not in known]
   if not impls or bad:
-    raise ValueError(f"--impl must be 'all' or a comma-separated list of {', '.join(bench.IMPLS)}; "
-                     f"got {text!r}")
+    raise ValueError(f"--impl must be 'all' or a comma-separated list of {', '.join(known)}; got {text!r}")
   return impls
 
 
 def _cmd_bench(args, parser, argv) -> int:
   from mla_pallas import bench
   try:
-    impls = _parse_impls(args.impl)
     spec = bench.get_spec(args.op)
+    impls = _parse_impls(args.impl, spec)
     shape = spec.shape(bench.parse_shape(args.shape), preset=args.preset)
     for name in ("iters", "inputs"):
       v = getattr(args, name)

@@ -176,3 +176,139 @@ def test_time_cupti_aggregation_with_fake_profiler(monkeypatch):
   assert kernels == pytest.approx({"gather": 20.0, "attn": 30.0})
   samples, _ = bench.time_cupti(lambda x: x * 2, sets, iters=1, warmup=0)
   assert samples == pytest.approx([40.0])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantize_and_bmm_fp8, rope (fused / unfused, with the device-copy baseline), one MLA decode step
+# ----------------------------------------------------------------------------------------------------------
+
+def _one_json(tmp_path, op):
+  (path,) = glob.glob(os.path.join(tmp_path, f"{op}-*.json"))
+  return json.load(open(path))
+
+
+def test_cli_bench_bmm_lowercase_keys(tmp_path, capsys):
+  rc = cli.main(["bench", "quantize_and_bmm_fp8", "--impl", "xla", "--shape", "t=5,h=2,k=192,n=256,hnk=0",
+                 "--iters", "1", "--inputs", "1", "--no-plot", "--out", tmp_path, "--no-progress"])
+  assert rc == 0
+  doc = _one_json(tmp_path, "quantize_and_bmm_fp8")
+  assert doc["shape"] == dict(T=5, H=2, K=192, N=256, hnk=0, per_tensor=0)
+  assert doc["bytes_kind"] == "moved" and "2*T*H*K*N" in doc["conventions"]["flops"]
+  (res,) = doc["results"]
+  assert res["status"] == "ok" and res["check_ok"] is True
+  assert res["flops"] == 2 * 5 * 2 * 192 * 256
+  assert res["gathered_bytes"] == 5 * 2 * 192 * 2 + 2 * 192 * 256 + 2 * 2 * 2 * 4 + 5 * 2 * 256 * 2
+  assert "moved GB/s" in capsys.readouterr().out
+
+
+def test_bmm_presets_and_interpret_kernel():
+  spec = bench.get_spec("quantize_and_bmm_fp8")
+  assert spec.shape({}, preset="glm5", gpu=True) == dict(T=4096, H=64, K=192, N=512, hnk=1, per_tensor=0)
+  with pytest.raises(ValueError, match="0 or 1"):
+    spec.shape({"hnk": 2})
+  # the kernel in interpret mode at a tiny shape ([H, N, K] weight, per-tensor scale), against the reference
+  results = bench.run("quantize_and_bmm_fp8", ("xla", "mosaic"), dict(T=3, H=2, K=128, N=128, per_tensor=1),
+                      iters=1, n_inputs=1, progress=False, interpret=True)
+  for r in results:
+    assert r.ok and r.check_ok, (r.label, r.status, r.check)
+  assert results[1].label == "mosaic[interpret]"
+
+
+def test_fused_rope_bench_with_copy_baseline():
+  shape = dict(T=6, H=8, page=16, max_pos=64)
+  results = bench.run("fused_rope_rmsnorm_quantization", ("xla", "copy"), shape, iters=2, n_inputs=1,
+                      progress=False)
+  xla, copy = results
+  assert xla.ok and xla.check_ok and set(xla.check) == {"cache", "q_rope"}
+  assert xla.rel_l2 == 0.0                                   # the XLA path is the reference's math, bitwise
+  assert copy.ok and copy.check is None and copy.frac_of_copy == pytest.approx(1.0)
+  assert xla.frac_of_copy == pytest.approx(copy.median_us / xla.median_us)
+  t, h = 6, 8
+  moved = t * 576 * 2 + 2 * t * h * 64 * 2 + t * 256 + t * 4 + 512 * 2 + t * 576 + t * 4
+  assert xla.gathered_bytes == copy.gathered_bytes == moved and xla.flops == 0 and xla.tflops is None
+  # the copy reads and writes half of the op's bytes each
+  s = bench.get_spec("fused_rope_rmsnorm_quantization").shape(shape)
+  buf = bench.get_spec("fused_rope_rmsnorm_quantization").make_inputs(s, jax.random.key(0))[-1]
+  assert buf.nbytes == moved // 8 * 4
+  table = bench.format_table(results)
+  assert "% copy BW" in table and "moved GB/s" in table and "100%" in table
+
+
+def test_cli_rope_rmsnorm_all_includes_copy(tmp_path, capsys):
+  rc = cli.main(["bench", "rope_rmsnorm", "--impl", "all", "--shape", "T=4,H=4,interleaved=0", "--iters", "1",
+                 "--inputs", "1", "--no-plot", "--out", tmp_path, "--no-progress"])
+  assert rc == 0
+  doc = _one_json(tmp_path, "rope_rmsnorm")
+  impls = {r["impl"]: r for r in doc["results"]}
+  assert list(impls) == ["xla", "mosaic", "copy"]
+  assert impls["xla"]["check_ok"] is True and impls["copy"]["status"] == "ok"
+  if ON_CPU:
+    assert impls["mosaic"]["status"].startswith("unavailable")
+  assert "copy" in doc["conventions"]
+  with pytest.raises(SystemExit) as e:        # "copy" is only an impl of the rope specs
+    cli.main(["bench", "sparse_mla_decode", "--impl", "copy"])
+  assert e.value.code == 2
+
+
+def test_cli_decode_step_reports_graph_impls(tmp_path, capsys):
+  rc = cli.main(["bench", "mla_decode_step", "--impl", "xla", "--shape", "b=2,H=8,topk=32,ctx=128",
+                 "--iters", "1", "--inputs", "1", "--no-plot", "--out", tmp_path, "--no-progress"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  doc = _one_json(tmp_path, "mla_decode_step")
+  assert doc["shape"]["model"] == "deepseek_v32" and doc["shape"]["page"] == 64
+  assert "mla_decode_branch_fp8" in doc["conventions"]["scope"]
+  for res in doc["results"]:
+    assert res["status"] == "ok" and res["check_ok"] is True and list(res["check"]) == ["out"]
+    info = res["info"]
+    assert info["graph"] == "mla_decode_branch_fp8" and info["heads_run"] == 8
+    ops = [s["op"] for s in info["steps"]]
+    assert ops == ["fused_rope_rmsnorm_quantization", "quantize_and_bmm_fp8", "sparse_mla_decode",
+                   "quantize_and_bmm_fp8"]
+    if ON_CPU:
+      assert {s["impl"] for s in info["steps"]} == {"xla"}
+    # FLOPs: attention (FlashMLA convention) + the two absorbed BMMs (nope 128, v 128)
+    assert res["flops"] == 2 * 2 * 8 * 32 * (576 + 512) + 2 * 2 * 8 * 512 * (128 + 128)
+  assert "xla ran: fused_rope_rmsnorm_quantization=xla" in out
+
+
+def test_decode_step_shapes_from_model_and_tp():
+  spec = bench.get_spec("mla_decode_step")
+  g = spec.shape({"model": "glm5", "tp": "8", "H": "0", "topk": "0", "page": "0"}, gpu=False)
+  assert (g["H"], g["topk"], g["page"]) == (64, 2048, 64)
+  assert bench._step_cfg(g).num_heads == 8 and bench._step_cfg(g).qk_nope_head_dim == 192
+  d = spec.shape({}, preset="deepseek_v32", gpu=True)
+  assert (d["B"], d["s_q"], d["H"], d["topk"], d["ctx"]) == (128, 1, 128, 2048, 32768)
+  with pytest.raises(ValueError, match="model"):
+    spec.shape({"model": "llama"})
+  with pytest.raises(ValueError, match="tp"):
+    spec.shape({"H": "16", "tp": "3"})
+
+
+def test_time_cupti_state_threads_donated_state(monkeypatch):
+  # A stand-in for the CUPTI hooks: 2 kernels of the same name per call, 2 sets, 3 iterations. The state input is
+  # donated and fed back (the counter advances once per call), and the caller's arrays stay usable (the state is
+  # copied first).
+  launches = []
+
+  class FakeExt:
+    def _cupti_init(self):
+      launches.clear()
+
+    def _cupti_get_timings(self, finalize):
+      return [(name, ms) for i in range(len(launches)) for name, ms in (("mosaic", 0.002), ("mosaic", 0.004))]
+
+  monkeypatch.setattr(bench, "_cupti_ext", lambda: FakeExt())
+  seen = []
+
+  def fn(counter, x):
+    jax.debug.callback(lambda c: (launches.append(1), seen.append(int(c))), counter)
+    return counter + 1, x * 2
+
+  sets = [(jax.numpy.int32(10 * i), jax.numpy.ones(3)) for i in range(2)]
+  samples, kernels = bench.time_cupti_state(fn, sets, (0, 0), iters=3, warmup=1)
+  assert samples == pytest.approx([6.0] * 3)                   # (2 + 4 µs) per call; 2 calls / 2 sets
+  # a name repeated within one call (every Mosaic kernel is "anonymous_mosaic_gpu_kernel") is kept apart
+  assert kernels == pytest.approx({"mosaic": 2.0, "mosaic#2": 4.0})
+  assert seen[-6:] == [2, 12, 3, 13, 4, 14]                    # compile call + warm-up, then 3 timed passes
+  assert int(sets[0][0]) == 0 and int(sets[1][0]) == 10        # not consumed
