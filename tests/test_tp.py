@@ -4,9 +4,10 @@ mesh axis, against the single-device run.
 Each shard holds ``cfg.heads_per_shard(2)`` heads (the per-head weights ``w_q_b, w_uk, w_uv, w_o`` and their FP8
 block scales split on axis 0, see ``MLAAttention.tp_specs``), the latent projection and the cache are replicated
 (every shard writes the same rows), and the output projection's per-shard partial sums (float32, over the shard's
-heads) are combined with ``psum`` over ``tp`` before the bf16 cast. Expected difference from one device: only the
-float32 summation order of the output projection (the heads' contributions are added in a different order), which
-can flip the final bf16 rounding of a few elements by one ulp; the cache must be bitwise equal.
+heads) are combined with ``psum`` over ``tp`` before the bf16 cast. Expected difference from one device on the CPU:
+only the float32 summation order of the output projection (the heads' contributions are added in a different
+order), which can flip the final bf16 rounding of a few elements by one ulp. On GPUs XLA's kernels differ inside the
+layer too (see the bound in the script). The cache must be bitwise equal everywhere.
 
 The CPU test needs 2 host devices, and XLA_FLAGS must be set before JAX initializes, so the check runs in a
 subprocess. The GPU test runs the same script on 2 GPUs (H200 x2) and is skipped elsewhere.
@@ -89,12 +90,25 @@ SCRIPT = textwrap.dedent("""
       for name, a, b in zip(("prefill", "decode dense", "decode sparse"), ys1, ys2):
         a = np.asarray(a, np.float32)
         b = np.asarray(b, np.float32)
-        # f32 summation order of the head partial sums, then one bf16 rounding: <= 1 bf16 ulp (2^-7 relative)
-        # per element, plus f32 noise far below that
-        tol = 2.0 ** -7 * np.abs(a) + 1e-6 * np.abs(a).max()
-        bad = np.abs(a - b) > tol
-        assert not bad.any(), (preset, name, int(bad.sum()), float(np.abs(a - b).max()))
-        print(f"{preset} fp8={fp8} {name}: max|diff|={np.abs(a - b).max():.3g} "
+        rel = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+        if platform == "cpu":
+          # same ops, same order but for the head partial sums: f32 summation order, then one bf16 rounding:
+          # <= 1 bf16 ulp (2^-7 relative) per element, plus f32 noise far below that
+          tol = 2.0 ** -7 * np.abs(a) + 1e-6 * np.abs(a).max()
+          bad = np.abs(a - b) > tol
+          assert not bad.any(), (preset, name, int(bad.sum()), float(np.abs(a - b).max()), rel)
+        else:
+          # GPU: XLA picks GEMM algorithms per shape (8 vs 16 heads) and the prefill differed between two runs of
+          # the same program on 2 H200s, so f32 summation orders differ *inside* the layer; where such an ulp
+          # crosses a rounding boundary of an intermediate (bf16 activations; e4m3 re-quantized activations with
+          # FP8 weights), that value moves one step and the next matmul spreads it over many outputs. Seen on
+          # 2 H200s (2026-11-30, benchmarks/raw/tp2_gpu_run*.log): FP8 prefill rel-L2 5.2e-3 (max 0.023 of
+          # |y| 3.5), BF16 prefill 6.9e-5 (2 elements 2 ulps off). Bound: the RMS error of re-rounding *every*
+          # intermediate once, rel-L2 <= u/sqrt(3) with u = 2^-4 (e4m3) or 2^-8 (bf16); a head-mixing or
+          # sharding bug gives O(1).
+          bound = (2.0 ** -4 if fp8 else 2.0 ** -8) / np.sqrt(3.0)
+          assert rel <= bound, (preset, name, rel, bound)
+        print(f"{preset} fp8={fp8} {name}: max|diff|={np.abs(a - b).max():.3g} rel-L2={rel:.3g} "
               f"(max|y|={np.abs(a).max():.3g}), heads/shard={cfg.heads_per_shard(TP)}")
     print("TP OK")
 """)
