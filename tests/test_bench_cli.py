@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from mla_pallas import bench, cli
+from mla_pallas import bench, bench_specs, cli
 
 TINY = "B=1,s_q=1,H=8,topk=32,page=16,ctx=64"
 ON_CPU = jax.default_backend() == "cpu"
@@ -276,7 +276,7 @@ def test_decode_step_shapes_from_model_and_tp():
   spec = bench.get_spec("mla_decode_step")
   g = spec.shape({"model": "glm5", "tp": "8", "H": "0", "topk": "0", "page": "0"}, gpu=False)
   assert (g["H"], g["topk"], g["page"]) == (64, 2048, 64)
-  assert bench._step_cfg(g).num_heads == 8 and bench._step_cfg(g).qk_nope_head_dim == 192
+  assert bench_specs._step_cfg(g).num_heads == 8 and bench_specs._step_cfg(g).qk_nope_head_dim == 192
   d = spec.shape({}, preset="deepseek_v32", gpu=True)
   assert (d["B"], d["s_q"], d["H"], d["topk"], d["ctx"]) == (128, 1, 128, 2048, 32768)
   with pytest.raises(ValueError, match="model"):

@@ -1,0 +1,616 @@
+"""The benchmark specs of :mod:`mla_pallas.bench`: one :class:`~mla_pallas.bench.BenchSpec` per op.
+
+``sparse_mla_decode``, ``sparse_mla_prefill``; ``quantize_and_bmm_fp8`` (XLA = fp8 ``dot_general``, i.e. cuBLASLt on
+a GPU; FLOPs 2*T*H*K*N, "moved" bytes; reference evaluated on the CPU, see ``BenchSpec.reference_on_cpu``);
+``fused_rope_rmsnorm_quantization`` and ``rope_rmsnorm`` ("moved" bytes = what the op must read and write; extra
+impl ``copy``: a device copy of the same bytes in the same run, reported as "% copy BW"); ``mla_decode_step``: one
+decode step of :func:`mla_pallas.graph.mla_decode_branch_fp8` (fused cache write, q absorb, sparse attention,
+v up-projection) with the graph's ``impl=`` argument, ``info.steps`` = the graph's
+:func:`~mla_pallas.graph.graph_report` per impl.
+
+Importing :mod:`mla_pallas.bench` registers them (it imports this module last).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mla_pallas import testing
+from mla_pallas.bench import D_QK, D_V, FP8, IMPLS, BenchSpec, _on_gpu, register
+
+def _model_preset(name: str) -> dict[str, Any]:
+  from mla_pallas import config
+  cfg = config.preset(name)
+  return {"H": cfg.num_heads, "topk": cfg.index_topk, "page": cfg.page_size}
+
+
+def _check_positive(shape, *names):
+  for n in names:
+    if shape[n] <= 0:
+      raise ValueError(f"shape key {n!r} must be positive; got {shape[n]}")
+
+
+def _check_page(shape):
+  if shape["page"] % 16:
+    raise ValueError(f"shape key 'page' must be a positive multiple of 16; got {shape['page']}")
+
+
+def _random_cache(key, num_pages, page):
+  # N(0, 1) latent rows rounded to e4m3 (|x| < 448 always holds for normals).
+  return jax.random.normal(key, (num_pages, page, D_QK), jnp.bfloat16).astype(FP8)
+
+
+def _random_slots(key, block_table, rows_shape, ctx, topk, page):
+  """Random distinct positions in [0, ctx) per row, mapped to flat slots through ``block_table`` [B, pages].
+
+  rows_shape = (B, s_q); returns int32 [B, s_q, topk]; entries past ctx (topk > ctx) are -1, as DSA emits.
+  """
+  b, s_q = rows_shape
+  k = min(topk, ctx)
+  # top_k of uniform noise = k distinct positions in random order (the indexer's top-k is not position-sorted).
+  _, pos = jax.lax.top_k(jax.random.uniform(key, (b, s_q, ctx)), k)
+  pos = pos.astype(jnp.int32)
+  pages = jnp.take_along_axis(block_table[:, None, :], pos // page, axis=2)
+  slots = pages * page + pos % page
+  if topk > k:
+    slots = jnp.concatenate([slots, jnp.full((b, s_q, topk - k), -1, jnp.int32)], axis=-1)
+  return slots
+
+
+# ---- sparse_mla_decode -----------------------------------------------------------------------------------
+
+_DECODE_KEYS = {
+    "B": (int, "batch (sequences)"),
+    "s_q": (int, "query tokens per sequence (MTP: 2)"),
+    "H": (int, "query heads"),
+    "topk": (int, "indexer top-k: keys per query token (entries past ctx are -1)"),
+    "page": (int, "KV-cache page size (multiple of 16)"),
+    "ctx": (int, "cache tokens per sequence (the cache holds B * ceil(ctx/page) pages, shuffled)"),
+    "softmax_scale": (float, "softmax scale (default 576**-0.5: logits of std 1 on N(0,1) data)"),
+    "kv_scale": (float, "per-tensor dequantization scale of the fp8 cache"),
+}
+_SCALE_DEFAULTS = {"softmax_scale": D_QK ** -0.5, "kv_scale": 1.0}
+
+
+def _decode_validate(s):
+  _check_positive(s, "B", "s_q", "H", "topk", "page", "ctx")
+  _check_page(s)
+  if not (s["softmax_scale"] > 0 and s["kv_scale"] > 0):
+    raise ValueError("shape keys 'softmax_scale' and 'kv_scale' must be positive")
+
+
+def _pages_per_seq(s):
+  return -(-s["ctx"] // s["page"])
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _decode_inputs_jit(shape_items, key):
+  s = dict(shape_items)
+  b, s_q, h, page = s["B"], s["s_q"], s["H"], s["page"]
+  pps = _pages_per_seq(s)
+  k_cache, k_perm, k_idx, k_q = jax.random.split(key, 4)
+  cache = _random_cache(k_cache, b * pps, page)
+  # sequence b owns pages block_table[b] of a shuffled page pool (as a paged allocator would leave them).
+  block_table = jax.random.permutation(k_perm, b * pps).astype(jnp.int32).reshape(b, pps)
+  indices = _random_slots(k_idx, block_table, (b, s_q), s["ctx"], s["topk"], page)
+  q = jax.random.normal(k_q, (b, s_q, h, D_QK), jnp.bfloat16)
+  return q, cache, indices
+
+
+def _decode_inputs(s, key):
+  return _decode_inputs_jit(tuple(sorted(s.items())), key)
+
+
+def _scales(s):
+  return {"softmax_scale": float(s["softmax_scale"]), "kv_scale": float(s["kv_scale"])}
+
+
+def _attn_tolerance(s, pv_length):
+  # Full FP8 kernel path (q and P in e4m3, fp8 wgmma); logits have std softmax_scale*sqrt(576)*kv_scale on
+  # N(0,1) data. Loose on purpose: the XLA path is held to the same bound.
+  logit_std = s["softmax_scale"] * math.sqrt(D_QK) * s["kv_scale"]
+  return testing.fp8_error_budget(pv_length=pv_length, logit_std=logit_std)
+
+
+register(BenchSpec(
+    name="sparse_mla_decode",
+    keys=_DECODE_KEYS,
+    cpu_defaults=dict(B=2, s_q=1, H=16, topk=128, page=64, ctx=512, **_SCALE_DEFAULTS),
+    gpu_defaults=dict(B=128, s_q=2, H=128, topk=2048, page=64, ctx=32768, **_SCALE_DEFAULTS),
+    preset=_model_preset,
+    validate=_decode_validate,
+    make_inputs=_decode_inputs,
+    op_kwargs=_scales,
+    flops=lambda s: 2.0 * s["B"] * s["s_q"] * s["H"] * s["topk"] * (D_QK + D_V),
+    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * D_QK),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK
+                              + s["B"] * s["s_q"] * (s["H"] * D_QK * 2 + s["topk"] * 4)),
+    touched_bytes=lambda s: float(
+        min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * D_QK          # gathered rows
+        + s["B"] * s["s_q"] * (s["H"] * D_QK * 2 + s["topk"] * 4)             # q, indices
+        + s["B"] * s["s_q"] * s["H"] * (D_V * 2 + 4)),                        # out, lse
+    tolerance=lambda s: _attn_tolerance(s, s["topk"]),
+    outputs=("out", "lse"),
+    module="mla_pallas.ops.sparse_decode",
+))
+
+
+# ---- sparse_mla_prefill ----------------------------------------------------------------------------------
+
+_PREFILL_KEYS = {
+    "T": (int, "query tokens"),
+    "H": (int, "query heads"),
+    "topk": (int, "indexer top-k per token (entries past ctx are -1)"),
+    "page": (int, "KV page size (multiple of 16); the kv is passed paged"),
+    "ctx": (int, "kv tokens (ceil(ctx/page) shuffled pages)"),
+    "softmax_scale": _DECODE_KEYS["softmax_scale"],
+    "kv_scale": _DECODE_KEYS["kv_scale"],
+}
+
+
+def _prefill_validate(s):
+  _check_positive(s, "T", "H", "topk", "page", "ctx")
+  _check_page(s)
+  if not (s["softmax_scale"] > 0 and s["kv_scale"] > 0):
+    raise ValueError("shape keys 'softmax_scale' and 'kv_scale' must be positive")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill_inputs_jit(shape_items, key):
+  s = dict(shape_items)
+  t, h, page = s["T"], s["H"], s["page"]
+  pps = _pages_per_seq(s)
+  k_cache, k_perm, k_idx, k_q = jax.random.split(key, 4)
+  kv = _random_cache(k_cache, pps, page)
+  block_table = jax.random.permutation(k_perm, pps).astype(jnp.int32).reshape(1, pps)
+  indices = _random_slots(k_idx, block_table, (1, t), s["ctx"], s["topk"], page)[0]
+  q = jax.random.normal(k_q, (t, h, D_QK), jnp.bfloat16)
+  return q, kv, indices
+
+
+register(BenchSpec(
+    name="sparse_mla_prefill",
+    keys=_PREFILL_KEYS,
+    cpu_defaults=dict(T=8, H=16, topk=128, page=64, ctx=512, **_SCALE_DEFAULTS),
+    gpu_defaults=dict(T=4096, H=128, topk=2048, page=64, ctx=32768, **_SCALE_DEFAULTS),
+    preset=_model_preset,
+    validate=_prefill_validate,
+    make_inputs=lambda s, key: _prefill_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=_scales,
+    flops=lambda s: 2.0 * s["T"] * s["H"] * s["topk"] * (D_QK + D_V),
+    gathered_bytes=lambda s: float(s["T"] * s["topk"] * D_QK),
+    set_bytes=lambda s: float(_pages_per_seq(s) * s["page"] * D_QK
+                              + s["T"] * (s["H"] * D_QK * 2 + s["topk"] * 4)),
+    touched_bytes=lambda s: float(
+        min(s["T"] * s["topk"], s["ctx"]) * D_QK
+        + s["T"] * (s["H"] * D_QK * 2 + s["topk"] * 4)
+        + s["T"] * s["H"] * (D_V * 2 + 4)),
+    tolerance=lambda s: _attn_tolerance(s, s["topk"]),
+    outputs=("out", "lse"),
+    module="mla_pallas.ops.sparse_decode",
+))
+
+
+# ---- quantize_and_bmm_fp8 --------------------------------------------------------------------------------
+
+_BMM_KEYS = {
+    "T": (int, "tokens (rows of a [T, H, K])"),
+    "H": (int, "heads (the batch of the BMM)"),
+    "K": (int, "reduction dim (W_UK: qk_nope 128 DeepSeek-V3.2 / 192 GLM-5; W_UV: 512)"),
+    "N": (int, "output dim (W_UK: 512; W_UV: v_head_dim 128 / 256)"),
+    "hnk": (int, "1: weight prepared once as [H, N, K] (what the kernel reads); 0: [H, K, N] (the kernel path "
+                 "then transposes it in every call)"),
+    "per_tensor": (int, "1: one activation scale for all of a; 0: per-token (per (t, h) row) scales"),
+}
+
+
+def _bmm_preset(name: str) -> dict[str, Any]:
+  from mla_pallas import config
+  cfg = config.preset(name)     # the absorbed q_nope @ W_UK of the model (K = qk_nope, N = kv_lora_rank)
+  return {"H": cfg.num_heads, "K": cfg.qk_nope_head_dim, "N": cfg.kv_lora_rank}
+
+
+def _check_flags(shape, *names):
+  for n in names:
+    if shape[n] not in (0, 1):
+      raise ValueError(f"shape key {n!r} must be 0 or 1; got {shape[n]}")
+
+
+def _bmm_validate(s):
+  _check_positive(s, "T", "H", "K", "N")
+  _check_flags(s, "hnk", "per_tensor")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _bmm_inputs_jit(shape_items, key):
+  from mla_pallas import quant
+  s = dict(shape_items)
+  t, h, k, n = s["T"], s["H"], s["K"], s["N"]
+  k_a, k_w = jax.random.split(key)
+  a = jax.random.normal(k_a, (t, h, k), jnp.bfloat16)
+  w8, ws = quant.quantize_blocks_fp8(jax.random.normal(k_w, (h, k, n), jnp.float32) * k ** -0.5)
+  if s["hnk"]:
+    w8 = jnp.swapaxes(w8, 1, 2)       # mla_pallas.ops.bmm_fp8.prepare_weight, done once (weights are static)
+  return a, w8, ws
+
+
+def _bmm_kwargs(s):
+  return dict(act_scale="per_tensor" if s["per_tensor"] else "per_token")
+
+
+def _bmm_op(impl, s, interpret):
+  from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
+  return functools.partial(quantize_and_bmm_fp8, **_bmm_kwargs(s), weight_layout="hnk" if s["hnk"] else "hkn",
+                           impl=impl, interpret=interpret)
+
+
+def _bmm_reference(s):
+  from mla_pallas import reference
+
+  def ref(a, w, w_scale):
+    return reference.quantize_and_bmm_fp8(a, jnp.swapaxes(w, 1, 2) if s["hnk"] else w, w_scale, **_bmm_kwargs(s))
+  return ref
+
+
+def _bmm_bytes(s):
+  t, h, k, n = s["T"], s["H"], s["K"], s["N"]
+  return float(t * h * k * 2 + h * k * n + h * (-(-k // 128)) * (-(-n // 128)) * 4 + t * h * n * 2)
+
+
+def _bmm_tolerance(s):
+  # Both paths quantize a exactly as the reference does (bitwise the same fp8 operands), so what is left is the
+  # accumulation of the fp8 products (Hopper fp8 wgmma / cuBLASLt: the error model's "qk_mma" term with reduction
+  # length K on N(0, 1)-like data) and the bf16 rounding of both outputs ("out_bf16"); no q/P quantization term.
+  return testing.fp8_error_budget(quantized_q=False, quantized_p=False, fp8_mma=True, d_qk=s["K"], pv_length=1,
+                                  logit_std=1.0)
+
+
+register(BenchSpec(
+    name="quantize_and_bmm_fp8",
+    keys=_BMM_KEYS,
+    cpu_defaults=dict(T=8, H=4, K=128, N=256, hnk=1, per_tensor=0),
+    gpu_defaults=dict(T=4096, H=128, K=128, N=512, hnk=1, per_tensor=0),
+    preset=_bmm_preset,
+    validate=_bmm_validate,
+    make_inputs=lambda s, key: _bmm_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=_bmm_kwargs,
+    flops=lambda s: 2.0 * s["T"] * s["H"] * s["K"] * s["N"],
+    gathered_bytes=_bmm_bytes,
+    set_bytes=_bmm_bytes,
+    touched_bytes=_bmm_bytes,
+    tolerance=_bmm_tolerance,
+    make_op=_bmm_op,
+    make_reference=_bmm_reference,
+    reference_on_cpu=True,
+    bytes_kind="moved",
+    conventions={"flops": "2*T*H*K*N", "gathered_bytes": "moved bytes: a bf16 [T,H,K] in, fp8 weight and its "
+                 "block scales in, bf16 [T,H,N] out (the minimum; the Mosaic path also writes and re-reads a8)"},
+    module="mla_pallas.ops.bmm_fp8",
+))
+
+
+# ---- fused_rope_rmsnorm_quantization / rope_rmsnorm ------------------------------------------------------
+
+_ROPE_KEYS = {
+    "T": (int, "tokens (decode: B * s_q)"),
+    "H": (int, "query heads (of the q_rope [T, H, 64] rotated alongside)"),
+    "interleaved": (int, "1: DeepSeek interleaved RoPE pairs; 0: NeoX half-split pairs"),
+    "page": (int, "cache page size (multiple of 16); the cache holds ceil(2T/page) pages"),
+    "max_pos": (int, "rows of the cos/sin tables (positions are random in [0, max_pos))"),
+    "kv_scale": (float, "per-tensor scale of the fp8 cache"),
+}
+_ROPE_EPS = 1e-6
+
+
+def _rope_validate(s):
+  _check_positive(s, "T", "H", "page", "max_pos")
+  _check_page(s)
+  _check_flags(s, "interleaved")
+  if not s["kv_scale"] > 0:
+    raise ValueError("shape key 'kv_scale' must be positive")
+
+
+def _rope_num_pages(s):
+  return -(-2 * s["T"] // s["page"])
+
+
+def _rope_moved(s, fused):
+  """Bytes the op must read and write: kv [T,576] bf16 in, q_rope [T,H,64] bf16 in and out, the cos/sin rows of
+  the T positions (2 x 32 f32), positions (+ slots) int32, the norm weight; then fp8 rows [T,576] out (fused) or
+  bf16 kv rows [T,576] out (unfused)."""
+  t, h = s["T"], s["H"]
+  b = t * D_QK * 2 + 2 * t * h * 64 * 2 + t * 2 * 32 * 4 + t * 4 + D_V * 2
+  return float(b + (t * D_QK + t * 4 if fused else t * D_QK * 2))
+
+
+def _copy_words(s, fused):
+  # "copy" reads and writes half of the op's bytes each: a uint32 buffer of moved / 8 elements.
+  return max(1, int(_rope_moved(s, fused)) // 8)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _rope_inputs_jit(shape_items, fused, key):
+  from mla_pallas import reference
+  s = dict(shape_items)
+  t, h = s["T"], s["H"]
+  k_kv, k_q, k_p, k_w, k_s, k_b = jax.random.split(key, 6)
+  kv = (jax.random.normal(k_kv, (t, D_QK), jnp.float32) * 2.0).astype(jnp.bfloat16)
+  q_rope = jax.random.normal(k_q, (t, h, 64), jnp.bfloat16)
+  positions = jax.random.randint(k_p, (t,), 0, s["max_pos"], jnp.int32)
+  cos, sin = reference.rope_tables(s["max_pos"])
+  norm_w = (1.0 + 0.1 * jax.random.normal(k_w, (D_V,), jnp.float32)).astype(jnp.bfloat16)
+  buf = jax.random.bits(k_b, (_copy_words(s, fused),), jnp.uint32)
+  if not fused:
+    return kv, q_rope, positions, cos, sin, norm_w, buf
+  num_pages = _rope_num_pages(s)
+  pages = jnp.zeros((num_pages, s["page"], D_QK), FP8)
+  slots = jax.random.permutation(k_s, num_pages * s["page"])[:t].astype(jnp.int32)   # distinct, scattered
+  return pages, kv, q_rope, positions, cos, sin, norm_w, slots, buf
+
+
+def _copy(buf):
+  # A read + write of buf's bytes that XLA cannot elide or turn into a no-op (x + 0 / x * 1 would be folded).
+  return jnp.bitwise_not(buf)
+
+
+def _fused_op(impl, s, interpret):
+  kw = dict(eps=_ROPE_EPS, kv_scale=float(s["kv_scale"]), interleaved=bool(s["interleaved"]))
+  if impl == "copy":
+    return lambda pages, kv, q, pos, cos, sin, w, slots, buf: (pages, _copy(buf))
+  from mla_pallas.ops.rope_rmsnorm import fused_rope_rmsnorm_quantization
+
+  def f(pages, kv, q, pos, cos, sin, w, slots, buf):
+    return fused_rope_rmsnorm_quantization(pages, kv, q, pos, cos, sin, w, slots=slots, impl=impl,
+                                           interpret=interpret, **kw)
+  return f
+
+
+def _fused_reference(s):
+  from mla_pallas import reference
+
+  def ref(pages, kv, q, pos, cos, sin, w, slots, buf):
+    return reference.rope_rmsnorm_quantize_write(pages, kv, q, pos, cos, sin, w, eps=_ROPE_EPS,
+                                                 kv_scale=float(s["kv_scale"]), slots=slots,
+                                                 interleaved=bool(s["interleaved"]))
+  return ref
+
+
+def _unfused_op(impl, s, interpret):
+  if impl == "copy":
+    return lambda kv, q, pos, cos, sin, w, buf: _copy(buf)
+  from mla_pallas.ops.rope_rmsnorm import rope_rmsnorm
+
+  def f(kv, q, pos, cos, sin, w, buf):
+    return rope_rmsnorm(kv, q, pos, cos, sin, w, eps=_ROPE_EPS, interleaved=bool(s["interleaved"]), impl=impl,
+                        interpret=interpret)
+  return f
+
+
+def _unfused_reference(s):
+  from mla_pallas import reference
+
+  def ref(kv, q, pos, cos, sin, w, buf):
+    return reference.rope_rmsnorm(kv, q, pos, cos, sin, w, eps=_ROPE_EPS, interleaved=bool(s["interleaved"]))
+  return ref
+
+
+# The XLA paths are bitwise the reference; the kernel differs in a few values by one bf16 ulp / one e4m3 step
+# (RMS summation order; tests/_rope_inputs.py checks that near-bitwise). The tolerance here is the RMS of one
+# rounding to the output format (testing's unit roundoffs / sqrt(3)): an implementation may not be worse than
+# re-rounding every element once.
+_E4M3_ROUNDING = testing.E4M3_UNIT_ROUNDOFF / math.sqrt(3.0)
+_BF16_ROUNDING = testing.BF16_UNIT_ROUNDOFF / math.sqrt(3.0)
+_ROPE_CONVENTIONS = {
+    "flops": "0 (memory-bound op)",
+    "gathered_bytes": "moved bytes: kv [T,576] bf16 in, q_rope [T,H,64] bf16 in and out, cos/sin rows of the T "
+                      "positions (2 x 32 f32), positions/slots int32, norm weight; fp8 [T,576] rows out (fused) "
+                      "or bf16 [T,576] out (rope_rmsnorm)",
+    "copy": "impl 'copy': bitwise_not of a uint32 buffer of moved/2 bytes (reads and writes the op's bytes) in "
+            "the same run; frac_of_copy = copy time / impl time",
+}
+
+register(BenchSpec(
+    name="fused_rope_rmsnorm_quantization",
+    keys=_ROPE_KEYS,
+    cpu_defaults=dict(T=16, H=16, interleaved=1, page=64, max_pos=4096, kv_scale=1.0),
+    gpu_defaults=dict(T=4096, H=128, interleaved=1, page=64, max_pos=32768, kv_scale=1.0),
+    preset=lambda name: {"H": _model_preset(name)["H"], "page": _model_preset(name)["page"]},
+    validate=_rope_validate,
+    make_inputs=lambda s, key: _rope_inputs_jit(tuple(sorted(s.items())), True, key),
+    op_kwargs=lambda s: {},
+    flops=lambda s: 0.0,
+    gathered_bytes=lambda s: _rope_moved(s, True),
+    set_bytes=lambda s: float(_rope_moved(s, True) * 1.5 + _rope_num_pages(s) * s["page"] * D_QK
+                              + 2 * s["max_pos"] * 32 * 4),
+    touched_bytes=lambda s: 2.0 * _rope_moved(s, True),      # the op's bytes, then the copy's
+    tolerance=lambda s: {"cache": _E4M3_ROUNDING, "q_rope": _BF16_ROUNDING},
+    outputs=("cache", "q_rope"),
+    make_op=_fused_op,
+    make_reference=_fused_reference,
+    extra_impls=("copy",),
+    state=(0, 0),
+    bytes_kind="moved",
+    conventions=_ROPE_CONVENTIONS,
+    module="mla_pallas.ops.rope_rmsnorm",
+))
+
+register(BenchSpec(
+    name="rope_rmsnorm",
+    keys={k: v for k, v in _ROPE_KEYS.items() if k not in ("page", "kv_scale")},
+    cpu_defaults=dict(T=16, H=16, interleaved=1, max_pos=4096),
+    gpu_defaults=dict(T=4096, H=128, interleaved=1, max_pos=32768),
+    preset=lambda name: {"H": _model_preset(name)["H"]},
+    validate=lambda s: (_check_positive(s, "T", "H", "max_pos"), _check_flags(s, "interleaved")),
+    make_inputs=lambda s, key: _rope_inputs_jit(tuple(sorted(s.items())), False, key),
+    op_kwargs=lambda s: {},
+    flops=lambda s: 0.0,
+    gathered_bytes=lambda s: _rope_moved(s, False),
+    set_bytes=lambda s: float(_rope_moved(s, False) * 1.5 + 2 * s["max_pos"] * 32 * 4),
+    touched_bytes=lambda s: 2.0 * _rope_moved(s, False),
+    tolerance=lambda s: {"kv": _BF16_ROUNDING, "q_rope": _BF16_ROUNDING},
+    outputs=("kv", "q_rope"),
+    make_op=_unfused_op,
+    make_reference=_unfused_reference,
+    extra_impls=("copy",),
+    bytes_kind="moved",
+    conventions=_ROPE_CONVENTIONS,
+    module="mla_pallas.ops.rope_rmsnorm",
+))
+
+
+# ---- mla_decode_step: one decode step of an MLA layer's attention graph --------------------------------------
+
+_STEP_KEYS = {
+    "model": (str, "model config: deepseek_v32 or glm5 (mla_pallas.config)"),
+    "B": (int, "batch (sequences)"),
+    "s_q": (int, "new tokens per sequence (MTP: 2)"),
+    "H": (int, "query heads of the whole model (0: the model's); the step runs H / tp of them"),
+    "tp": (int, "tensor-parallel degree: the step runs one shard's H / tp heads"),
+    "topk": (int, "indexer top-k (0: the model's index_topk)"),
+    "page": (int, "cache page size (0: the model's page_size)"),
+    "ctx": (int, "cache tokens per sequence, the new ones included (the cache holds B * ceil(ctx/page) pages)"),
+    "kv_scale": (float, "per-tensor scale of the fp8 cache"),
+}
+
+
+def _step_cfg(s):
+  from mla_pallas import config
+  cfg = config.preset(s["model"]).replace(page_size=s["page"])
+  return cfg.with_heads(s["H"] // s["tp"])
+
+
+def _step_validate(s):
+  from mla_pallas import config
+  if s["model"] not in config.PRESETS:
+    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
+  cfg = config.preset(s["model"])
+  for k, v in (("H", cfg.num_heads), ("topk", cfg.index_topk), ("page", cfg.page_size)):
+    if s[k] == 0:            # resolved in place, so that the JSON and the table show the values that ran
+      s[k] = v
+  _check_positive(s, "B", "s_q", "H", "tp", "topk", "page", "ctx")
+  _check_page(s)
+  if s["H"] % s["tp"]:
+    raise ValueError(f"shape key 'tp' must divide H={s['H']}; got {s['tp']}")
+  if s["s_q"] > s["ctx"]:
+    raise ValueError(f"shape key 'ctx' must be >= s_q (the cache holds the new tokens); got {s['ctx']}")
+  if not s["kv_scale"] > 0:
+    raise ValueError("shape key 'kv_scale' must be positive")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _step_inputs_jit(shape_items, key):
+  from mla_pallas import quant, reference
+  s = dict(shape_items)
+  cfg = _step_cfg(s)
+  b, s_q, h, page, ctx = s["B"], s["s_q"], cfg.num_heads, s["page"], s["ctx"]
+  nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+  pps = _pages_per_seq(s)
+  ks = jax.random.split(key, 10)
+  pages = _random_cache(ks[0], b * pps, page)
+  block_table = jax.random.permutation(ks[1], b * pps).astype(jnp.int32).reshape(b, pps)
+  indices = _random_slots(ks[2], block_table, (b, s_q), ctx, s["topk"], page)
+  positions = jnp.broadcast_to(ctx - s_q + jnp.arange(s_q, dtype=jnp.int32), (b, s_q))   # the last tokens
+  from mla_pallas import cache as mcache
+  slots = mcache.slots_for_positions(block_table, positions, page)
+  q_nope = jax.random.normal(ks[3], (b, s_q, h, nope), jnp.bfloat16)
+  q_rope = jax.random.normal(ks[4], (b, s_q, h, 64), jnp.bfloat16)
+  kv = jax.random.normal(ks[5], (b, s_q, D_QK), jnp.bfloat16)
+  cos, sin = reference.rope_tables(ctx, 64, cfg.rope_theta)
+  # weights with std 1/sqrt(fan_in): q_latent ~ N(0, 1) like the cache rows
+  w_uk, uks = quant.quantize_blocks_fp8(jax.random.normal(ks[6], (h, nope, D_V), jnp.float32) * nope ** -0.5)
+  w_uv, uvs = quant.quantize_blocks_fp8(jax.random.normal(ks[7], (h, D_V, v), jnp.float32) * D_V ** -0.5)
+  norm_w = (1.0 + 0.1 * jax.random.normal(ks[8], (D_V,), jnp.float32)).astype(jnp.bfloat16)
+  kv_scale = jnp.asarray(s["kv_scale"], jnp.float32)
+  return (pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, w_uk, uks, w_uv, uvs, norm_w)
+
+
+def _step_op(impl, s, interpret):
+  if impl not in IMPLS:
+    raise ValueError(f"mla_decode_step has no impl {impl!r}")
+  from mla_pallas import graph
+  cfg = _step_cfg(s)
+
+  def f(pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, w_uk, uks, w_uv, uvs, norm_w):
+    w = graph.MLAWeightsFP8(w_uk, uks, w_uv, uvs, norm_w)
+    return graph.mla_decode_branch_fp8(w, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                                       cfg=cfg, indices=indices, impl=impl, interpret=interpret)
+  return f
+
+
+def _step_reference(s):
+  from mla_pallas import graph
+  cfg = _step_cfg(s)
+
+  def ref(pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, w_uk, uks, w_uv, uvs, norm_w):
+    w = graph.MLAWeightsFP8(w_uk, uks, w_uv, uvs, norm_w)
+    return graph.reference_decode_branch(w, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                                         cfg=cfg, indices=indices)
+  return ref
+
+
+def _step_info(impl, s):
+  from mla_pallas import graph
+  cfg = _step_cfg(s)
+  rep = graph.graph_report()
+  return {"steps": rep["steps"] if rep else None, "graph": rep["graph"] if rep else None,
+          "heads_run": cfg.num_heads, "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim,
+          "softmax_scale": cfg.softmax_scale, "impl_argument": impl}
+
+
+def _step_flops(s):
+  cfg = _step_cfg(s)
+  t, h = s["B"] * s["s_q"], cfg.num_heads
+  return (2.0 * t * h * s["topk"] * (D_QK + D_V)
+          + 2.0 * t * h * D_V * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+
+
+def _step_weight_bytes(s):
+  cfg = _step_cfg(s)
+  return float(cfg.num_heads * D_V * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+
+
+def _step_tolerance(s):
+  cfg = _step_cfg(s)
+  # q_latent and the cache rows are ~N(0, 1): logits of std softmax_scale * sqrt(576) * kv_scale. The BMMs add
+  # only fp8 accumulation error (their activation quantization is the reference's); the attention term dominates.
+  return testing.fp8_error_budget(logit_std=cfg.softmax_scale * math.sqrt(D_QK) * s["kv_scale"],
+                                  pv_length=s["topk"], fp8_mma=_on_gpu())
+
+
+register(BenchSpec(
+    name="mla_decode_step",
+    keys=_STEP_KEYS,
+    cpu_defaults=dict(model="deepseek_v32", B=2, s_q=1, H=16, tp=1, topk=64, page=64, ctx=256, kv_scale=1.0),
+    gpu_defaults=dict(model="deepseek_v32", B=128, s_q=1, H=0, tp=1, topk=0, page=0, ctx=32768, kv_scale=1.0),
+    preset=lambda name: {"model": name, "H": 0, "topk": 0, "page": 0},
+    validate=_step_validate,
+    make_inputs=lambda s, key: _step_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=lambda s: {},
+    flops=_step_flops,
+    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * D_QK),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK + _step_weight_bytes(s)
+                              + s["B"] * s["s_q"] * s["topk"] * 4),
+    touched_bytes=lambda s: float(min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * D_QK
+                                  + _step_weight_bytes(s)),
+    tolerance=_step_tolerance,
+    outputs=("out",),                  # the new cache (output 1) is not compared: it can be gigabytes
+    make_op=_step_op,
+    make_reference=_step_reference,
+    extra_impls=("auto",),
+    state=(0, 1),
+    conventions={
+        "flops": "attention 2*T*H*topk*(576+512) (FlashMLA) + the two absorbed BMMs 2*T*H*512*(nope+v); "
+                 "H = heads run (H/tp), T = B*s_q",
+        "gathered_bytes": "576 B per query token and top-k entry (FlashMLA)",
+        "scope": "mla_pallas.graph.mla_decode_branch_fp8 (sparse top-k): fused rope+rmsnorm+fp8 cache write, "
+                 "q_nope @ W_UK, sparse_mla_decode, o @ W_UV; the projections (W_q_a/W_q_b/W_kv_a/W_o) and the "
+                 "indexer are not included. Cache donated and updated in place; impl = the graph's impl argument; "
+                 "results[].info.steps = graph_report() (which implementation each step ran)",
+    },
+    info=_step_info,
+    module="mla_pallas.graph",
+))
