@@ -486,10 +486,8 @@ def _state_step(fn: Callable, state: tuple[int, int]) -> Callable[[list], Any]:
   return step
 
 
-def time_wall_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int], *, iters: int, warmup: int,
-                    progress: Callable[[], None] | None = None) -> list[float]:
-  """:func:`time_wall` for an op that updates one input in place (``BenchSpec.state``): that input is donated
-  and each call's output feeds the next call on the same set."""
+def _state_warm_up(fn, sets, state, warmup: int, progress):
+  """The donating step and fresh state copies; one compiling call per set, then ``warmup - 1`` more passes."""
   step = _state_step(fn, state)
   sets = _state_sets(sets, state)
   for s in sets:
@@ -498,7 +496,16 @@ def time_wall_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int],
       progress()
   for _ in range(max(warmup - 1, 0)):
     for s in sets:
-      jax.block_until_ready(step(s))
+      step(s)
+  jax.block_until_ready(sets)
+  return step, sets
+
+
+def time_wall_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int], *, iters: int, warmup: int,
+                    progress: Callable[[], None] | None = None) -> list[float]:
+  """:func:`time_wall` for an op that updates one input in place (``BenchSpec.state``): that input is donated
+  and each call's output feeds the next call on the same set."""
+  step, sets = _state_warm_up(fn, sets, state, warmup, progress)
   samples = []
   for _ in range(iters):
     for s in sets:
@@ -547,16 +554,7 @@ def time_cupti_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int]
   output fed to the next call on that set). One sample = kernel time of one pass over the sets / ``len(sets)``.
   """
   ext = _cupti_ext()
-  step = _state_step(fn, state)
-  sets = _state_sets(sets, state)
-  for s in sets:
-    jax.block_until_ready(step(s))
-    if progress:
-      progress()
-  for _ in range(max(warmup, 1)):
-    for s in sets:
-      step(s)
-  jax.block_until_ready(sets)
+  step, sets = _state_warm_up(fn, sets, state, warmup + 1, progress)
   n = len(sets)
   ext._cupti_init()
   try:
