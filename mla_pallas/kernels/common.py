@@ -4,13 +4,15 @@
 * :class:`TuningConfigBase`: frozen tuning-config base whose subclasses validate themselves.
 * SMEM transforms for wgmma-ready tiles, SMEM budget accounting.
 * Row-gather and staging helpers used inside kernel bodies (per-row TMA into 128-byte-aligned slots, K re-swizzle,
-  V transpose), and the interpret-mode barrier drain.
+  V transpose), the interpret-mode barrier drain, one online-softmax step (:func:`online_softmax_tile`) and the
+  interpret keyword of ``plgpu.kernel`` (:func:`interpret_kwargs`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -25,6 +27,7 @@ SLOT_CHUNKS = N_CHUNKS + 1    # 640-byte slot: every per-row TMA destination is 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = 227 * 1024       # usable dynamic SMEM per CTA on sm_90 / sm_100
+P_SCALE = 256.0               # softmax P in [0, 1] is stored as fp8(256 p): exact power of two, max 256 < 448
 
 LANE = plgpu.LoweringSemantics.Lane
 WARPGROUP = plgpu.LoweringSemantics.Warpgroup
@@ -119,3 +122,31 @@ def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):
   hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps."""
   for s in range(max(n_steps - n_slots, 0), n_steps):
     plgpu.barrier_wait(barrier.at[slot_of(s) % n_slots])
+
+
+def online_softmax_tile(s, valid_cols, row_scale, m, l):
+  """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
+
+  Args:
+    s: [R, T] f32 raw Q.K products; valid_cols: [T] bool (False: masked key); row_scale: [R] f32 (folds q_scale,
+    kv_scale, softmax_scale and log2 e); m, l: [R] running max (base-2 logits) and running sum.
+  Returns:
+    (p [R, T] = 2^(s' - m_new) in [0, 1], alpha [R] = 2^(m - m_new) to rescale the running output, m_new, l_new).
+    A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
+  """
+  valid = lax.broadcast_in_dim(valid_cols, s.shape, [1])
+  s = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+  s = jnp.where(valid, s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def interpret_kwargs(interpret) -> dict:
+  """``plgpu.kernel`` keyword arguments for ``interpret``: False/None -> {} (native), True -> default
+  ``InterpretGPUParams``, an ``InterpretGPUParams`` (e.g. with ``detect_races=True``) -> itself."""
+  if not interpret:
+    return {}
+  return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}

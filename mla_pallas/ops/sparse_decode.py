@@ -3,9 +3,14 @@
 Semantics are exactly those of :func:`mla_pallas.reference.sparse_mla_decode`; the implementations differ only in
 where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
 
-* ``impl="mosaic"``: the native-FP8 Mosaic GPU kernel (:mod:`mla_pallas.kernels.sparse_decode_sm90`). Q is
-  quantized to e4m3 per (token, head) row with a dynamic scale folded into the logits, P is quantized to e4m3 as
-  fp8(256·p), QKᵀ and P·V run on FP8 tensor cores with f32 accumulation.
+* ``impl="mosaic"``: the native-FP8 Mosaic GPU kernel of the device's family: sm_90a
+  (:mod:`mla_pallas.kernels.sparse_decode_sm90`, validated on an H200) or sm_100a
+  (:mod:`mla_pallas.kernels.sparse_decode_sm100`: lowered and interpreted only, never run on Blackwell silicon, so
+  ``impl="auto"`` does not pick it on hardware). Q is quantized to e4m3 per (token, head) row with a dynamic
+  scale folded into the logits; QKᵀ runs on FP8 tensor cores with f32 accumulation; P·V too (P as
+  fp8(256·p)), except in the sm_90 kernel's default f16 P·V.
+  In interpret mode the family is that of :func:`mla_pallas._dispatch.mosaic_arch` ("sm90" on a CPU; tests
+  select "sm100" by faking ``_dispatch.gpu_arch``) or the ``arch=`` argument of ``_sparse_decode_jit``.
 * ``impl="xla"``: the same quantization of Q and P with FP8 ``einsum``s in XLA (cuBLASLt on a GPU), so both paths
   can be compared like for like.
 
@@ -24,10 +29,13 @@ from jax import lax
 import jax.numpy as jnp
 
 from mla_pallas import _checks, _dispatch, quant
-from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
-from mla_pallas.kernels.sparse_decode_sm90 import P_SCALE   # the XLA path quantizes P exactly as the kernel
+from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E, P_SCALE   # the XLA path quantizes P as the kernels
 
 KERNEL_HEADS = (8, 16, 32, 64, 128)
+KERNEL_ARCHS = ("sm90", "sm100")
+# Families on which the kernel ran and matched the reference on real hardware: impl="auto" picks the kernel
+# natively only there. sm100: lowered and interpreted only (no Blackwell GPU has run it).
+VALIDATED_ON = ("sm90",)
 
 
 def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
@@ -98,9 +106,9 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False):
       raise NotImplementedError(f"sparse_mla_decode kernel supports caches of up to {MAX_KERNEL_SLOTS} slots; "
                                 f"got {num_slots}")
     arch = _dispatch.mosaic_arch(interpret)
-    if arch != "sm90":
-      raise NotImplementedError(f"sparse_mla_decode has a Mosaic GPU kernel for sm_90 (Hopper) only; this device "
-                                f"needs the {arch} kernel, which does not exist yet")
+    if arch not in KERNEL_ARCHS:
+      raise NotImplementedError(f"sparse_mla_decode has Mosaic GPU kernels for {KERNEL_ARCHS} only; this device "
+                                f"needs a {arch} kernel, which does not exist")
     if h not in KERNEL_HEADS:
       raise NotImplementedError(f"sparse_mla_decode kernel supports H in {KERNEL_HEADS}; got H={h}")
   return check
@@ -127,16 +135,27 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
   return splits, tps
 
 
-def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning=()):
-  from mla_pallas.kernels import sparse_decode_sm90 as sm90
+def _kernel_module(arch: str):
+  if arch == "sm100":
+    from mla_pallas.kernels import sparse_decode_sm100 as mod
+  elif arch == "sm90":
+    from mla_pallas.kernels import sparse_decode_sm90 as mod
+  else:
+    raise NotImplementedError(f"sparse_mla_decode has Mosaic GPU kernels for {KERNEL_ARCHS} only; got {arch!r}")
+  return mod
+
+
+def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning=(),
+                          arch="sm90"):
+  kmod = _kernel_module(arch)
   b, s_q, h, _ = q.shape
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
-  tile = sm90.TILE
+  tile = kmod.TILE
   tiles_per_token = max(1, h // tile)
   n_tok = b * s_q
   splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
-  cfg = sm90.TuningConfig(tiles_per_split=tps, **dict(tuning))
+  cfg = kmod.TuningConfig(tiles_per_split=tps, **dict(tuning))
   k_pad = splits * tps * tile
 
   # Pre-pass (one fused XLA op): sanitised indices, padded top-k, per-row quantized Q with folded scales.
@@ -152,10 +171,13 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   q8 = q8.reshape(n_tok * tiles_per_token, tile, D_QK)
   row_scale = row_scale.reshape(n_tok * tiles_per_token, tile)
   out_dtype = "bfloat16" if splits == 1 else "float32"
-  kern = sm90.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype, cfg,
+  kern = kmod.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype, cfg,
                     interpret=interpret)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
-  o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
+  if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
+    o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
+  else:                 # per-row TMA of 640-byte boxes from the cache viewed as 64-byte chunks
+    o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
   if splits > 1:
     o, lse = combine_splits(o, lse)
   else:
@@ -179,12 +201,18 @@ def combine_splits(o, lse):
   return o, jnp.log(tot) + m_use[..., 0, :]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret", "tuning", "arch"))
 def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, impl, interpret,
-                       tuning=()):
-  """``tuning``: tuple of (name, value) overrides of the kernel's TuningConfig (benchmarks)."""
+                       tuning=(), arch=None):
+  """``tuning``: tuple of (name, value) overrides of the kernel's TuningConfig (benchmarks).
+
+  ``arch``: kernel family "sm90" | "sm100" (None: :func:`mla_pallas._dispatch.mosaic_arch` at trace time; pass it
+  explicitly when the family can change between calls, since it is part of the jit cache key only when given).
+  """
   if impl == "mosaic":
-    return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning)
+    arch = arch or _dispatch.mosaic_arch(interpret)
+    return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning,
+                                 arch)
   return _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length)
 
 
@@ -202,7 +230,9 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
     softmax_scale: python float multiplying q·k (e.g. 1/sqrt(192) for DeepSeek-V3.2).
     kv_scale: per-tensor cache scale (python float or f32 scalar).
     topk_length: optional [B] int32; only the first topk_length[b] indices of batch b count.
-    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`).
+    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). On a Blackwell GPU (compute capability
+      10.x) "auto" runs the XLA path: the sm_100a kernel has not been run on Blackwell silicon yet; "mosaic"
+      runs it anyway.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU): True, or a
       ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``).
 
@@ -213,9 +243,11 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret))
+                          supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret),
+                          validated_on=VALIDATED_ON)
+  arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
-                            softmax_scale=float(softmax_scale), impl=used, interpret=interpret)
+                            softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch)
 
 
 def sparse_mla_prefill(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
