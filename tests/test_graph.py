@@ -194,7 +194,6 @@ def _prefill_case(rng, cfg, *, lens=(5, 11), num_pages=10, kv_scale=0.05, pad=2,
   B = len(lens)
   max_pages = 2
   perm = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
-  block_table = jnp.asarray(perm, jnp.int32)
   pages = _poisoned_cache(rng, num_pages, np.zeros(0, np.int64), kv_scale)        # all NaN
   positions = np.concatenate([np.arange(n) for n in lens] + [np.zeros(pad, np.int64)]).astype(np.int32)
   seq = np.concatenate([np.full(n, b) for b, n in enumerate(lens)] + [np.zeros(pad, np.int64)])

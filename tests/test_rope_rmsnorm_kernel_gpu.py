@@ -8,7 +8,6 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import mla_pallas

@@ -249,9 +249,7 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
   check_shapes(t, h, k, n, cfg)
-  kwargs = {}
-  if interpret:   # True, or a plgpu.InterpretGPUParams (e.g. with detect_races=True)
-    kwargs["interpret"] = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
+  kwargs = common.interpret_kwargs(interpret)
   m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
   num_tiles = m_tiles * n_tiles * h
   grid = min(num_tiles, cfg.max_ctas)

@@ -324,9 +324,7 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   if cfg.q_splits is None:
     cfg = dataclasses.replace(cfg, q_splits=default_q_splits(num_tokens, heads))
   body = functools.partial(_body, bool(fused), num_tokens, heads, num_slots, cfg)
-  kwargs = {}
-  if interpret:   # True, or a plgpu.InterpretGPUParams (e.g. with detect_races=True)
-    kwargs["interpret"] = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
+  kwargs = common.interpret_kwargs(interpret)
   n_blocks = -(-num_tokens // TB)
   kv_rows = kv_rows_for(num_tokens)
   out_type = [jax.ShapeDtypeStruct((q_rows_for(num_tokens, heads), D_ROPE), BF16)]

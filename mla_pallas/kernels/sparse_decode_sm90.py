@@ -74,11 +74,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import (CHUNK, D_V, FP8, LN2, N_CHUNKS, SLOT_CHUNKS, SMEM_LIMIT,
-                                       swizzled)
+from mla_pallas.kernels.common import (CHUNK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SLOT_CHUNKS,
+                                       SMEM_LIMIT, swizzled)
 
 TILE = 64          # query rows per CTA and gathered keys per pipeline step
-P_SCALE = 256.0    # P in [0, 1] is stored as fp8(256 p): exact power of two, max 256 < 448
 CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
 LOADER_REGS = 56
 
@@ -274,14 +273,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.barrier_arrive(k_empty.at[kb])
 
       cols = plgpu.load(idx_smem.at[t], layout=col_layout, optimized=False)
-      valid = lax.broadcast_in_dim(cols != num_slots, s.shape, [1])
-      s = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
-      s = jnp.where(valid, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_use)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
+      p, alpha, m_new, l = common.online_softmax_tile(s, cols != num_slots, row_scale, m, l)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       if cfg.pv_dtype == "fp8":
         p_sw.at[wg][...] = (p * P_SCALE).astype(FP8)
@@ -361,9 +353,7 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
   out_dtype = jnp.dtype(out_dtype_name)
   n_tiles = cfg.tiles_per_split
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret))
-  kwargs = {}
-  if interpret:   # True, or a plgpu.InterpretGPUParams (e.g. with detect_races=True)
-    kwargs["interpret"] = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
+  kwargs = common.interpret_kwargs(interpret)
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
