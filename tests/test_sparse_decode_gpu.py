@@ -1,93 +1,30 @@
 """sparse_mla_decode on a Hopper GPU (sm_90a): the native FP8 kernel against the reference, beside the XLA path.
 
-Every case prints rel-L2, max-abs and cosine of the kernel and of the XLA path (identical Q and P quantization)
-against the float32 reference on the same dequantized cache (run with ``-s`` to see them). The tolerance is the
-FP8 error model (:func:`mla_pallas.testing.fp8_error_budget`) with Hopper's reduced-precision fp8 accumulation.
+The checks are in tests/_sparse_gpu_checks.py (shared with the Blackwell file). The default kernel keeps P in f16
+for P.V (pv_dtype="f16"): no e4m3 P term in the error model; its f16 P.V wgmma accumulates in f32, and the error
+model's fp8 accumulation term still applies to it (conservative).
 """
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
 
-import mla_pallas
-from mla_pallas import _dispatch, reference, testing
 from mla_pallas.kernels import sparse_decode_sm90 as sm90
 
-from _sparse_inputs import logit_std, make_case
+import _sparse_gpu_checks as checks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
-HEADS = (8, 16, 32, 64, 128)
-S_Q = (1, 2, 4, 6)
-TOPKS = (2048, 2051, 2176)
-
-
-def _metrics(got, want):
-  g = np.asarray(got, np.float64)
-  w = np.asarray(want, np.float64)
-  rel = np.linalg.norm(g - w) / np.linalg.norm(w)
-  cos = float((g * w).sum() / (np.linalg.norm(g) * np.linalg.norm(w)))
-  return rel, float(np.abs(g - w).max()), cos
-
-
-def _run(case, impl):
-  return mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
-                                      kv_scale=case.kv_scale, topk_length=case.topk_length, impl=impl)
-
-
-# Each case compiles its own kernel, XLA path and reference (~16 s on an H200): one case per H and per s_q runs by
-# default; the full H x s_q product is marked slow (make test-all).
-# The default kernel keeps P in f16 for P.V (pv_dtype="f16"): no e4m3 P term. Its P.V f16 wgmma accumulates in
-# f32; the error model's fp8 P.V accumulation term still applies to it (conservative).
 QUANTIZED_P = sm90.TuningConfig().pv_dtype == "fp8"
-FAST = [(8, 4), (16, 6), (32, 1), (64, 2), (128, 2)]
-CASES = [pytest.param(h, s, marks=() if (h, s) in FAST else pytest.mark.slow)
-         for h, s in itertools.product(HEADS, S_Q)]
 
 
-@pytest.mark.parametrize("H,s_q", CASES)
+@pytest.mark.parametrize("H,s_q", checks.CASES)
 def test_kernel_matches_reference(rng, H, s_q):
-  topk = TOPKS[(HEADS.index(H) + S_Q.index(s_q)) % len(TOPKS)]
-  page = 64 if (H + s_q) % 2 else 128
-  case = make_case(rng, B=2, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=16384 // page,
-                   with_topk_length=(H == 32), kv_scale=0.5 if H == 16 else 1.0)
-  ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
-                                                 kv_scale=case.kv_scale, topk_length=case.topk_length)
-  out, lse = _run(case, "mosaic")
-  assert _dispatch.last_impl("sparse_mla_decode") == "mosaic"
-  out2, lse2 = _run(case, "mosaic")
-  xla_out, _ = _run(case, "xla")
-  k, x = _metrics(out, ref_out), _metrics(xla_out, ref_out)
-  print(f"\nH={H} s_q={s_q} topk={topk} page={page}: kernel rel-L2 {k[0]:.4f} max-abs {k[1]:.4f} cos {k[2]:.5f}"
-        f" | xla rel-L2 {x[0]:.4f} max-abs {x[1]:.4f} cos {x[2]:.5f}")
-  budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=topk, fp8_mma=True,
-                                    quantized_p=QUANTIZED_P)
-  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what="kernel out")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=0.1, what="kernel lse")   # see the CPU test
-  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0)
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"
-  assert np.array_equal(np.asarray(lse), np.asarray(lse2)), "lse not deterministic"
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=QUANTIZED_P)
 
 
 def test_split_kv_long_topk(rng):
-  """Few query tokens and a long top-k: several splits per token, merged by lse."""
-  case = make_case(rng, B=1, s_q=1, H=64, topk=8192, page_size=64, num_pages=512)
-  ref_out, _ = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale)
-  out, _ = _run(case, "mosaic")
-  budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=8192, fp8_mma=True,
-                                    quantized_p=QUANTIZED_P)
-  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99)
+  checks.check_split_kv_long_topk(rng, quantized_p=QUANTIZED_P)
 
 
 def test_prefill_routes_through_kernel(rng):
-  case = make_case(rng, B=64, s_q=1, H=16, topk=300, page_size=64, num_pages=64)
-  out, _ = mla_pallas.sparse_mla_prefill(case.q[:, 0], case.kv, case.indices[:, 0],
-                                         softmax_scale=case.softmax_scale, impl="mosaic")
-  assert _dispatch.last_impl("sparse_mla_prefill") == "mosaic"
-  ref_out, _ = reference.sparse_mla_prefill(case.q[:, 0], case.kv, case.indices[:, 0],
-                                            softmax_scale=case.softmax_scale)
-  budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=300, fp8_mma=True,
-                                    quantized_p=QUANTIZED_P)
-  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99)
+  checks.check_prefill_routes_through_kernel(rng, quantized_p=QUANTIZED_P)
