@@ -7,14 +7,18 @@ No Blackwell GPU has run this kernel. What is checked here:
   O correction in TMEM, masking, split-KV) against the reference, with race detection on one case. The one
   difference from hardware: the interpreter has no TMA gather4, so the loader gathers with one TMA per row and
   64-byte chunk into the same linear buffer (``sparse_decode_sm100._gather``).
-  H = 128 (two query tiles, i.e. two CTAs, per token) is covered by lowering only: in interpret mode on a 2-core
-  machine that case hangs (two consecutive CTAs gathering the same rows; JAX 0.11.2's interpreter, root cause not
-  found, see the kernel module's docstring).
+  H = 128 (two query tiles, i.e. two CTAs, per token) runs in a subprocess with 4 host devices: with the default
+  single host device its interpretation stalls on a 2-core machine (XLA:CPU thread starvation, see the test).
 * lowering for CUDA at sm_100a (every Python-side Mosaic GPU pass: layouts, tcgen05 shape/swizzle rules, TMA
   gather4, TMEM loads and stores), with instruction counts.
 * the TuningConfig checks and the implementation choice on a (faked) Blackwell device.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,8 @@ from mla_pallas.kernels import sparse_decode_sm100 as sm100
 from mla_pallas.ops import sparse_decode as sd
 
 from _sparse_inputs import FP8, logit_std, make_case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -138,3 +144,43 @@ def test_blackwell_dispatch(rng, blackwell):
   assert used == "mosaic"
   with pytest.raises(NotImplementedError, match="H="):
     sd._kernel_supported((1, 1, 12, 576), 512, False)()
+
+
+H128_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, "tests")
+    import jax, jax.numpy as jnp, numpy as np
+    from mla_pallas import _dispatch, reference, testing
+    from mla_pallas.ops import sparse_decode as sd
+    from _sparse_inputs import logit_std, make_case
+    _dispatch.gpu_arch = lambda: (10, 0)          # the dispatcher sees a Blackwell device: sm_100 kernel
+    case = make_case(np.random.default_rng(int(sys.argv[1])), B=1, s_q=1, H=128, topk=130, page_size=16,
+                     num_pages=64)
+    args = (case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None)
+    out, lse = sd._sparse_decode_jit(*args, softmax_scale=case.softmax_scale, impl="mosaic", interpret=True,
+                                     arch="sm100")
+    ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
+                                                   kv_scale=case.kv_scale)
+    budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=130, fp8_mma=False)
+    testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what="out")
+    testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=0.1, what="lse")
+    xla_out, _ = sd._sparse_decode_jit(*args, softmax_scale=case.softmax_scale, impl="xla", interpret=False)
+    testing.assert_close_fp8(out, xla_out, rel_l2=0.02, what="sm100 kernel vs XLA path")
+    print("H128 OK")
+""")
+
+
+def test_sm100_kernel_interpret_h128_two_ctas_per_token(rng):
+  """H = 128: two query tiles (two CTAs) per token, top-k 130 (3 tiles, a tail of 2 keys).
+
+  Run in a subprocess with 4 host devices: on a 2-core machine the interpreted kernel stalls in the first CTA
+  with the re-swizzle/MMA warpgroup's thread never reaching its first barrier while the other two block in
+  barrier-wait callbacks (thread starvation of XLA:CPU's pool, not a protocol deadlock: the same kernel passes
+  once the host platform has more devices, hence more threads). XLA_FLAGS must be set before JAX starts.
+  """
+  flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, "-c", H128_SCRIPT, str(int(rng.integers(2 ** 31)))], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and "H128 OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -71,10 +71,12 @@ Interpret mode (JAX 0.11.2), what was found:
   MMAs without a barrier and then ``tcgen05_commit_arrive(pv_done)``, which both model as "all earlier MMAs".
 * ``async_load_tmem`` followed by ``async_store_tmem`` to the same columns needs ``wait_load_tmem`` in between
   (reported as a race otherwise; also required on hardware).
-* Known hang: with two CTAs per token (H = 128), or generally two consecutive CTAs that gather the same rows, the
-  interpreted kernel deadlocks on a 2-core machine: two warpgroups wait on barriers inside callbacks running on
-  XLA's CPU thread pool while the third warpgroup makes no progress. Root cause not found (the same
-  configurations with different tokens, and the sm_90 kernel with H = 128, pass). H = 128 is covered by lowering.
+* Stall on small hosts: with two CTAs per token (H = 128) and the default single CPU device, the interpreted
+  kernel stalls on a 2-core machine: in the first CTA the re-swizzle/MMA warpgroup's thread never reaches its first
+  barrier (it sits in XLA native code) while the other two block in barrier-wait callbacks. With
+  ``--xla_force_host_platform_device_count=4`` (more XLA:CPU threads) the same kernel runs and matches the
+  reference, so this is thread starvation in the interpreter's host, not a protocol deadlock; the H = 128 test
+  runs that way (tests/test_sparse_decode_sm100.py).
 
 Pipeline stages: ``stages`` linear slots (gather ahead of the re-swizzle), 2 swizzled KV tiles (re-swizzle of t + 1
 and QKᵀ(t + 1) overlap softmax(t) and P·V(t)), 2 S accumulators, 1 P tile, 1 O accumulator.
