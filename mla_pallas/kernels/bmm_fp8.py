@@ -55,8 +55,9 @@ SMEM budget (bytes, default stages=4)
 One CTA per SM (the 232/40 register split takes the whole register file); latency is hidden by the persistent
 ring instead of by co-resident CTAs.
 
-Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): tests/test_bmm_fp8_kernel_gpu.py passes (T 1-4096, the
-four MLA (K, N) pairs, partial M tiles, jit); against XLA's FP8 dot_general in the same run 1.76x at T = 128 and
+Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
+tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles; its jit/auto test
+failed then only because auto was still gated). Against XLA's FP8 dot_general in the same run: 1.76x at T = 128,
 1.7-3.6x at T = 4096 (117-232 TFLOP/s), but 0.73x at T = 1 (one real row per 64-row tile plus the separate
 quantization pre-pass), so ``impl="auto"`` takes XLA below T = 128.
 """
