@@ -21,6 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import mla_pallas
 from mla_pallas import _dispatch, testing
 from mla_pallas import reference as ref
+from mla_pallas.kernels import common
 from mla_pallas.kernels import rope_rmsnorm as rk
 from mla_pallas.ops import rope_rmsnorm as op
 
@@ -211,7 +212,7 @@ def test_default_q_splits_fill_the_gpu_and_keep_work_per_cta():
   assert rk.default_q_splits(4096, 128) == 5          # 64 blocks x 5 >= 2 x 132 CTAs
   assert rk.default_q_splits(8192, 16) == 3           # 16 q tiles per block: at least 4 each
   assert rk.default_q_splits(10 ** 6, 128) == 1       # plenty of blocks
-  assert rk.smem_budget(rk.TuningConfig(), True) <= rk.SMEM_LIMIT
+  assert rk.smem_budget(rk.TuningConfig(), True) <= common.SMEM_LIMIT
 
 
 @pytest.mark.parametrize("t", [1, 37, op.PAIRWISE_MAX_T + 88])   # both branches of the duplicate check

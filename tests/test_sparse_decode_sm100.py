@@ -27,6 +27,7 @@ import pytest
 
 import mla_pallas
 from mla_pallas import _dispatch, reference, testing
+from mla_pallas.kernels import common
 from mla_pallas.kernels import sparse_decode_sm100 as sm100
 from mla_pallas.ops import sparse_decode as sd
 
@@ -129,7 +130,7 @@ def test_tuning_config_rejects_bad_values():
     sm100.TuningConfig(stages=3)           # 3 linear stages do not fit next to Q and two swizzled KV tiles
   with pytest.raises(ValueError, match="tiles_per_split"):
     sm100.TuningConfig(tiles_per_split=300)
-  assert sm100.smem_budget(sm100.TuningConfig()) <= sm100.SMEM_LIMIT
+  assert sm100.smem_budget(sm100.TuningConfig()) <= common.SMEM_LIMIT
 
 
 def test_blackwell_dispatch(rng, blackwell):

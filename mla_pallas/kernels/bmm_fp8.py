@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import FP8, SMEM_LIMIT, swizzled
+from mla_pallas.kernels.common import FP8, swizzled
 
 TILE_M = 64        # token rows per consumer warpgroup (wgmma M)
 TILE_N = 128       # output columns per consumer warpgroup = one weight scale block
@@ -104,9 +104,7 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.wg_split must be 'n' or 'm'; got {self.wg_split!r}")
     if self.stages > 16:
       raise ValueError(f"TuningConfig.stages must be <= 16; got {self.stages}")
-    need = smem_budget(self)
-    if need > SMEM_LIMIT:
-      raise ValueError(f"TuningConfig {self} needs {need} bytes of SMEM > {SMEM_LIMIT}")
+    self.check_smem(smem_budget(self))
 
   @property
   def wm(self) -> int:

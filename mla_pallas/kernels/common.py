@@ -53,6 +53,17 @@ class TuningConfigBase:
   def validate(self) -> None:  # pragma: no cover - overridden
     pass
 
+  def check_smem(self, need: int, what: str = "") -> None:
+    """Raise ValueError when this config needs more than SMEM_LIMIT bytes of SMEM (``need``)."""
+    if need > SMEM_LIMIT:
+      raise ValueError(f"{type(self).__name__} {self} needs {need} bytes of SMEM > {SMEM_LIMIT}{what}")
+
+  def check_split(self, max_tiles: int = 256) -> None:
+    """Raise ValueError when ``tiles_per_split`` exceeds the TMA box limit of the index copy."""
+    if self.tiles_per_split > max_tiles:
+      raise ValueError(f"{type(self).__name__}.tiles_per_split must be <= {max_tiles} (TMA box limit); "
+                       f"got {self.tiles_per_split}")
+
 
 def smem_bytes(*buffers: tuple[tuple[int, ...], object], align: int = 1024) -> int:
   """Total bytes of SMEM buffers given as (shape, dtype) pairs, each rounded up to ``align`` bytes (Mosaic GPU

@@ -88,7 +88,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import CHUNK, D_QK, FP8, N_CHUNKS, SLOT_CHUNKS, SMEM_LIMIT, swizzled
+from mla_pallas.kernels.common import CHUNK, D_QK, FP8, N_CHUNKS, SLOT_CHUNKS, swizzled
 from mla_pallas.quant import FP8_MAX
 
 TB = 64            # tokens per CTA (rows of the latent tile) = rows of one q tile (64 heads)
@@ -124,9 +124,7 @@ class TuningConfig(common.TuningConfigBase):
     if self.q_splits is not None and not 1 <= self.q_splits <= 64:
       raise ValueError(f"TuningConfig.q_splits must be None or in [1, 64]; got {self.q_splits}")
     for fused in (False, True):
-      need = smem_budget(self, fused)
-      if need > SMEM_LIMIT:
-        raise ValueError(f"TuningConfig {self} needs {need} bytes of SMEM > {SMEM_LIMIT} (fused={fused})")
+      self.check_smem(smem_budget(self, fused), f" (fused={fused})")
 
 
 def smem_budget(cfg: TuningConfig, fused: bool) -> int:

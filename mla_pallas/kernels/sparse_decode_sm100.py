@@ -107,7 +107,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SMEM_LIMIT, swizzled
+from mla_pallas.kernels.common import CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, swizzled
 
 TILE = 64            # query rows per CTA and gathered keys per pipeline step (tcgen05 M = 64, N = 64)
 SWIZZLE = 32         # bytes; the largest B swizzle Mosaic GPU accepts for M = 64, N = 64 (see the docstring)
@@ -133,12 +133,8 @@ class TuningConfig(common.TuningConfigBase):
   approx_math: bool = False
 
   def validate(self):
-    if self.tiles_per_split > 256:
-      raise ValueError("TuningConfig.tiles_per_split must be <= 256 (TMA box limit); "
-                       f"got {self.tiles_per_split}")
-    need = smem_budget(self)
-    if need > SMEM_LIMIT:
-      raise ValueError(f"TuningConfig {self} needs {need} bytes of SMEM > {SMEM_LIMIT}")
+    self.check_split()
+    self.check_smem(smem_budget(self))
 
 
 def smem_budget(cfg: TuningConfig) -> int:

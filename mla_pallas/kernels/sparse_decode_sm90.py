@@ -74,8 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import (CHUNK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SLOT_CHUNKS,
-                                       SMEM_LIMIT, swizzled)
+from mla_pallas.kernels.common import CHUNK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SLOT_CHUNKS, swizzled
 
 TILE = 64          # query rows per CTA and gathered keys per pipeline step
 CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
@@ -117,12 +116,8 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.pv_dtype='f16' needs v_stager='consumers'")
     if self.v_stager not in ("loader", "consumers"):
       raise ValueError(f"TuningConfig.v_stager must be 'loader' or 'consumers'; got {self.v_stager!r}")
-    if self.tiles_per_split > 256:
-      raise ValueError("TuningConfig.tiles_per_split must be <= 256 (TMA box limit); "
-                       f"got {self.tiles_per_split}")
-    need = smem_budget(self)
-    if need > SMEM_LIMIT:
-      raise ValueError(f"TuningConfig {self} needs {need} bytes of SMEM > {SMEM_LIMIT}")
+    self.check_split()
+    self.check_smem(smem_budget(self))
 
 
 def smem_budget(cfg: TuningConfig) -> int:
