@@ -57,6 +57,7 @@ def _slower_than_xla(op: str, tokens: int, heads: int):
     return None
   return reason
 
+
 def _check_bool(name, v):
   if not isinstance(v, (bool, np.bool_)):
     raise ValueError(f"{name} must be a python bool; got {type(v).__name__}")
