@@ -11,6 +11,8 @@ roundoff of bf16).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,20 +77,52 @@ def test_kernel_interpret_matches_reference(rng, t, h, k, n, act_scale, layout):
   assert_matches_reference(out, a, w8, ws, act_scale)
 
 
-@pytest.mark.parametrize("wg_split,stages", [("n", 4), ("m", 3)])
-def test_persistent_ctas_walk_several_tiles(rng, wg_split, stages):
+@pytest.mark.parametrize("wg_split,stages,fused", [("n", 4, True), ("m", 3, False), ("m", 3, True)])
+def test_persistent_ctas_walk_several_tiles(rng, wg_split, stages, fused):
   """A grid of 2 CTAs over 2 x 2 x 3 (M, N, H) tiles: every CTA runs 6 tiles, the ring (3 chunks per tile, 3 or 4
-  slots) wraps within and across tiles, and the output staging tile is reused."""
+  slots) wraps within and across tiles, and the output staging tile is reused; with in-kernel quantization the
+  bf16 A tile and its barriers are reused across tiles too."""
   t, h, k, n = 70 if wg_split == "n" else 140, 3, 192, 512 if wg_split == "n" else 256
   a, w8, ws = make_inputs(rng, t, h, k, n)
   params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
   testing.reset_interpreter()
   out = bmm_mod._bmm_jit(a, bmm_mod.prepare_weight(w8), ws, act_scale="per_token", weight_layout="hnk",
                          impl="mosaic", interpret=params,
-                         tuning=(("max_ctas", 2), ("stages", stages), ("wg_split", wg_split)))
+                         tuning=(("max_ctas", 2), ("stages", stages), ("wg_split", wg_split),
+                                 ("quantize_k", k if fused else None)))
   out = jax.block_until_ready(out)
   assert not testing.races_found(), "the interpreter found a data race in the kernel"
   assert_matches_reference(out, a, w8, ws, "per_token")
+
+
+@pytest.mark.parametrize("t,k,n", [(1, 128, 256), (70, 192, 256), (9, 512, 256)])
+def test_in_kernel_quantization_is_bitwise_the_prepass(rng, t, k, n):
+  """quantize_k: the kernel quantizes bf16 a itself with quant.quantize_rows_fp8's float32 operations, so its
+  output equals the pre-pass path's bit for bit (same fp8 operands, same wgmma and promotion order)."""
+  a, w8, ws = make_inputs(rng, t, 2, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic",
+                          interpret=True)
+  fused, pre = run(tuning=(("quantize_k", k),)), run(tuning=(("quantize_k", None),))
+  assert np.array_equal(np.asarray(fused, np.float32), np.asarray(pre, np.float32))
+  assert_matches_reference(fused, a, w8, ws, "per_token")
+
+
+def test_in_kernel_quantization_default_rule():
+  cfg = bmm_mod._kernel_config
+  assert cfg(512, t=1, k=128, fusable=True).quantize_k == 128                 # decode: no pre-pass launches
+  assert cfg(512, t=bmm_mod.FUSED_QUANT_MAX_TOKENS + 1, k=128, fusable=True).quantize_k is None
+  assert cfg(512, t=1, k=128, fusable=False).quantize_k is None               # per-tensor or float32 a
+  assert cfg(512, t=8, k=192, fusable=True).quantize_k == 192
+  assert cfg(256, t=8, k=512, fusable=True).quantize_k is None                # measured slower at K = 512
+  assert cfg(128, t=8, k=512, fusable=True, tuning=()).quantize_k is None
+  assert cfg(256, (("quantize_k", 512),), t=8, k=512).quantize_k == 512        # explicit override
+  with pytest.raises(ValueError, match="SMEM"):                                # bf16 A tile too big for SMEM
+    cfg(128, (("quantize_k", 512),), t=8, k=512)
+  with pytest.raises(ValueError, match="quantize_k"):
+    kbmm.TuningConfig(quantize_k=100)
+  with pytest.raises(ValueError, match="quantize_k=128 must equal K=192"):
+    kbmm.check_shapes(1, 2, 192, 256, kbmm.TuningConfig(quantize_k=128))
 
 
 def test_auto_runs_kernel_in_interpret_mode_and_falls_back(rng):

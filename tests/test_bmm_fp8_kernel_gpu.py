@@ -102,3 +102,17 @@ def test_jit_and_auto(rng):
   want = reference.quantize_and_bmm_fp8(a, w8, ws)
   testing.assert_close_fp8(out, want, rel_l2=_tolerance(), min_cos=0.9999)
   assert jnp.dtype(out.dtype) == jnp.bfloat16
+
+
+@pytest.mark.parametrize("k,n", [(128, 512), (192, 512), (512, 256)])
+@pytest.mark.parametrize("t", [1, 70, 256])
+def test_in_kernel_quantization_is_bitwise_the_prepass(rng, k, n, t):
+  """quantize_k = K (the default at T <= FUSED_QUANT_MAX_TOKENS): the kernel quantizes bf16 ``a`` per row with the
+  float32 operations of quant.quantize_rows_fp8 (amax, amax * f32(1/448), 1 / scale, product, clip, RNE cast), so
+  the fp8 operands and hence the outputs equal the pre-pass path's bit for bit. A mismatch means the in-kernel
+  division/reduction differs from XLA's on this GPU."""
+  a, w8, ws = make_inputs(rng, t, 128, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
+  fused, pre = run(tuning=(("quantize_k", k),)), run(tuning=(("quantize_k", None),))
+  np.testing.assert_array_equal(np.asarray(fused).view(np.uint16), np.asarray(pre).view(np.uint16))

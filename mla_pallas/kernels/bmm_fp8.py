@@ -36,12 +36,25 @@ K is consumed in 64-wide chunks (64-byte swizzle), so K % 64 == 0 needs no paddi
 chunks). Outputs go through SMEM and one TMA store per sub-tile into ``out [T, H, N]`` bf16 directly; the TMA unit
 clips rows past T.
 
+In-kernel quantization (``TuningConfig.quantize_k = K``, per-token scales, bf16 ``a``)
+-------------------------------------------------------------------------------------
+The kernel then reads ``a [T, H, K]`` bf16 itself: per tile the producer loads the CTA's rows of all of K (K/64
+TMA boxes into a linear bf16 tile, any T: rows past T are zero-filled), each consumer quantizes its 64 rows with
+the float32 operations of :func:`mla_pallas.quant.quantize_rows_fp8` (two passes over SMEM: row amax, then
+``fp8(clip(x * (1 / scale), ±448))`` into its own 64-byte-swizzled fp8 tile) and keeps the row scales in
+registers for the epilogue; the ring then carries only B chunks. No pre-pass launches. On an H200 the output was
+bitwise equal to the pre-pass path at every measured shape. It pays only at small T and K <= 192 (the op's
+default rule, ``ops/bmm_fp8.FUSED_QUANT_MAX_TOKENS`` / ``FUSED_QUANT_MAX_K``): the bf16 tile is single-buffered,
+so its load and quantization sit on each tile's critical path. SMEM adds ``cta_m · K · 2 + 2 · 64 · K`` bytes
+(K = 512 with ``wg_split="m"`` does not fit).
+
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
 * WG2 — producer (40 registers): for every tile and K chunk (ring position g), waits for slot ``g % stages`` to
   be released, then issues two TMAs (the A chunk of all CTA rows, the B chunk of all CTA columns) arriving on
   ``full[slot]``; finally drains ``empty`` (interpret-mode barrier rule).
-* WG0, WG1 — consumers (232 registers): per tile and K block, wait the chunks' ``full`` barriers, issue the
+* WG0, WG1 — consumers (232 registers): per tile, first load the weight block scales (and the row scales) so
+  that their GMEM latency overlaps the operand waits; per K block, wait the chunks' ``full`` barriers, issue the
   wgmmas, read the block accumulator (which waits for them), release the chunks (``empty``), promote into
   ``total`` (64 registers + 64 for the block accumulator); then scale, cast, wait until the previous tile's TMA
   store has read the staging tile, stage and store.
@@ -56,10 +69,11 @@ One CTA per SM (the 232/40 register split takes the whole register file); latenc
 ring instead of by co-resident CTAs.
 
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
-tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles; its jit/auto test
-failed then only because auto was still gated). Against XLA's FP8 dot_general in the same run: 1.76x at T = 128,
-1.7-3.6x at T = 4096 (117-232 TFLOP/s), but 0.73x at T = 1 (one real row per 64-row tile plus the separate
-quantization pre-pass), so ``impl="auto"`` takes XLA below T = 128.
+tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles). Against XLA's FP8
+dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.6-3.4x at T = 64-256, 1.0-1.6x at T = 8,
+but 0.64-0.93x at T = 1, where XLA computes the product as one reduction fusion (~1.5 us with L2-resident
+weights) while this kernel takes 4.5-6.5 us (a latency chain: launch, TMA, wgmma, epilogue, per tile) plus the
+pre-pass launches; ``impl="auto"`` takes XLA below T = 8.
 """
 from __future__ import annotations
 
@@ -74,6 +88,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels.common import FP8, swizzled
+from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
 TILE_M = 64        # token rows per consumer warpgroup (wgmma M)
 TILE_N = 128       # output columns per consumer warpgroup = one weight scale block
@@ -94,16 +109,23 @@ class TuningConfig(common.TuningConfigBase):
   max_ctas: persistent grid size (the op passes the device's SM count; 132 on an H100 SXM / H200). Each CTA
     walks the output tiles pid, pid + grid, ...; the ring continues across tiles, so the producer loads the next
     tile's first chunks while the consumers finish and store the current one.
+  quantize_k: None (the kernel reads ``a`` already quantized by the op's XLA pre-pass) or K: the kernel reads
+    ``a`` in bfloat16 and quantizes it per (t, h) row itself (per-token scales only; see "In-kernel
+    quantization" in the module docstring). The value is K, so that the SMEM budget can be checked here.
   """
   stages: int = 4
   wg_split: str = "n"
   max_ctas: int = 132
+  quantize_k: int | None = None
 
   def validate(self):
     if self.wg_split not in ("n", "m"):
       raise ValueError(f"TuningConfig.wg_split must be 'n' or 'm'; got {self.wg_split!r}")
     if self.stages > 16:
       raise ValueError(f"TuningConfig.stages must be <= 16; got {self.stages}")
+    if self.quantize_k is not None and (self.quantize_k <= 0 or self.quantize_k % CHUNK):
+      raise ValueError(f"TuningConfig.quantize_k must be None or a positive multiple of {CHUNK}; "
+                       f"got {self.quantize_k!r}")
     self.check_smem(smem_budget(self))
 
   @property
@@ -124,15 +146,23 @@ class TuningConfig(common.TuningConfigBase):
 
 
 def smem_budget(cfg: TuningConfig) -> int:
+  if cfg.quantize_k is None:
+    a_bufs = (((cfg.stages, cfg.cta_m, CHUNK), FP8),)                         # A ring (fp8 chunks)
+  else:
+    k_chunks = cfg.quantize_k // CHUNK
+    a_bufs = (((k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),                   # bf16 A tile (whole K)
+              ((2, k_chunks, TILE_M, CHUNK), FP8))                            # fp8 A per consumer
   return common.smem_bytes(
-      ((cfg.stages, cfg.cta_m, CHUNK), FP8),            # A ring
+      *a_bufs,
       ((cfg.stages, cfg.cta_n, CHUNK), FP8),            # B ring
       ((2, TILE_M, TILE_N), jnp.bfloat16),              # output staging
-  ) + 2 * 16 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
+  ) + 2 * 16 * 8 + 2 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
 def check_shapes(t: int, h: int, k: int, n: int, cfg: TuningConfig) -> None:
   """Raise NotImplementedError when the kernel cannot take these (valid) shapes."""
+  if cfg.quantize_k is not None and cfg.quantize_k != k:
+    raise ValueError(f"TuningConfig.quantize_k={cfg.quantize_k} must equal K={k}")
   if t < 1:
     raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for T={t} (empty grid)")
   if k % CHUNK or k > MAX_K:
@@ -152,10 +182,42 @@ def _tile_coords(cfg: TuningConfig, lin, m_tiles: int, n_tiles: int):
   return m_idx * cfg.cta_m, lax.rem(rest, n_tiles), lax.div(rest, n_tiles)
 
 
+def _quantize_rows(a_bf, a8, rows):
+  """In-kernel per-row quantization of one consumer's 64 rows (``rows``) of the bf16 tile ``a_bf``
+  ([K/64, cta_m, 64], linear) into its fp8 tile ``a8`` ([K/64, 64, 64], 64-byte swizzle), with exactly the
+  float32 operations of :func:`mla_pallas.quant.quantize_rows_fp8`: amax = max |x| over the row,
+  scale = amax * f32(1/448) (1 for an all-zero row), x8 = fp8(clip(x * (1 / scale), ±448)).
+
+  Returns the row scales, [64] f32 in the row layout of the wgmma accumulator (``Layout.WGMMA.reduce(1)``).
+  Two passes over SMEM (amax, then quantize) keep the registers at one 64 x 64 f32 tile.
+  """
+  k_chunks = a_bf.shape[0]
+
+  def load(c):
+    return plgpu.load(a_bf.at[c, rows], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
+
+  amax = None
+  for c in range(k_chunks):
+    m = jnp.max(jnp.abs(load(c)), axis=1)
+    amax = m if amax is None else jnp.maximum(amax, m)
+  scale = amax * _INV_FP8_MAX
+  scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
+  inv = jnp.float32(1.0) / scale
+  for c in range(k_chunks):
+    x = load(c)
+    q = x * lax.broadcast_in_dim(inv, x.shape, [0])
+    a8.at[c][...] = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8)
+  return scale
+
+
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          a_gmem, as_gmem, w_gmem, ws_gmem,       # inputs
-          o_gmem,                                 # output
-          a_ring, b_ring, o_smem, full, empty):   # scratch
+          *refs):
+  fuse = cfg.quantize_k is not None
+  if fuse:   # a is bf16 [T, H, K]; no scale input
+    (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, a8, b_ring, o_smem, full, empty, a_full, a_empty) = refs
+    as_gmem = a_ring = None
+  else:
+    (a_gmem, as_gmem, w_gmem, ws_gmem, o_gmem, a_ring, b_ring, o_smem, full, empty) = refs
   pid = lax.axis_index("cta")
   wg = lax.axis_index("wg")
   stages = cfg.stages
@@ -172,6 +234,12 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
     def _(i):
       m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
       n0 = n_idx * cfg.cta_n
+      if fuse:   # the whole bf16 A tile, once both consumers have quantized the previous one
+        @pl.when(i > 0)
+        def _():
+          plgpu.barrier_wait(a_empty)
+        for c in range(n_chunks):
+          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, pl.ds(c * CHUNK, CHUNK)], a_bf.at[c], a_full)
       for c in range(n_chunks):
         g = i * n_chunks + c          # ring position, continuing across tiles
         slot = lax.rem(g, stages)
@@ -180,7 +248,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
         def _():
           plgpu.barrier_wait(empty.at[slot])
         ks = pl.ds(c * CHUNK, CHUNK)
-        plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, ks], a_ring.at[slot], full.at[slot])
+        if not fuse:
+          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, ks], a_ring.at[slot], full.at[slot])
         plgpu.copy_gmem_to_smem(w_gmem.at[h, pl.ds(n0, cfg.cta_n), ks], b_ring.at[slot], full.at[slot])
 
     # Drain: observe the consumers' last release of every slot (interpret-mode barrier rule; harmless on hardware).
@@ -191,6 +260,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
       @pl.when(g >= 0)
       def _():
         plgpu.barrier_wait(empty.at[lax.rem(g, stages)])
+    if fuse:
+      plgpu.barrier_wait(a_empty)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -199,11 +270,23 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
     wi_n = wg if cfg.wg_split == "n" else 0
     rows = pl.ds(wi_m * TILE_M, TILE_M)
     cols = pl.ds(wi_n * TILE_N, TILE_N)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.loop(0, my_tiles)
     def _(i):
       m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
       nb = n_idx * cfg.wn + wi_n
+      # Scales first: their GMEM latency then overlaps the waits for the operands.
+      w_scales = [ws_gmem[h, kb, nb] for kb in range(n_blocks)]
+      if fuse:
+        plgpu.barrier_wait(a_full)
+        a_scale = _quantize_rows(a_bf, a8.at[wg], rows)
+        plgpu.commit_smem()                 # the fp8 stores are visible to the wgmma (async proxy)
+      elif per_token:
+        a_scale = plgpu.load(as_gmem.at[h, pl.ds(m0 + wi_m * TILE_M, TILE_M)], layout=row_layout,
+                             optimized=False)
+      else:
+        a_scale = as_gmem[0]
       total = plgpu.layout_cast(jnp.zeros((TILE_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
       for kb in range(n_blocks):
         chunks = range(kb * per_block, min((kb + 1) * per_block, n_chunks))
@@ -212,20 +295,23 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           for c in chunks:
             slot = lax.rem(i * n_chunks + c, stages)
             plgpu.barrier_wait(full.at[slot])
-            plgpu.wgmma(acc_ref, a_ring.at[slot, rows], b_ring.at[slot, cols].T)
+            a_op = a8.at[wg, c] if fuse else a_ring.at[slot, rows]
+            plgpu.wgmma(acc_ref, a_op, b_ring.at[slot, cols].T)
           return acc_ref[...]   # waits for the wgmmas
         part = pl.run_scoped(block, plgpu.ACC((TILE_M, TILE_N), jnp.float32))
         for c in chunks:
           plgpu.barrier_arrive(empty.at[lax.rem(i * n_chunks + c, stages)])
-        total = total + part * ws_gmem[h, kb, nb]
+        if fuse and kb == 0:
+          # The bf16 tile may be overwritten. Released after the first block's wgmmas have completed rather than
+          # right after the quantization: interpret mode does not order this arrive after the SMEM loads
+          # without a data dependence (it reported a race); on the GPU the two places are equivalent.
+          plgpu.barrier_arrive(a_empty)
+        total = total + part * w_scales[kb]
 
-      if per_token:
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        a_scale = plgpu.load(as_gmem.at[h, pl.ds(m0 + wi_m * TILE_M, TILE_M)], layout=row_layout,
-                             optimized=False)
+      if fuse or per_token:
         out = total * lax.broadcast_in_dim(a_scale, total.shape, [0])
       else:
-        out = total * as_gmem[0]
+        out = total * a_scale
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's store has read the staging tile
       o_smem.at[wg][...] = out.astype(jnp.bfloat16)
       plgpu.commit_smem()
@@ -240,16 +326,21 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, interpret=False):
   """Build the kernel for given shapes.
 
-  Kernel arguments:
+  Kernel arguments (``cfg.quantize_k is None``):
     a8  [T8, H, K] fp8: quantized activations, T8 = T rounded up to a multiple of 8 (zero rows): the TMA box of
       a swizzled tile tiles the GMEM rows by 8 and Mosaic GPU rejects a row count that is not a multiple.
     as_ [H, T_pad] f32 (per_token; T_pad = T rounded up to the CTA's rows, padded with 1.0) or [1] f32.
     w   [H, N, K] fp8: K-major weights.
     ws  [H, ceil(K/128), N/128] f32: weight block scales.
+  With ``cfg.quantize_k == K`` (per_token only): ``a [T, H, K]`` bfloat16 (any T: its tile lands in linear
+  SMEM, so no row padding), ``w``, ``ws``.
   Returns out [T, H, N] bfloat16.
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
   check_shapes(t, h, k, n, cfg)
+  fuse = cfg.quantize_k is not None
+  if fuse and not per_token:
+    raise ValueError("TuningConfig.quantize_k needs per-token activation scales (act_scale='per_token')")
   kwargs = common.interpret_kwargs(interpret)
   m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
   num_tiles = m_tiles * n_tiles * h
@@ -258,18 +349,30 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 else ()
+  k_chunks = k // CHUNK
+  if fuse:
+    a_scratch = [
+        plgpu.SMEM((k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),                                   # bf16 A tile
+        plgpu.SMEM((2, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),          # fp8 A
+    ]
+  else:
+    a_scratch = [plgpu.SMEM((cfg.stages, cfg.cta_m, CHUNK), FP8, transforms=swizzled(FP8, CHUNK))]   # A ring
+  barriers = [
+      plgpu.Barrier(num_arrivals=1 if fuse else 2, num_barriers=cfg.stages),   # full: the chunk's TMAs
+      plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # empty: both consumers released it
+  ]
+  if fuse:
+    barriers += [plgpu.Barrier(num_arrivals=k_chunks),          # a_full: the bf16 A tile's TMAs
+                 plgpu.Barrier(num_arrivals=2)]                 # a_empty: both consumers quantized it
   return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((t, h, n), jnp.bfloat16),
       grid=(grid,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
-      scratch_types=[
-          plgpu.SMEM((cfg.stages, cfg.cta_m, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # A ring
+      scratch_types=a_scratch + [
           plgpu.SMEM((cfg.stages, cfg.cta_n, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # B ring
           plgpu.SMEM((2, TILE_M, TILE_N), jnp.bfloat16, transforms=out_transforms),               # out
-          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # full: A and B TMA of a chunk
-          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # empty: both consumers released it
-      ],
+      ] + barriers,
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **kwargs,
   )

@@ -18,6 +18,9 @@ XLA path (real FP8 operands):
   4. Cast to bfloat16, layout ``[T, H, N]``.
 
 Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`.
+  * For bf16 ``a`` with per-token scales at decode sizes (T <= FUSED_QUANT_MAX_TOKENS, K <= FUSED_QUANT_MAX_K)
+    the kernel quantizes ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no
+    pre-pass runs. Otherwise:
   * Activation quantization is a fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as above, so ``a8``
     and its scales are bitwise those of the reference), not in-kernel. Why: it is exact by construction;
     ``"per_tensor"`` needs a global amax before any tile can be quantized (a pre-pass in any design); and
@@ -127,17 +130,33 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
-def _kernel_config(n: int, tuning=()):
+# In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default only where it measured faster than the XLA
+# pre-pass (H200, 2026-11-30, benchmarks/RESULTS.md): K <= 192 at 8 <= T <= 64 (GLM-5 W_UK T = 8: 6.8 vs 7.8 us);
+# it was slower at K = 512 (two passes over 8 bank-conflicted bf16 chunks per tile) and at T >= 128 (the bf16 tile
+# is loaded once per tile and not prefetched across tiles, so tiles serialise), and equal or slower at T = 1.
+FUSED_QUANT_MAX_TOKENS = 64
+FUSED_QUANT_MAX_K = 192
+
+
+def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, fusable: bool = False):
+  """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
+  (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
+  K <= FUSED_QUANT_MAX_K."""
   from mla_pallas.kernels import bmm_fp8 as kbmm
   kw = dict(wg_split="n" if n % 256 == 0 else "m", max_ctas=_num_sms())
   kw.update(dict(tuning))
+  if "quantize_k" not in kw and fusable and t <= FUSED_QUANT_MAX_TOKENS and k <= FUSED_QUANT_MAX_K:
+    try:
+      return kbmm.TuningConfig(**kw, quantize_k=k)
+    except ValueError:    # the bf16 A tile does not fit in SMEM: quantize in the XLA pre-pass
+      pass
   return kbmm.TuningConfig(**kw)
 
 
-# Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md, 2026-11-30) the kernel took 11.9 us
-# against XLA's 8.6 at T = 1 (DeepSeek-V3.2 W_UK, H = 128), and won from T = 128 on (18.6 vs 32.7 us); sizes in
-# between were not measured.
-AUTO_MIN_TOKENS = 128
+# Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md, 2026-11-30, the four MLA shapes) the
+# kernel was slower than XLA at T = 1 (0.64-0.93x: XLA turns the T = 1 product into one reduction fusion) and
+# faster at T = 8 (1.02-1.60x), 64, 128 and 256 (1.7-3.4x); T = 2..7 were not measured.
+AUTO_MIN_TOKENS = 8
 
 
 def _slower_than_xla(tokens: int):
@@ -166,7 +185,12 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
   t, h, k = a.shape
   w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
   n = w_t.shape[1]
-  cfg = _kernel_config(n, tuning)
+  fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
+  cfg = _kernel_config(n, tuning, t=t, k=k, fusable=fusable)
+  if cfg.quantize_k is not None:   # the kernel quantizes a (the float32 operations of quant.quantize_rows_fp8)
+    if not fusable:
+      raise NotImplementedError(f"{OP}: in-kernel quantization (quantize_k) needs bfloat16 a and per-token scales")
+    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret)(a, w_t, w_scale)
   # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.
   t8 = -(-t // 8) * 8
   if act_scale == "per_token":
