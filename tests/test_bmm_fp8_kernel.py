@@ -77,7 +77,7 @@ def test_kernel_interpret_matches_reference(rng, t, h, k, n, act_scale, layout):
   assert_matches_reference(out, a, w8, ws, act_scale)
 
 
-@pytest.mark.parametrize("wg_split,stages,fused", [("n", 4, True), ("m", 3, False), ("m", 3, True)])
+@pytest.mark.parametrize("wg_split,stages,fused", [("n", 4, 2), ("m", 3, False), ("m", 3, 1)])
 def test_persistent_ctas_walk_several_tiles(rng, wg_split, stages, fused):
   """A grid of 2 CTAs over 2 x 2 x 3 (M, N, H) tiles: every CTA runs 6 tiles, the ring (3 chunks per tile, 3 or 4
   slots) wraps within and across tiles, and the output staging tile is reused; with in-kernel quantization the
@@ -89,7 +89,7 @@ def test_persistent_ctas_walk_several_tiles(rng, wg_split, stages, fused):
   out = bmm_mod._bmm_jit(a, bmm_mod.prepare_weight(w8), ws, act_scale="per_token", weight_layout="hnk",
                          impl="mosaic", interpret=params,
                          tuning=(("max_ctas", 2), ("stages", stages), ("wg_split", wg_split),
-                                 ("quantize_k", k if fused else None)))
+                                 ("quantize_k", k if fused else None)) + ((("a_buffers", fused),) if fused else ()))
   out = jax.block_until_ready(out)
   assert not testing.races_found(), "the interpreter found a data race in the kernel"
   assert_matches_reference(out, a, w8, ws, "per_token")
@@ -114,8 +114,8 @@ def test_in_kernel_quantization_default_rule():
   assert cfg(512, t=bmm_mod.FUSED_QUANT_MAX_TOKENS + 1, k=128, fusable=True).quantize_k is None
   assert cfg(512, t=1, k=128, fusable=False).quantize_k is None               # per-tensor or float32 a
   assert cfg(512, t=8, k=192, fusable=True).quantize_k == 192
-  assert cfg(256, t=8, k=512, fusable=True).quantize_k is None                # measured slower at K = 512
-  assert cfg(128, t=8, k=512, fusable=True, tuning=()).quantize_k is None
+  assert cfg(256, t=8, k=512, fusable=True).quantize_k == 512                 # one bf16 A buffer
+  assert cfg(128, t=8, k=512, fusable=True).quantize_k is None                # wg_split "m": does not fit
   assert cfg(256, (("quantize_k", 512),), t=8, k=512).quantize_k == 512        # explicit override
   with pytest.raises(ValueError, match="SMEM"):                                # bf16 A tile too big for SMEM
     cfg(128, (("quantize_k", 512),), t=8, k=512)
@@ -200,3 +200,12 @@ def test_lowers_for_sm90(k, n, t, act_scale):
   assert "mosaic_gpu" in low.hlo
   assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == k // 32
   assert low.count(r"wgmma\.mma_async") == k // 32
+
+
+def test_in_kernel_quantization_buffers():
+  """Two bf16 A buffers where they fit (K <= 192), one at K = 512; a_buffers is checked."""
+  cfg = bmm_mod._kernel_config
+  assert cfg(512, t=8, k=128, fusable=True).a_buffers == 2
+  assert cfg(256, (("quantize_k", 512),), t=8, k=512).a_buffers == 1
+  with pytest.raises(ValueError, match="a_buffers"):
+    kbmm.TuningConfig(a_buffers=3)

@@ -39,14 +39,18 @@ clips rows past T.
 In-kernel quantization (``TuningConfig.quantize_k = K``, per-token scales, bf16 ``a``)
 -------------------------------------------------------------------------------------
 The kernel then reads ``a [T, H, K]`` bf16 itself: per tile the producer loads the CTA's rows of all of K (K/64
-TMA boxes into a linear bf16 tile, any T: rows past T are zero-filled), each consumer quantizes its 64 rows with
+TMA boxes into a 128-byte-swizzled bf16 tile; ``a`` padded by the op to a multiple of 8 rows, rows past it are
+zero-filled), each consumer quantizes its 64 rows with
 the float32 operations of :func:`mla_pallas.quant.quantize_rows_fp8` (two passes over SMEM: row amax, then
 ``fp8(clip(x * (1 / scale), ±448))`` into its own 64-byte-swizzled fp8 tile) and keeps the row scales in
-registers for the epilogue; the ring then carries only B chunks. No pre-pass launches. On an H200 the output was
-bitwise equal to the pre-pass path at every measured shape. It pays only at small T and K <= 192 (the op's
-default rule, ``ops/bmm_fp8.FUSED_QUANT_MAX_TOKENS`` / ``FUSED_QUANT_MAX_K``): the bf16 tile is single-buffered,
-so its load and quantization sit on each tile's critical path. SMEM adds ``cta_m · K · 2 + 2 · 64 · K`` bytes
-(K = 512 with ``wg_split="m"`` does not fit).
+registers for the epilogue; the ring then carries only B chunks, and ``a_buffers=2`` bf16 tiles let the next
+tile's rows load during this one's MMAs. No pre-pass launches. On an H200 the output was bitwise equal to the
+pre-pass path at every measured shape, and faster at T = 8-256 (the op's default up to
+``ops/bmm_fp8.FUSED_QUANT_MAX_TOKENS``). History (benchmarks/RESULTS.md): a linear (unswizzled) bf16 tile made the
+two register passes bank-conflicted and the in-kernel path slower than the pre-pass at K = 512 and T >= 128; the
+128-byte-swizzled tile (``a`` padded to 8-row multiples by the op) fixed that. SMEM adds
+``a_buffers · cta_m · K · 2 + 2 · 64 · K`` bytes (K = 512 needs ``a_buffers=1``; with ``wg_split="m"`` it does not
+fit).
 
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
@@ -70,10 +74,10 @@ ring instead of by co-resident CTAs.
 
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
 tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles). Against XLA's FP8
-dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.6-3.4x at T = 64-256, 1.0-1.6x at T = 8,
-but 0.64-0.93x at T = 1, where XLA computes the product as one reduction fusion (~1.5 us with L2-resident
-weights) while this kernel takes 4.5-6.5 us (a latency chain: launch, TMA, wgmma, epilogue, per tile) plus the
-pre-pass launches; ``impl="auto"`` takes XLA below T = 8.
+dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.7-5.0x at T = 64-256, 1.4-1.9x at T = 8,
+but 0.65-0.97x at T = 1, where XLA computes the product as one reduction fusion (~1.5 us with L2-resident
+weights) while this kernel takes 4.5-9.6 us (a latency chain: launch, TMA, quantization, wgmma, epilogue, per
+tile); ``impl="auto"`` takes XLA below T = 8.
 """
 from __future__ import annotations
 
@@ -112,17 +116,22 @@ class TuningConfig(common.TuningConfigBase):
   quantize_k: None (the kernel reads ``a`` already quantized by the op's XLA pre-pass) or K: the kernel reads
     ``a`` in bfloat16 and quantizes it per (t, h) row itself (per-token scales only; see "In-kernel
     quantization" in the module docstring). The value is K, so that the SMEM budget can be checked here.
+  a_buffers: bf16 A tiles in flight with ``quantize_k`` (2: the next tile's rows load while this one is
+    multiplied; 1 where two do not fit in SMEM, e.g. K = 512). Ignored without ``quantize_k``.
   """
   stages: int = 4
   wg_split: str = "n"
   max_ctas: int = 132
   quantize_k: int | None = None
+  a_buffers: int = 2
 
   def validate(self):
     if self.wg_split not in ("n", "m"):
       raise ValueError(f"TuningConfig.wg_split must be 'n' or 'm'; got {self.wg_split!r}")
     if self.stages > 16:
       raise ValueError(f"TuningConfig.stages must be <= 16; got {self.stages}")
+    if self.a_buffers > 2:
+      raise ValueError(f"TuningConfig.a_buffers must be 1 or 2; got {self.a_buffers}")
     if self.quantize_k is not None and (self.quantize_k <= 0 or self.quantize_k % CHUNK):
       raise ValueError(f"TuningConfig.quantize_k must be None or a positive multiple of {CHUNK}; "
                        f"got {self.quantize_k!r}")
@@ -150,7 +159,7 @@ def smem_budget(cfg: TuningConfig) -> int:
     a_bufs = (((cfg.stages, cfg.cta_m, CHUNK), FP8),)                         # A ring (fp8 chunks)
   else:
     k_chunks = cfg.quantize_k // CHUNK
-    a_bufs = (((k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),                   # bf16 A tile (whole K)
+    a_bufs = (((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),    # bf16 A tiles (whole K)
               ((2, k_chunks, TILE_M, CHUNK), FP8))                            # fp8 A per consumer
   return common.smem_bytes(
       *a_bufs,
@@ -194,7 +203,7 @@ def _quantize_rows(a_bf, a8, rows):
   k_chunks = a_bf.shape[0]
 
   def load(c):
-    return plgpu.load(a_bf.at[c, rows], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
+    return plgpu.load(a_bf.at[c, rows], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
   amax = None
   for c in range(k_chunks):
@@ -234,12 +243,15 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
     def _(i):
       m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
       n0 = n_idx * cfg.cta_n
-      if fuse:   # the whole bf16 A tile, once both consumers have quantized the previous one
-        @pl.when(i > 0)
+      if fuse:   # the whole bf16 A tile, once both consumers have used the buffer's previous tile
+        ab = lax.rem(i, cfg.a_buffers)
+
+        @pl.when(i >= cfg.a_buffers)
         def _():
-          plgpu.barrier_wait(a_empty)
+          plgpu.barrier_wait(a_empty.at[ab])
         for c in range(n_chunks):
-          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, pl.ds(c * CHUNK, CHUNK)], a_bf.at[c], a_full)
+          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, pl.ds(c * CHUNK, CHUNK)], a_bf.at[ab, c],
+                                  a_full.at[ab])
       for c in range(n_chunks):
         g = i * n_chunks + c          # ring position, continuing across tiles
         slot = lax.rem(g, stages)
@@ -261,7 +273,12 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
       def _():
         plgpu.barrier_wait(empty.at[lax.rem(g, stages)])
     if fuse:
-      plgpu.barrier_wait(a_empty)
+      for s in range(cfg.a_buffers):
+        i = my_tiles - cfg.a_buffers + s
+
+        @pl.when(i >= 0)
+        def _():
+          plgpu.barrier_wait(a_empty.at[lax.rem(i, cfg.a_buffers)])
 
   @pl.when(wg < 2)
   def _consumer():
@@ -279,8 +296,9 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
       # Scales first: their GMEM latency then overlaps the waits for the operands.
       w_scales = [ws_gmem[h, kb, nb] for kb in range(n_blocks)]
       if fuse:
-        plgpu.barrier_wait(a_full)
-        a_scale = _quantize_rows(a_bf, a8.at[wg], rows)
+        ab = lax.rem(i, cfg.a_buffers)
+        plgpu.barrier_wait(a_full.at[ab])
+        a_scale = _quantize_rows(a_bf.at[ab], a8.at[wg], rows)
         plgpu.commit_smem()                 # the fp8 stores are visible to the wgmma (async proxy)
       elif per_token:
         a_scale = plgpu.load(as_gmem.at[h, pl.ds(m0 + wi_m * TILE_M, TILE_M)], layout=row_layout,
@@ -305,7 +323,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           # The bf16 tile may be overwritten. Released after the first block's wgmmas have completed rather than
           # right after the quantization: interpret mode does not order this arrive after the SMEM loads
           # without a data dependence (it reported a race); on the GPU the two places are equivalent.
-          plgpu.barrier_arrive(a_empty)
+          plgpu.barrier_arrive(a_empty.at[ab])
         total = total + part * w_scales[kb]
 
       if fuse or per_token:
@@ -332,8 +350,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
     as_ [H, T_pad] f32 (per_token; T_pad = T rounded up to the CTA's rows, padded with 1.0) or [1] f32.
     w   [H, N, K] fp8: K-major weights.
     ws  [H, ceil(K/128), N/128] f32: weight block scales.
-  With ``cfg.quantize_k == K`` (per_token only): ``a [T, H, K]`` bfloat16 (any T: its tile lands in linear
-  SMEM, so no row padding), ``w``, ``ws``.
+  With ``cfg.quantize_k == K`` (per_token only): ``a [T8, H, K]`` bfloat16 (T rounded up to a multiple of 8 with
+  zero rows, as ``a8`` above), ``w``, ``ws``.
   Returns out [T, H, N] bfloat16.
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
@@ -352,7 +370,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   k_chunks = k // CHUNK
   if fuse:
     a_scratch = [
-        plgpu.SMEM((k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),                                   # bf16 A tile
+        plgpu.SMEM((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16,
+                   transforms=swizzled(jnp.bfloat16, 128)),                                      # bf16 A tiles
         plgpu.SMEM((2, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),          # fp8 A
     ]
   else:
@@ -362,8 +381,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
       plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # empty: both consumers released it
   ]
   if fuse:
-    barriers += [plgpu.Barrier(num_arrivals=k_chunks),          # a_full: the bf16 A tile's TMAs
-                 plgpu.Barrier(num_arrivals=2)]                 # a_empty: both consumers quantized it
+    barriers += [plgpu.Barrier(num_arrivals=k_chunks, num_barriers=cfg.a_buffers),   # a_full: the A tile's TMAs
+                 plgpu.Barrier(num_arrivals=2, num_barriers=cfg.a_buffers)]          # a_empty: both consumers
   return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((t, h, n), jnp.bfloat16),

@@ -18,8 +18,8 @@ XLA path (real FP8 operands):
   4. Cast to bfloat16, layout ``[T, H, N]``.
 
 Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`.
-  * For bf16 ``a`` with per-token scales at decode sizes (T <= FUSED_QUANT_MAX_TOKENS, K <= FUSED_QUANT_MAX_K)
-    the kernel quantizes ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no
+  * For bf16 ``a`` with per-token scales at decode sizes (T <= FUSED_QUANT_MAX_TOKENS, where the bf16 tile fits
+    in SMEM: all MLA shapes but K 512 -> N 128) the kernel quantizes ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no
     pre-pass runs. Otherwise:
   * Activation quantization is a fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as above, so ``a8``
     and its scales are bitwise those of the reference), not in-kernel. Why: it is exact by construction;
@@ -130,32 +130,36 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
-# In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default only where it measured faster than the XLA
-# pre-pass (H200, 2026-11-30, benchmarks/RESULTS.md): K <= 192 at 8 <= T <= 64 (GLM-5 W_UK T = 8: 6.8 vs 7.8 us);
-# it was slower at K = 512 (two passes over 8 bank-conflicted bf16 chunks per tile) and at T >= 128 (the bf16 tile
-# is loaded once per tile and not prefetched across tiles, so tiles serialise), and equal or slower at T = 1.
-FUSED_QUANT_MAX_TOKENS = 64
-FUSED_QUANT_MAX_K = 192
+# In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default up to this many tokens, wherever its bf16 A
+# tiles fit in SMEM: on an H200 (2026-11-30, benchmarks/RESULTS.md, v2c) it beat the XLA pre-pass at every measured
+# T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us; XLA is faster there anyway). Larger T were not measured.
+FUSED_QUANT_MAX_TOKENS = 256
 
 
 def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, fusable: bool = False):
   """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
   (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
-  K <= FUSED_QUANT_MAX_K."""
+  its SMEM fits (two bf16 A buffers, else one, else the pre-pass)."""
   from mla_pallas.kernels import bmm_fp8 as kbmm
   kw = dict(wg_split="n" if n % 256 == 0 else "m", max_ctas=_num_sms())
   kw.update(dict(tuning))
-  if "quantize_k" not in kw and fusable and t <= FUSED_QUANT_MAX_TOKENS and k <= FUSED_QUANT_MAX_K:
-    try:
-      return kbmm.TuningConfig(**kw, quantize_k=k)
-    except ValueError:    # the bf16 A tile does not fit in SMEM: quantize in the XLA pre-pass
-      pass
+  explicit = "quantize_k" in kw
+  if not explicit and fusable and t <= FUSED_QUANT_MAX_TOKENS:
+    kw["quantize_k"] = k
+  if kw.get("quantize_k") is not None and "a_buffers" not in kw:
+    for a_buffers in (2, 1):      # double-buffered bf16 A tiles where they fit in SMEM
+      try:
+        return kbmm.TuningConfig(**kw, a_buffers=a_buffers)
+      except ValueError:
+        pass
+    if not explicit:              # the bf16 A tile does not fit: quantize in the XLA pre-pass
+      kw["quantize_k"] = None
   return kbmm.TuningConfig(**kw)
 
 
 # Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md, 2026-11-30, the four MLA shapes) the
-# kernel was slower than XLA at T = 1 (0.64-0.93x: XLA turns the T = 1 product into one reduction fusion) and
-# faster at T = 8 (1.02-1.60x), 64, 128 and 256 (1.7-3.4x); T = 2..7 were not measured.
+# kernel was slower than XLA at T = 1 (0.65-0.97x: XLA turns the T = 1 product into one reduction fusion) and at
+# T = 2 (v2b), and faster at T = 8 (1.38-1.91x), 64, 128 and 256 (1.7-5.0x); T = 3..7 were not measured.
 AUTO_MIN_TOKENS = 8
 
 
@@ -190,7 +194,9 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
   if cfg.quantize_k is not None:   # the kernel quantizes a (the float32 operations of quant.quantize_rows_fp8)
     if not fusable:
       raise NotImplementedError(f"{OP}: in-kernel quantization (quantize_k) needs bfloat16 a and per-token scales")
-    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret)(a, w_t, w_scale)
+    t8 = -(-t // 8) * 8   # swizzled TMA boxes need a multiple of 8 GMEM rows: zero rows (sliced off by the store)
+    a_in = a if t8 == t else jnp.pad(a, ((0, t8 - t), (0, 0), (0, 0)))
+    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret)(a_in, w_t, w_scale)
   # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.
   t8 = -(-t // 8) * 8
   if act_scale == "per_token":
