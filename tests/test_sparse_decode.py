@@ -87,15 +87,18 @@ def test_kernel_interpret_matches_reference(rng, B, s_q, H, topk, page, tl):
       quantized_q=False, quantized_p=True, fp8_mma=False, pv_length=topk))
 
 
-FP8_PV = (("pv_dtype", "fp8"), ("stages", 2), ("k_buffers", 1))   # the FP8 P.V design (default until 2026-11-30)
+LINEAR = (("k_gather", "linear"),)   # per-row 640-byte TMA into a linear slot + K re-swizzle (default until v5)
+FP8_PV = LINEAR + (("pv_dtype", "fp8"), ("stages", 2), ("k_buffers", 1))   # the FP8 P.V design (default until v4)
 
 
 @pytest.mark.parametrize("tuning", [
     FP8_PV,
-    (("pv_dtype", "fp8"), ("stages", 1), ("k_buffers", 2)),
+    LINEAR + (("pv_dtype", "fp8"), ("stages", 1), ("k_buffers", 2)),
     FP8_PV + (("k_stager", "consumers"),),
     FP8_PV + (("v_stager", "loader"),),
-    (("k_buffers", 1), ("stages", 1)),
+    LINEAR + (("k_buffers", 1), ("stages", 1)),
+    LINEAR,                                # v4: f16 P.V, double-buffered K, one linear slot
+    (("k_buffers", 1),),                   # swizzled gather, one K buffer
 ])
 def test_kernel_variants_interpret(rng, tuning):
   """Every non-default warpgroup arrangement of the kernel computes the same function (races checked)."""
@@ -180,22 +183,28 @@ def test_xla_masking_fuzz(idx_list, tl):
 
 
 @pytest.mark.parametrize("H,s_q,topk,splits,pv_dtype", [
-    (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8")])
+    (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
+    (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
-  """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a."""
+  """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
+  "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
   tiles_per_token = max(1, H // 64)
   n_tok = 2 * s_q
   tps = -(-topk // (64 * splits))
-  fp8_pv = dict(pv_dtype="fp8", stages=2, k_buffers=1) if pv_dtype == "fp8" else {}
-  cfg = sm90.TuningConfig(tiles_per_split=tps, **fp8_pv)
+  extra = {"fp8": dict(pv_dtype="fp8", stages=2, k_buffers=1, k_gather="linear"), "f16": dict(k_gather="linear"),
+           "swizzled": {}}
+  cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
                     "bfloat16" if splits == 1 else "float32", cfg)
   S = jax.ShapeDtypeStruct
-  low = testing.lower_for_cuda(kern, S((n_tok * tiles_per_token, 64, 576), FP8), S((n_tok * tiles_per_token, 64),
-                               jnp.float32), S((4096 * 9, 64), FP8), S((n_tok, splits * tps, 64), jnp.int32),
-                               S((1,), jnp.float32), arch=(9, 0))
-  # 9 QK chunks x 2 k32 steps (+ one N=256 fp8 PV wgmma = 2 k32 steps); f16 PV: 4 k16 steps.
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == (20 if pv_dtype == "fp8" else 18)
+  swz = pv_dtype == "swizzled"
+  q_cols, kv_shape = (sm90.Q_SW_COLS, (4096, 576)) if swz else (576, (4096 * 9, 64))
+  low = testing.lower_for_cuda(kern, S((n_tok * tiles_per_token, 64, q_cols), FP8),
+                               S((n_tok * tiles_per_token, 64), jnp.float32), S(kv_shape, FP8),
+                               S((n_tok, splits * tps, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
+  # 9 QK chunks x 2 k32 steps (+ one N=256 fp8 PV wgmma = 2 k32 steps); f16 PV: 4 k16 steps;
+  # swizzled: 5 QK chunks of 128 x 4 k32 steps.
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == {"fp8": 20, "f16": 18, "swizzled": 20}[pv_dtype]
   assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == (0 if pv_dtype == "fp8" else 4)
   assert low.count(r"cp\.async\.bulk\.tensor") > 0
 
@@ -204,7 +213,11 @@ def test_tuning_config_rejects_bad_values():
   with pytest.raises(ValueError, match="stages"):
     sm90.TuningConfig(stages=0)
   with pytest.raises(ValueError, match="SMEM"):
-    sm90.TuningConfig(stages=3)             # 3 x 40 KB linear slots do not fit next to Q, K, V^T and P
+    sm90.TuningConfig(stages=3, k_gather="linear")   # 3 x 40 KB linear slots do not fit next to Q, K, V, P
+  with pytest.raises(ValueError, match="k_gather"):
+    sm90.TuningConfig(stages=2)             # the default swizzled gather has no linear ring
+  with pytest.raises(ValueError, match="k_gather"):
+    sm90.TuningConfig(k_gather="direct")
   with pytest.raises(ValueError, match="v_stager"):
     sm90.TuningConfig(v_stager="somewhere")
 

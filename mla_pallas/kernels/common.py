@@ -116,15 +116,16 @@ def stage_vt(k_sw, vt_sw, chunks=range(V_CHUNKS)):
         k_sw.at[c], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
 
 
-def stage_v16(k_sw, v16, chunks=range(V_CHUNKS)):
-  """V as float16, un-transposed: swizzled K tiles (k_sw [9, T, 64] fp8) -> v16 [T, 512] f16 (swizzle 128).
+def stage_v16(k_sw, v16, chunks=range(V_CHUNKS), width: int = CHUNK):
+  """V as float16, un-transposed: swizzled K tiles (k_sw [9, T, 64] fp8, or [5, T, 128] with ``width=128``) ->
+  v16 [T, 512] f16 (swizzle 128).
 
   16-bit wgmma accepts an MN-major B operand, so P.V in f16 needs no transpose: a vectorised load of each 64 x 64
   fp8 tile, an exact e4m3 -> f16 conversion (every e4m3 value is an f16 value) and a store. (e4m3 -> bf16 has no
   hardware conversion on sm_90 with this ptxas; f16 has.)
   """
   for c in chunks:
-    v16.at[:, pl.ds(c * CHUNK, CHUNK)][...] = plgpu.load(
+    v16.at[:, pl.ds(c * width, width)][...] = plgpu.load(
         k_sw.at[c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False).astype(jnp.float16)
 
 

@@ -5,7 +5,7 @@ What one CTA computes
 One *query tile* of 64 rows (the heads of one query token; H < 64 is zero-padded to 64 rows, H = 128 is two
 tiles) against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of the token's top-k):
 
-    S    = Q8 · K8ᵀ                       fp8 wgmma, f32 accumulate, K = 576 as 9 chunks of 64
+    S    = Q8 · K8ᵀ                       fp8 wgmma, f32 accumulate, K = 576 (default: 5 chunks of 128, see below)
     s    = S · row_scale                  row_scale = q_scale(row) · kv_scale · softmax_scale · log2(e)
     s    = −inf where the key is invalid (index < 0, ≥ num_slots, or past topk_length)
     online softmax in base 2 (m, l per row)
@@ -18,27 +18,42 @@ sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the sp
 A row id of ``num_slots`` lies wholly past the end of the cache, so its TMA box is zero-filled by the hardware:
 the kernel never reads out of bounds, and the consumer masks those columns to −inf.
 
-Warpgroup roles (``num_threads=3``, Lane semantics), default TuningConfig (stages=1, k_buffers=2, pv_dtype="f16")
------------------------------------------------------------------------------------------------------------------
-* WG2 — loader (56 registers): TMA of Q (9 chunks) and of the split's indices; per-row TMA gathers into the
-  linear slot (64 rows per tile, issued by the 4 warps, 16 rows each); the K re-swizzle of each tile (linear →
-  nine 64 × 64 swizzled tiles, FP8→FP8, ``Layout.WGMMA_8BIT``) into one of two K buffers; then it refills the
-  slot with the next tile's gather, so the re-swizzle of tile t+1 overlaps the consumers' work on tile t.
-* WG0, WG1 — consumers (224 registers each). Per tile: issue the nine QKᵀ fp8 wgmmas (async); meanwhile stage
-  their half of V (4 chunks) from the *swizzled K tiles*: default, an exact e4m3 → f16 upcast (16-bit wgmma
-  takes an MN-major B, so no transpose); pv_dtype="fp8", a transpose into Vᵀ (512 × 64 swizzled, the K-major B
-  operand FP8 wgmma requires on Hopper). Read S, release the K buffer (``k_empty``); online softmax; P·V for
-  their 256 output columns (64 × 256 f32 accumulator = 128 registers per thread), with P as an f16 register
-  operand (default) or fp8(256 p) through their own SMEM tile. S is computed by both consumers (redundant:
-  576/1088 more MMA work, but no cross-warpgroup exchange of S or P). WG0 writes lse.
+Warpgroup roles (``num_threads=3``, Lane semantics), default TuningConfig (k_gather="swizzled", k_buffers=2,
+pv_dtype="f16")
+-------------------------------------------------------------------------------------------------------------
+* WG2 — loader (56 registers): TMA of Q (five 128-column boxes of the 640-wide ``latent | 0 | rope`` rows the op
+  prepares) and of the split's indices; then per 64-key tile, once the consumers have released K buffer
+  ``t % 2`` (``k_empty``), **five 128-byte TMAs per gathered row straight into the 128-byte-swizzled K tiles**
+  (chunks 0-3: cache columns 0-511; chunk 4, the tail: columns 448-575, i.e. latent 448-511 and rope), issued by
+  its 4 warps (16 rows each), all arriving on ``k_full``. No linear slot and no register re-swizzle: the TMA unit
+  applies the swizzle from the destination address. The destination is a swizzle-only view
+  [2, 5, 8, 8, 128] of the same SMEM as the tiled K buffers [2, 5, 64, 128] (a ``plgpu.RefUnion``); interpret
+  mode keeps union members apart, so there each row is copied into a one-row slice of the tiled buffer instead.
+* WG0, WG1 — consumers (224 registers each). Per tile: issue the five QKᵀ fp8 wgmmas (K chunks of 128; Q's tail
+  chunk holds zeros against latent 448-511, so those columns count once); meanwhile stage their half of V (two
+  128-column chunks) as an exact e4m3 → f16 upcast (16-bit wgmma takes an MN-major B, so no transpose). Read S,
+  release the K buffer (``k_empty``); online softmax; P·V for their 256 output columns (64 × 256 f32 accumulator =
+  128 registers per thread) with P as an f16 register operand. S is computed by both consumers (redundant, but no
+  cross-warpgroup exchange of S or P). WG0 writes lse.
+* ``k_gather="linear"`` (v4, the default until 2026-11-30): one 640-byte TMA per row into a linear slot, which the
+  loader re-swizzles into nine 64-byte-swizzled 64 × 64 tiles through registers (``Layout.WGMMA_8BIT``) before
+  refilling the slot; ``pv_dtype="fp8"`` (P as fp8(256 p) through SMEM, V transposed into the K-major Vᵀ FP8
+  wgmma needs) and the other stager arrangements exist only on this path.
+
+Why the swizzled gather (H200, 2026-11-30, benchmarks/RESULTS.md run 10): the linear path's loader chain per tile
+was gather latency + K re-swizzle (~1.1 µs), with one slot (SMEM was full) nothing overlapped it; gathering into
+the swizzled layout removes the re-swizzle and the 40 KB slot, and the second K buffer keeps the next tile's
+gather in flight while the consumers work. FlashMLA headline shape: 429.6 µs (340 TFLOP/s) against 562.9 µs for
+v4 in the same run, identical outputs on every check case. Cost: 320 TMAs per tile instead of 64, and QKᵀ over
+640 columns instead of 576 (+11% of the QK MMAs).
 
 Why P·V in f16 by default (measured on an H200, 2026-11-30, benchmarks/RESULTS.md): it removes the slow FP8
 transpose of V (vector-length-1 layout) and the P round trip through SMEM; at the FlashMLA headline shape it ran
 562.7 µs against 616.1 µs for the FP8 P·V design (same run), and P keeps 11 bits instead of 3 (smaller error).
 V is still the cache's e4m3 values (the upcast is exact); QKᵀ stays native FP8. The FP8 P·V design remains as
 ``pv_dtype="fp8"`` (tested in interpret mode and on the H200).
-Limiter (ablations, 2026-11-29): the chain K re-swizzle → (QKᵀ ∥ V staging) → softmax + P·V costs ~1.2 µs per
-64-key tile each; the gather alone takes a third of the time. Alternatives measured slower and kept as
+Limiter of the linear path (ablations, 2026-11-29): the chain K re-swizzle → (QKᵀ ∥ V staging) → softmax + P·V
+costs ~1.2 µs per 64-key tile each; the gather alone takes a third of the time. Alternatives measured slower and kept as
 switches: V staged by the loader (``v_stager="loader"``), K re-swizzled by the consumers (``k_stager="consumers"``).
 Why not a fourth warpgroup: with 512 threads ptxas caps registers at 128 per thread at entry and rejects the
 m64n256 f32 wgmma ("Insufficient registers (128) ... 154 or higher"); three warpgroups give a cap of 170.
@@ -51,16 +66,18 @@ linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. La
 
 SMEM budget (bytes, 64-token tiles, top-k split of up to 2048 keys)
 --------------------------------------------------------------------
-                                               default (f16 P·V)    pv_dtype="fp8", stages=2, k_buffers=1
-    Q (9 × 64 × 64 fp8, swizzled)                 36 864               36 864
-    linear ring (stages × 64 × 640 fp8)           40 960               81 920
-    K swizzled (k_buffers × 9 × 64 × 64 fp8)      73 728               36 864
-    V f16 (64 × 512, swizzled) / Vᵀ fp8 (512×64)  65 536               32 768
-    P (2 consumers × 64 × 64 fp8)                      0                8 192
-    indices (tiles_per_split × 64 int32)           8 192                8 192
-    lse staging (64 f32) + barriers                 ~600                 ~600
-    Mosaic reduction scratch                        2 048                2 048
-    total (smem_budget, buffers rounded to 1 KB) 229 888              208 384   (limit 232 448: one CTA per SM)
+                                     default (swizzled gather)  k_gather="linear" (v4)   linear, pv_dtype="fp8",
+                                                                                          stages=2, k_buffers=1
+    Q (fp8, swizzled)                   40 960 (5 × 64 × 128)      36 864 (9 × 64 × 64)     36 864
+    linear ring (stages × 64 × 640)          0                     40 960                   81 920
+    K (k_buffers × tile, swizzled)      81 920 (2 × 5 × 64 × 128)  73 728 (2 × 9 × 64 × 64) 36 864
+    V f16 (64 × 512) / Vᵀ fp8 (512×64)  65 536                     65 536                   32 768
+    P (2 consumers × 64 × 64 fp8)            0                          0                    8 192
+    indices (tiles_per_split × 64 int32) 8 192                      8 192                    8 192
+    lse staging, barriers, placeholders   ~2 600                     ~600                     ~600
+    Mosaic reduction scratch             2 048                      2 048                    2 048
+    total (smem_budget, 1 KB rounding) 202 240                    229 888                  208 384
+(limit 232 448: one CTA per SM; a third swizzled K buffer would need 242 KB.)
 """
 from __future__ import annotations
 
@@ -74,9 +91,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.common import CHUNK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SLOT_CHUNKS, swizzled
+from mla_pallas.kernels.common import CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SLOT_CHUNKS, swizzled
 
 TILE = 64          # query rows per CTA and gathered keys per pipeline step
+SW_CHUNK = 128     # k_gather="swizzled": bytes per TMA box / per wgmma K chunk (128-byte swizzle)
+SW_CHUNKS = 5      # latent chunks 0-3 (columns 0-511) + tail (columns 448-575: latent 448-511 and rope)
+SW_TAIL_COL = D_QK - SW_CHUNK   # 448: first cache column of the tail chunk
+Q_SW_COLS = SW_CHUNKS * SW_CHUNK   # 640: Q as latent | 64 zeros | rope (the zeros meet latent 448-511 in the tail)
 CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
 LOADER_REGS = 56
 
@@ -97,6 +118,10 @@ class TuningConfig(common.TuningConfigBase):
                                 # "fp8": P as fp8(256 p) through SMEM, V transposed to fp8 V^T (FP8 wgmma)
   auto_barriers: bool = True    # False: CompilerParams(unsafe_no_auto_barriers=True); see the module docstring
   approx_math: bool = False
+  # "linear": per-row 640-byte TMA into a linear slot, re-swizzled by the loader (validated design);
+  # "swizzled": five 128-byte TMAs per row straight into 128-byte-swizzled K tiles (no linear slot, no
+  # re-swizzle; see "Swizzled gather" in the module docstring). Needs the defaults otherwise.
+  k_gather: str = "swizzled"
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
@@ -116,11 +141,27 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.pv_dtype='f16' needs v_stager='consumers'")
     if self.v_stager not in ("loader", "consumers"):
       raise ValueError(f"TuningConfig.v_stager must be 'loader' or 'consumers'; got {self.v_stager!r}")
+    if self.k_gather not in ("linear", "swizzled"):
+      raise ValueError(f"TuningConfig.k_gather must be 'linear' or 'swizzled'; got {self.k_gather!r}")
+    if self.k_gather == "swizzled" and (self.pv_dtype != "f16" or self.k_stager != "loader"
+                                        or self.v_stager != "consumers" or self.stages != 1):
+      raise ValueError("TuningConfig.k_gather='swizzled' (the default) has no linear ring: it needs "
+                       "pv_dtype='f16', k_stager='loader', v_stager='consumers', stages=1; use "
+                       "k_gather='linear' for the other arrangements")
     self.check_split()
     self.check_smem(smem_budget(self))
 
 
 def smem_budget(cfg: TuningConfig) -> int:
+  if cfg.k_gather == "swizzled":
+    return common.smem_bytes(
+        ((SW_CHUNKS, TILE, SW_CHUNK), FP8),                  # Q (latent | 0 | rope)
+        ((cfg.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8),   # K, gathered straight into the swizzled layout
+        ((TILE, D_V), jnp.float16),                          # V f16
+        ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
+        ((TILE,), jnp.float32),                              # lse staging
+        ((128,), jnp.uint8), ((128,), jnp.uint8),            # placeholders (linear ring, P)
+    ) + 64 * 8 + 2048
   return common.smem_bytes(
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
       ((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),       # linear ring
@@ -144,10 +185,17 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
   n_tiles = cfg.tiles_per_split
   stages = cfg.stages
   k_buffers = cfg.k_buffers
+  swz = cfg.k_gather == "swizzled"
+  if swz and not interpret:   # the tiled view (wgmma operands) and a swizzle-only view of the same bytes (TMA rows)
+    k_sw, k_rows = k_sw
 
   @pl.when(wg == 2)
   def _loader():
     plgpu.set_max_registers(LOADER_REGS, action="decrease")
+    if swz:
+      _swizzled_loader(cfg, interpret, q_gmem, kv_gmem, idx_gmem, q_sw, k_sw, None if interpret else k_rows,
+                       idx_smem, q_bar, idx_bar, k_full, k_empty, tile_q, token, split)
+      return
     for c in range(N_CHUNKS):
       plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * CHUNK, CHUNK)], q_sw.at[c], q_bar)
     plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
@@ -251,14 +299,16 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.barrier_wait(k_full.at[kb])
 
       def qk(acc_ref):
-        for c in range(N_CHUNKS if 'qk' not in cfg.ablate else 0):
+        for c in range((SW_CHUNKS if swz else N_CHUNKS) if 'qk' not in cfg.ablate else 0):
           plgpu.wgmma(acc_ref, q_sw.at[c], k_tiles.at[c].T)
         if cfg.v_stager == "consumers":   # overlap the V transpose with the asynchronous QK wgmma
           for w in range(2):
             @pl.when(wg == w)
             def _():
               if 'v_stage' not in cfg.ablate:
-                if cfg.pv_dtype == "fp8":
+                if swz:     # 128-wide chunks: this consumer's 256 columns are chunks 2w, 2w + 1
+                  common.stage_v16(k_tiles, vt_sw, chunks=range(2 * w, 2 * w + 2), width=SW_CHUNK)
+                elif cfg.pv_dtype == "fp8":
                   common.stage_vt(k_tiles, vt_sw, chunks=range(w * 4, w * 4 + 4))
                 else:
                   common.stage_v16(k_tiles, vt_sw, chunks=range(w * 4, w * 4 + 4))
@@ -317,6 +367,66 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.wait_smem_to_gmem(0)
 
 
+def _swizzled_loader(cfg, interpret, q_gmem, kv_gmem, idx_gmem, q_sw, k_sw, k_rows, idx_smem, q_bar, idx_bar,
+                     k_full, k_empty, tile_q, token, split):
+  """Loader of ``k_gather="swizzled"``: Q (5 boxes of 128 columns of the 640-wide latent | 0 | rope rows), the
+  split's indices, then per 64-key tile five 128-byte TMAs per row straight into the 128-byte-swizzled K tiles
+  of buffer ``t % k_buffers`` (arriving on ``k_full``), once the consumers have released it (``k_empty``).
+
+  On hardware a row lands through ``k_rows``, a swizzle-only view [k_buffers, 5, 8, 8, 128] of the same bytes as
+  the tiled ``k_sw`` [k_buffers, 5, 64, 128] (a ``RefUnion``): the TMA unit applies the 128-byte swizzle from the
+  destination address, so a one-row box lands where the tiled view expects it. Interpret mode keeps the members of
+  a ``RefUnion`` apart, so there the rows are copied into one-row slices of ``k_sw`` itself.
+  """
+  n_tiles = cfg.tiles_per_split
+  k_buffers = cfg.k_buffers
+  for c in range(SW_CHUNKS):
+    plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * SW_CHUNK, SW_CHUNK)], q_sw.at[c], q_bar)
+  plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
+  plgpu.barrier_wait(idx_bar)
+  per_warp = TILE // 4
+
+  def gather(t, kb):
+    @plgpu.warp_map
+    def _(w):
+      @pl.loop(0, per_warp)
+      def _(r0):
+        r = w * per_warp + r0
+        row = kv_gmem.at[pl.ds(idx_smem[t, r], 1)]
+        for c in range(SW_CHUNKS):
+          src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
+          if interpret:
+            dst = k_sw.at[kb, c, pl.ds(r, 1)]
+          else:
+            dst = k_rows.at[kb, c, lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
+          plgpu.copy_gmem_to_smem(src, dst, k_full.at[kb])
+
+  @pl.loop(0, n_tiles)
+  def _(t):
+    kb = lax.rem(t, k_buffers)
+
+    @pl.when(t >= k_buffers)
+    def _():
+      plgpu.barrier_wait(k_empty.at[kb])
+    gather(t, kb)
+
+  common.drain(k_empty, n_tiles, k_buffers)
+
+
+def _q_lin_k_scratch(cfg, interpret):
+  """Scratch for Q, the linear ring and K: [Q, lin, K] (K a RefUnion of two views for k_gather="swizzled")."""
+  if cfg.k_gather == "swizzled":
+    k_tiled = plgpu.SMEM((cfg.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
+    k_rows = plgpu.SMEM((cfg.k_buffers, SW_CHUNKS, TILE // 8, 8, SW_CHUNK), FP8,
+                        transforms=(plgpu.SwizzleTransform(SW_CHUNK),))
+    return [plgpu.SMEM((SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK)),   # Q
+            plgpu.SMEM((128,), jnp.uint8),                                                       # (no linear ring)
+            k_tiled if interpret else plgpu.RefUnion(k_tiled, k_rows)]                           # K
+  return [plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),             # Q
+          plgpu.SMEM((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),                             # linear ring
+          plgpu.SMEM((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64))]   # K
+
+
 def _v_scratch(cfg):
   if cfg.pv_dtype == "fp8":
     return plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64))
@@ -337,9 +447,11 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
   """Build the kernel for given shapes.
 
   Kernel arguments:
-    q8   [num_q_tiles, 64, 576] fp8: quantized query rows (tile = token · tiles_per_token + head_block).
+    q8   [num_q_tiles, 64, 576] fp8: quantized query rows (tile = token · tiles_per_token + head_block);
+         k_gather="swizzled": [num_q_tiles, 64, 640] = latent (512) | 64 zeros | rope (64).
     qs   [num_q_tiles, 64] f32: per-row logit scale (q_scale · softmax_scale · log2 e; kv_scale folded in too).
-    kv   [num_slots · 9, 64] fp8: the cache (free reshape of [num_slots, 576]).
+    kv   [num_slots · 9, 64] fp8: the cache (free reshape of [num_slots, 576]); k_gather="swizzled":
+         [num_slots, 576].
     idx  [num_tokens, num_splits · tiles_per_split, 64] int32: sanitised row ids (num_slots = invalid).
     scal [1] f32: kv_scale (multiplies the output).
   Returns (o [num_q_tiles, num_splits, 64, 512] out_dtype, lse [num_q_tiles, num_splits, 64] f32 natural log),
@@ -347,6 +459,7 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
   """
   out_dtype = jnp.dtype(out_dtype_name)
   n_tiles = cfg.tiles_per_split
+  swz = cfg.k_gather == "swizzled"
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret))
   kwargs = common.interpret_kwargs(interpret)
   return plgpu.kernel(
@@ -355,19 +468,16 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
       num_threads=3, thread_name="wg",
-      scratch_types=[
-          plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),       # Q
-          plgpu.SMEM((cfg.stages, TILE, SLOT_CHUNKS, CHUNK), FP8),                       # linear ring
-          plgpu.SMEM((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),   # K
+      scratch_types=_q_lin_k_scratch(cfg, bool(interpret)) + [
           _v_scratch(cfg),                                                               # V^T (fp8) / V (f16)
           _p_scratch(cfg, bool(interpret)),                                              # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
           plgpu.SMEM((TILE,), jnp.float32),                                              # lse
-          plgpu.Barrier(num_arrivals=N_CHUNKS),                  # q_bar
+          plgpu.Barrier(num_arrivals=SW_CHUNKS if swz else N_CHUNKS),   # q_bar
           plgpu.Barrier(),                                       # idx_bar
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # lin_empty (k_stager="consumers")
-          plgpu.Barrier(num_arrivals=2 if cfg.k_stager == "consumers" else 1,
+          plgpu.Barrier(num_arrivals=SW_CHUNKS * TILE if swz else 2 if cfg.k_stager == "consumers" else 1,
                         num_barriers=cfg.k_buffers),             # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),   # k_empty
           plgpu.Barrier(),                                       # v_full

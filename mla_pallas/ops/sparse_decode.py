@@ -176,6 +176,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
+  elif getattr(cfg, "k_gather", "linear") == "swizzled":   # 128-byte boxes of the 2-D cache; Q as latent | 0 | rope
+    zeros = jnp.zeros(q8.shape[:-1] + (kmod.Q_SW_COLS - D_QK,), q8.dtype)
+    q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
+    o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   else:                 # per-row TMA of 640-byte boxes from the cache viewed as 64-byte chunks
     o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
   if splits > 1:
