@@ -83,16 +83,22 @@ def gather_rows(kv_rows, row_of, lin_slot, barrier, *, tile: int):
     lin_slot: SMEM ref [tile, 10, 64] fp8 (one ring slot).
     barrier: barrier ref receiving one arrival per copy (``num_arrivals=tile``).
   """
+  for_rows_per_warp(tile, lambda r: plgpu.copy_gmem_to_smem(
+      kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier))
+
+
+def for_rows_per_warp(tile: int, issue_row) -> None:
+  """Call ``issue_row(r)`` for the ``tile`` rows of a gather, issued per warp (warp w takes rows
+  [w · tile/4, (w + 1) · tile/4)). In Lane semantics a warpgroup-level copy adds a warpgroup barrier and 128
+  barrier arrivals per row, which made the first version issue-bound at ~12 us per 64-row tile on an H200
+  (2026-11-29)."""
   per_warp = tile // 4
 
-  # Issued per warp: in Lane semantics a warpgroup-level copy adds a warpgroup barrier and 128 barrier arrivals
-  # per row, which made the first version issue-bound at ~12 us per 64-row tile on an H200 (2026-11-29).
   @plgpu.warp_map
   def _(w):
     @pl.loop(0, per_warp)
     def _(r0):
-      r = w * per_warp + r0
-      plgpu.copy_gmem_to_smem(kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier)
+      issue_row(w * per_warp + r0)
 
 
 def stage_k(lin_slot, k_sw, chunks=range(N_CHUNKS)):

@@ -192,14 +192,14 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
   @pl.when(wg == 2)
   def _loader():
     plgpu.set_max_registers(LOADER_REGS, action="decrease")
-    if swz:
-      _swizzled_loader(cfg, interpret, q_gmem, kv_gmem, idx_gmem, q_sw, k_sw, None if interpret else k_rows,
-                       idx_smem, q_bar, idx_bar, k_full, k_empty, tile_q, token, split)
-      return
-    for c in range(N_CHUNKS):
-      plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * CHUNK, CHUNK)], q_sw.at[c], q_bar)
+    q_width = SW_CHUNK if swz else CHUNK
+    for c in range(q_sw.shape[0]):    # Q: 9 boxes of 64 columns, or 5 of 128 (latent | 0 | rope) when swizzled
+      plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * q_width, q_width)], q_sw.at[c], q_bar)
     plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
     plgpu.barrier_wait(idx_bar)
+    if swz:
+      _swizzled_loader(cfg, interpret, kv_gmem, k_sw, None if interpret else k_rows, idx_smem, k_full, k_empty)
+      return
 
     def gather(t, slot):
       common.gather_rows(kv_gmem, (lambda r: 0) if 'hbm' in cfg.ablate else (lambda r: idx_smem[t, r]), lin.at[slot], lin_full.at[slot], tile=TILE)
@@ -367,11 +367,10 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.wait_smem_to_gmem(0)
 
 
-def _swizzled_loader(cfg, interpret, q_gmem, kv_gmem, idx_gmem, q_sw, k_sw, k_rows, idx_smem, q_bar, idx_bar,
-                     k_full, k_empty, tile_q, token, split):
-  """Loader of ``k_gather="swizzled"``: Q (5 boxes of 128 columns of the 640-wide latent | 0 | rope rows), the
-  split's indices, then per 64-key tile five 128-byte TMAs per row straight into the 128-byte-swizzled K tiles
-  of buffer ``t % k_buffers`` (arriving on ``k_full``), once the consumers have released it (``k_empty``).
+def _swizzled_loader(cfg, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty):
+  """Gathers of ``k_gather="swizzled"`` (after the loader has loaded Q and the split's indices): per 64-key tile,
+  five 128-byte TMAs per row straight into the 128-byte-swizzled K tiles of buffer ``t % k_buffers`` (arriving
+  on ``k_full``), once the consumers have released it (``k_empty``).
 
   On hardware a row lands through ``k_rows``, a swizzle-only view [k_buffers, 5, 8, 8, 128] of the same bytes as
   the tiled ``k_sw`` [k_buffers, 5, 64, 128] (a ``RefUnion``): the TMA unit applies the 128-byte swizzle from the
@@ -380,26 +379,18 @@ def _swizzled_loader(cfg, interpret, q_gmem, kv_gmem, idx_gmem, q_sw, k_sw, k_ro
   """
   n_tiles = cfg.tiles_per_split
   k_buffers = cfg.k_buffers
-  for c in range(SW_CHUNKS):
-    plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * SW_CHUNK, SW_CHUNK)], q_sw.at[c], q_bar)
-  plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
-  plgpu.barrier_wait(idx_bar)
-  per_warp = TILE // 4
 
   def gather(t, kb):
-    @plgpu.warp_map
-    def _(w):
-      @pl.loop(0, per_warp)
-      def _(r0):
-        r = w * per_warp + r0
-        row = kv_gmem.at[pl.ds(idx_smem[t, r], 1)]
-        for c in range(SW_CHUNKS):
-          src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
-          if interpret:
-            dst = k_sw.at[kb, c, pl.ds(r, 1)]
-          else:
-            dst = k_rows.at[kb, c, lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
-          plgpu.copy_gmem_to_smem(src, dst, k_full.at[kb])
+    def issue_row(r):
+      row = kv_gmem.at[pl.ds(idx_smem[t, r], 1)]
+      for c in range(SW_CHUNKS):
+        src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
+        if interpret:
+          dst = k_sw.at[kb, c, pl.ds(r, 1)]
+        else:
+          dst = k_rows.at[kb, c, lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
+        plgpu.copy_gmem_to_smem(src, dst, k_full.at[kb])
+    common.for_rows_per_warp(TILE, issue_row)
 
   @pl.loop(0, n_tiles)
   def _(t):
