@@ -82,6 +82,9 @@ def test_graph_kernels_auto_rules():
   from mla_pallas.ops import bmm_fp8, rope_rmsnorm
   assert bmm_fp8._slower_than_xla(1)() is not None
   assert bmm_fp8._slower_than_xla(bmm_fp8.AUTO_MIN_TOKENS)() is None
-  assert rope_rmsnorm._slower_than_xla("op", 128, 128)() is not None
-  assert rope_rmsnorm._slower_than_xla("op", 8192, 16)() is not None
+  assert rope_rmsnorm._slower_than_xla("op", 1, 128)() is not None
+  assert rope_rmsnorm._slower_than_xla("op", rope_rmsnorm.AUTO_MIN_TOKENS - 1, 128)() is not None
+  assert rope_rmsnorm._slower_than_xla("op", 128, 8)() is not None
+  assert rope_rmsnorm._slower_than_xla("op", 128, 128)() is None
+  assert rope_rmsnorm._slower_than_xla("op", 8192, 16)() is None
   assert rope_rmsnorm._slower_than_xla("op", 4096, 128)() is None

@@ -1,6 +1,8 @@
 """fused_rope_rmsnorm_quantization / rope_rmsnorm: the sm_90 Mosaic GPU kernel on a Hopper GPU at real sizes, against
-the references (same tolerance as the CPU tests: bitwise except for rare one-step differences), plus a bandwidth
-report (run with ``-s``): kernel vs XLA path vs a plain device copy of the same number of bytes, CUPTI times.
+the references (same tolerance as the CPU tests: bitwise except for rare one-step differences), with the default
+grid and with explicit TuningConfigs (tokens per CTA, grid size, warpgroups, ring depth, warpgroup 0's q share), plus a
+bandwidth report (run with ``-s``): kernel vs XLA path vs a plain device copy of the same number of bytes, CUPTI
+times.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 @pytest.mark.parametrize("t,h,interleaved", [
-    (1, 128, True), (37, 64, False), (1000, 128, True), (4096, 128, False), (8192, 128, True), (8192, 64, False),
-    (8192, 16, True), (333, 32, False),
+    (1, 128, True), (37, 64, False), (4096, 128, False), (8192, 16, True), (333, 32, False), (128, 128, True),
+    (7, 4, False), (20000, 16, True),      # T = 20000: several waves of 64-token CTAs
 ])
 def test_fused_kernel_matches_reference(rng, t, h, interleaved):
   case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
@@ -33,14 +35,67 @@ def test_fused_kernel_matches_reference(rng, t, h, interleaved):
   print(f"T={t} H={h} interleaved={interleaved}: {n8} fp8 / {nq} q values one step off")
 
 
-@pytest.mark.parametrize("t,h,interleaved", [(5, 64, True), (777, 128, False), (8192, 128, True)])
-def test_unfused_kernel_matches_reference(rng, t, h, interleaved):
+# Every knob away from its default, at sizes where it matters (grids of several waves, partial CTAs).
+TUNED = [
+    (2048, 128, dict(warpgroups=1, stages=4, tokens_per_cta=8)),
+    (2048, 128, dict(warpgroups=2, stages=2)),
+    (4096, 128, dict(warpgroups=3, kv_share=1)),
+    (2048, 128, dict(tokens_per_cta=16, kv_share=4)),
+    (4095, 128, dict(tokens_per_cta=64, stages=2)),         # odd T: kv padded; 63 CTAs of 64 tokens, one of 63
+    (8192, 16, dict(tokens_per_cta=32)),                    # two waves
+    (8192, 16, dict(warpgroups=3, stages=3)),
+    (1001, 32, dict(tokens_per_cta=6)),                     # 6 tokens per CTA (a group of 8 rows), the last 5
+    (129, 128, dict(tokens_per_cta=2, warpgroups=2)),
+    (4096, 128, dict(ctas=100)),                            # uneven ranges of 40-41 tokens
+    (333, 32, dict(ctas=50, warpgroups=3)),                 # H = 32: ranges of 6 or 8 tokens
+    (8192, 128, dict(stages=2)),                            # 62-63 tokens from unaligned t0: second k_rope pass
+    (125, 64, dict(ctas=2, stages=2)),                      # t0 = 63 (d = 7): k_rope window from 56, two passes
+]
+
+
+@pytest.mark.parametrize("t,h,tuning", TUNED)
+def test_fused_kernel_tuning_matches_reference(rng, t, h, tuning):
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
+  new_pages, q_out = op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos,
+                                      case.sin, case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale),
+                                      case.slots, interleaved=True, interpret=False, tuning=tuple(tuning.items()))
+  n8, nq = check_fused(case, new_pages, q_out, True)
+  print(f"T={t} H={h} {tuning}: {n8} fp8 / {nq} q values one step off")
+
+
+def test_fused_kernel_duplicates_and_f32_weight(rng):
+  """Duplicated slots across and within CTAs (the last token wins), skipped slots, a float32 norm weight."""
+  import numpy as np
+  case = make_case(rng, 2048, 128, num_slots=4096, page_size=64, skip=False)
+  slots = np.asarray(case.slots).copy()
+  slots[[5, 1000, 2047]] = slots[7]
+  slots[[100, 101]] = slots[102]
+  slots[[9, 1500]] = [-1, 10 ** 7]
+  case.slots = jnp.asarray(slots)
+  case.w = case.w.astype(jnp.float32)
+  new_pages, q_out = mla_pallas.fused_rope_rmsnorm_quantization(
+      jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
+      kv_scale=case.kv_scale, slots=case.slots, interleaved=True, impl="mosaic")
+  check_fused(case, new_pages, q_out, True)
+
+
+@pytest.mark.parametrize("t,h,interleaved,tuning", [
+    (5, 64, True, None), (777, 128, False, None), (4096, 128, True, None), (4099, 16, False, None),
+    (2048, 128, True, dict(warpgroups=3)), (1001, 128, False, dict(tokens_per_cta=6, warpgroups=2)),
+    (2048, 128, False, dict(ctas=100)),
+])
+def test_unfused_kernel_matches_reference(rng, t, h, interleaved, tuning):
   case = make_case(rng, t, h)
-  kv_out, q_out = mla_pallas.rope_rmsnorm(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
-                                          eps=case.eps, interleaved=interleaved, impl="mosaic")
-  assert _dispatch.last_impl("rope_rmsnorm") == "mosaic"
+  if tuning is None:
+    kv_out, q_out = mla_pallas.rope_rmsnorm(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
+                                            eps=case.eps, interleaved=interleaved, impl="mosaic")
+    assert _dispatch.last_impl("rope_rmsnorm") == "mosaic"
+  else:
+    kv_out, q_out = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
+                                            jnp.float32(case.eps), interleaved=interleaved, interpret=False,
+                                            tuning=tuple(tuning.items()))
   nk, nq = check_unfused(case, kv_out, q_out, interleaved)
-  print(f"T={t} H={h} interleaved={interleaved}: {nk} kv / {nq} q values one step off")
+  print(f"T={t} H={h} interleaved={interleaved} {tuning}: {nk} kv / {nq} q values one step off")
 
 
 def _cupti(f, *args, iters=20):
@@ -54,7 +109,7 @@ def _cupti(f, *args, iters=20):
 def test_bandwidth_report(rng, t, h):
   """Not a pass/fail gate: prints the fused op's useful bytes / time for impl mosaic and xla, and the bandwidth of a
   device copy. The cache has T slots (the timed functions do not donate it, so XLA copies it per call: T * 576 B
-  each way, small next to q_rope's H * 256 B per token)."""
+  each way, small next to q_rope's H * 256 B per token). benchmarks/rope_v3_gpu.sh times with the cache donated."""
   case = make_case(rng, t, h, num_slots=t, page_size=64, skip=False)
   pages = jnp.asarray(case.pages)
   args = (pages, case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, jnp.float32(case.eps),

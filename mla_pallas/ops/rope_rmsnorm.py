@@ -10,7 +10,12 @@ Mosaic GPU kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`, sm_90a or interpret m
 :func:`fused_rope_rmsnorm_quantization`: bf16 ``kv``/``q_rope`` with ``H % 64 == 0`` or ``64 % H == 0``; others raise
 ``NotImplementedError`` under ``impl="mosaic"`` and run XLA under ``impl="auto"``. The kernel sums the RMS in a
 different order than XLA, so a few values can differ from the reference by one bf16 ulp / one e4m3 step (see the
-kernel docstring). ``rope`` and ``rms_norm`` alone have no kernel (XLA).
+kernel docstring). ``rope`` and ``rms_norm`` alone have no kernel (XLA). The kernel path's XLA pre-pass is the
+per-token table gather ([T, 128], f32 bits as int32; with the cache write, the sanitised slots ride in a 129th
+column, so the gather and the end of the duplicate-slot check (:func:`_last_writer`) are one XLA kernel);
+kv is padded only for T > 8 not a multiple of 8 and q_rope only for H < 8. The private jitted entry points take
+``tuning`` ((name, value) pairs of :class:`mla_pallas.kernels.rope_rmsnorm.TuningConfig`) for tests and
+benchmarks.
 
 Conventions:
 * Latent row: 576 values, [0, 512) latent (RMS-normed), [512, 576) the key's rope part (rotated).
@@ -24,6 +29,7 @@ Conventions:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,13 +46,12 @@ D_ROPE = 64
 _ACT = (jnp.bfloat16, jnp.float32)
 
 
-# Validated on an H200 (tests/test_rope_rmsnorm_kernel_gpu.py, 2026-11-30). "auto" takes the kernel only where it
-# measured faster than XLA (benchmarks/RESULTS.md, H200): T = 4096 and 8192 with H = 128 (fused 68.8 vs 95.8 us,
-# unfused 62.5 vs 90.2 at T = 4096); it was slower at T = 128 (19.2 vs 8.9 us) and at H = 16 (88.6 vs 85.4 at
-# T = 8192); other sizes were not measured.
+# Kernel v3 passed tests/test_rope_rmsnorm_kernel_gpu.py on an H200 (2026-11-30). "auto" takes it only where it
+# measured faster than XLA (benchmarks/RESULTS.md, H200): fused T = 128 (H = 128) 1.22x, T = 4096 (H = 128) 2.07x,
+# T = 8192 (H = 16 / 128) 1.39x / 1.91x, unfused T = 4096 2.01x; it was slower at T = 1 (0.88x).
 _VALIDATED_ON: tuple[str, ...] = ("sm90",)
-AUTO_MIN_TOKENS = 4096
-AUTO_MIN_HEADS = 128
+AUTO_MIN_TOKENS = 128
+AUTO_MIN_HEADS = 16
 
 
 def _slower_than_xla(op: str, tokens: int, heads: int):
@@ -131,54 +136,95 @@ def _swap_matrix(interleaved):
   return jnp.asarray(p, jnp.bfloat16)
 
 
-def _kernel_tables(positions, cos, sin, interleaved, rows):
-  """Per-token tables arranged per column, [rows, 64] f32 each: y = x * C + swap(x) * S (see the kernel doc)."""
+def _kernel_tables(positions, cos, sin, interleaved, rows=None):
+  """Per-token tables arranged per column, [T, 64] f32 each: y = x * C + swap(x) * S (see the kernel doc)."""
   half = D_ROPE // 2
   p = jnp.clip(positions, 0, cos.shape[0] - 1)
-  p = jnp.pad(p, (0, rows - p.shape[0]))
+  if rows is not None and rows != p.shape[0]:
+    p = jnp.pad(p, (0, rows - p.shape[0]))
   c = jnp.take(cos, p, axis=0, mode="clip")
   s = jnp.take(sin, p, axis=0, mode="clip")
   if interleaved:
-    return jnp.repeat(c, 2, axis=1), jnp.stack([-s, s], axis=-1).reshape(rows, 2 * half)
+    return jnp.repeat(c, 2, axis=1), jnp.stack([-s, s], axis=-1).reshape(p.shape[0], 2 * half)
   return jnp.concatenate([c, c], axis=1), jnp.concatenate([-s, s], axis=1)
 
 
-def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved):
+def _num_sms() -> int:
+  """SM count of the default GPU (one CTA per SM); 132 (H100 SXM / H200) without a GPU."""
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+
+
+# Interpret mode runs each warpgroup on its own thread, and a barrier wait blocks a thread of XLA:CPU's callback
+# pool (about one per core): with more warpgroups than that waiting on each other's copies, the interpreter can
+# starve (tests/test_sparse_decode_sm100.py saw the same). The default config takes at most this many warpgroups
+# in interpret mode; an explicit ``warpgroups`` is kept.
+INTERPRET_MAX_WARPGROUPS = 2
+
+
+def _kernel_config(t, h, fused, tuning=(), interpret=False):
+  """The kernel's TuningConfig: :func:`~mla_pallas.kernels.rope_rmsnorm.default_config` for the shape, then
+  ``tuning`` ((name, value) pairs: tests, benchmarks) overrides; the grid (tokens_per_cta, ctas) is re-derived for
+  the overridden config (:func:`~mla_pallas.kernels.rope_rmsnorm.grid_for`) unless given."""
+  from mla_pallas.kernels import rope_rmsnorm as rk
+  kw = dict(tuning)
+  if interpret and "warpgroups" not in kw:
+    kw["warpgroups"] = min(rk.TuningConfig().warpgroups, INTERPRET_MAX_WARPGROUPS)
+  cfg = rk.default_config(t, h, fused, _num_sms())
+  if kw:
+    kw.setdefault("tokens_per_cta", None)
+    kw.setdefault("ctas", None)
+    cfg = dataclasses.replace(cfg, **kw)
+  return cfg
+
+
+def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest=None):
+  """The kernel's inputs: views of kv / q_rope (copies only where a row count needs padding to a multiple of 8:
+  odd T > 8, and H < 8) and the tables C | S as int32 bits, [T, 128], with (fused) the sanitised slots ``dest`` in
+  column 128 of [T, 132] (one fused XLA gather + concatenate: one kernel, not two)."""
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  blocks = -(-t // rk.TB)
-  tp = blocks * rk.TB
-  kv_rows = rk.kv_rows_for(t)   # the TMA box must fit the array, and TMA into the swizzled tile needs 8 | rows
+  c_tab, s_tab = _kernel_tables(positions, cos, sin, interleaved)
+  cols = [jax.lax.bitcast_convert_type(c_tab, jnp.int32), jax.lax.bitcast_convert_type(s_tab, jnp.int32)]
+  if dest is not None:
+    cols += [dest[:, None], jnp.zeros((t, rk.TAB_COLS_FUSED - 2 * D_ROPE - 1), jnp.int32)]
+  cs = jnp.concatenate(cols, axis=1)
+  w = norm_weight.reshape(D_V // 64, 64)
+  kv_rows, q_rows = rk.kv_rows_for(t), rk.q_rows_for(t, h)
   kv_in = jnp.pad(kv, ((0, kv_rows - t), (0, 0))) if kv_rows != t else kv
-  c_tab, s_tab = _kernel_tables(positions, cos, sin, interleaved, tp)
-  w = norm_weight.astype(jnp.float32).reshape(D_V // 64, 64)
   q2 = q_rope.reshape(t * h, D_ROPE)
-  q_rows = rk.q_rows_for(t, h)
-  q_in = jnp.pad(q2, ((0, q_rows - t * h), (0, 0))) if q_rows != t * h else q2   # small H only
-  return rk, tp, (kv_in, q_in, c_tab, s_tab, w, _swap_matrix(interleaved))
+  q_in = jnp.pad(q2, ((0, q_rows - t * h), (0, 0))) if q_rows != t * h else q2
+  return kv_in.reshape(kv_rows, D_QK // 64, 64), q_in, cs, w, _swap_matrix(interleaved)
 
 
-@functools.partial(jax.jit, static_argnames=("interleaved", "interpret"))
-def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, interpret):
+def _q_out(q_out, t, h):
+  return (q_out[:t * h] if q_out.shape[0] != t * h else q_out).reshape(t, h, D_ROPE)
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved", "interpret", "tuning"))
+def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, interpret, tuning=()):
+  from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  rk, _, args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved)
-  scal = jnp.stack([jnp.float32(1.0), eps.astype(jnp.float32)])
-  q_out, kv_out = rk.build(t, h, 0, False, interpret=interpret)(*args, scal)
-  return kv_out[:t], q_out[:t * h].reshape(t, h, D_ROPE)
+  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved)
+  cfg = _kernel_config(t, h, False, tuning, interpret)
+  kern = rk.build(t, h, 0, False, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms())
+  q_out, kv_out = kern(*args, eps.astype(jnp.float32).reshape(1))
+  return kv_out.reshape(t, D_QK), _q_out(q_out, t, h)
 
 
-@functools.partial(jax.jit, static_argnames=("interleaved", "interpret"), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("interleaved", "interpret", "tuning"), donate_argnums=(0,))
 def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved,
-                  interpret):
+                  interpret, tuning=()):
+  from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  rk, tp, args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved)
   num_slots = pages.size // D_QK
-  keep = _last_writer(slots, num_slots)                # at most one token writes each slot: no CTA races
-  dest = jnp.pad(jnp.where(keep, slots, -1), (0, tp - t), constant_values=-1)
-  scal = jnp.stack([1.0 / kv_scale.astype(jnp.float32), eps.astype(jnp.float32)])   # as quant.quantize_fp8
+  dest = jnp.where(_last_writer(slots, num_slots), slots, -1)   # at most one token writes each slot: no races
+  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest)
+  cfg = _kernel_config(t, h, True, tuning, interpret)
+  kern = rk.build(t, h, num_slots, True, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms())
   cache = jax.new_ref(pages.reshape(num_slots, D_QK // 64, 64))   # mutable ref: aliased in place by the kernel
-  (q_out,) = rk.build(t, h, num_slots, True, interpret=interpret)(*args, dest, scal, cache)
-  return jax.freeze(cache).reshape(pages.shape), q_out[:t * h].reshape(t, h, D_ROPE)
+  (q_out,) = kern(*args, eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), cache)
+  return jax.freeze(cache).reshape(pages.shape), _q_out(q_out, t, h)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,17 +343,18 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
 PAIRWISE_MAX_T = 512   # up to this many tokens the duplicate check compares all pairs (T^2 booleans)
 
 
-def _last_writer(slots, num_slots):
+def _last_writer(slots, num_slots, pairwise_max_t=None):
   """[T] bool: slot in [0, num_slots) and no later token (higher t) writes the same slot.
 
   No sort (an argsort of 4096 slots took 32 us on an H200, a third of the fused op): for T <= PAIRWISE_MAX_T all
   pairs are compared; beyond, a scatter-max of the token index over a [num_slots] int32 array (a memset of
-  4 · num_slots bytes plus T scattered writes) finds each slot's last writer.
+  4 · num_slots bytes plus T scattered writes) finds each slot's last writer. ``pairwise_max_t`` overrides
+  PAIRWISE_MAX_T (benchmarks/rope_v3_gpu.sh times both forms).
   """
   t = slots.shape[0]
   in_range = (slots >= 0) & (slots < num_slots)
   tok = jnp.arange(t, dtype=jnp.int32)
-  if t <= PAIRWISE_MAX_T:
+  if t <= (PAIRWISE_MAX_T if pairwise_max_t is None else pairwise_max_t):
     later_same = (slots[None, :] == slots[:, None]) & (tok[None, :] > tok[:, None])   # [t, t'] t' > t, same slot
     return in_range & ~jnp.any(later_same, axis=1)
   safe = jnp.where(in_range, slots, num_slots)                        # out of range: dropped by the scatter
