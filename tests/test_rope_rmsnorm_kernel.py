@@ -356,18 +356,20 @@ def test_tuning_config_validates():
 
 
 @pytest.mark.parametrize("t,h,fused,want", [
-    (1, 128, True, (3, 1, 1)),            # (stages, tokens_per_cta, ctas)
-    (128, 128, True, (3, 1, 128)),        # one token per CTA
-    (128, 16, True, (3, 4, 32)),          # H = 16: whole q tiles (4 tokens) per CTA
-    (4096, 128, True, (3, 32, 132)),      # one CTA per SM: 31 or 32 tokens each
-    (4096, 128, False, (3, 32, 132)),
-    (8192, 16, True, (2, 64, 132)),       # 60-64 tokens per CTA fit with stages = 2: one wave
-    (8192, 128, True, (2, 63, 132)),
-    (10 ** 6, 128, True, (2, 64, 15625)),  # many waves of 64-token CTAs
+    (1, 128, True, (3, 1, 1, 2)),            # (stages, tokens_per_cta, ctas, warpgroups)
+    (128, 128, True, (3, 1, 128, 2)),        # one token per CTA; <= SMALL_TPC tokens: 2 warpgroups
+    (128, 16, True, (3, 4, 32, 2)),          # H = 16: whole q tiles (4 tokens) per CTA
+    (2048, 128, True, (3, 16, 132, 4)),      # one CTA per SM: 15 or 16 tokens each
+    (4096, 16, False, (3, 32, 132, 4)),      # 31 or 32 tokens each
+    (4096, 128, True, (4, 16, 256, 4)),      # H >= 128, T >= 4096: stages = 4, the tokens per CTA that fit
+    (4096, 128, False, (4, 32, 132, 4)),
+    (8192, 16, True, (2, 64, 132, 4)),       # 60-64 tokens per CTA fit with stages = 2: one wave
+    (8192, 128, True, (4, 15, 547, 4)),
+    (10 ** 6, 16, True, (2, 64, 15625, 4)),  # many waves of 64-token CTAs
 ])
 def test_default_config_fills_the_gpu_and_fits(t, h, fused, want):
   cfg = rk.default_config(t, h, fused)
-  assert (cfg.stages, cfg.tokens_per_cta, cfg.ctas) == want
+  assert (cfg.stages, cfg.tokens_per_cta, cfg.ctas, cfg.warpgroups) == want
   assert rk.grid_for(cfg, t, h, fused) == (cfg.tokens_per_cta, cfg.ctas)
   assert rk.smem_budget(cfg, fused) <= common.SMEM_LIMIT
   assert rk.default_tokens_per_cta(t, h, fused) <= rk.MAX_TPC
@@ -402,8 +404,8 @@ def test_k_rope_window_is_tile_aligned(t, h, fused):
   assert np.all(a0 % 8 == 0) and span % 8 == 0 and np.all(d + n <= span) and span <= rk.TILE + 8
   assert np.all(d + n - 8 <= rk.TILE)                      # the second pass (window a0 + 8) reaches the last row
   assert rk._tab_rows(cfg.tokens_per_cta) >= max(span, rk.TILE)
-  if (t, h) == (4096, 128):
-    assert np.any(d > 0)                                   # the failing H200 grid: misaligned CTAs exist
+  if (t, h, fused) == (4096, 128, False):
+    assert np.any(d > 0)   # the failing H200 grid (132 CTAs, 31-32 tokens; now the unfused default): misaligned CTAs
 
 
 def test_grid_knobs_derive_each_other():
@@ -449,3 +451,17 @@ def test_last_writer_matches_python_oracle(rng, t):
       seen.add(s)
   got = np.asarray(jax.jit(op._last_writer, static_argnums=1)(jnp.asarray(slots), num_slots))
   np.testing.assert_array_equal(got, want)
+
+
+def test_grid_override_takes_a_ring_that_fits():
+  """A grid override (ctas / tokens_per_cta) without ``stages`` keeps the default ring only if it still fits in
+  SMEM: T = 4096, H = 128 defaults to stages = 4 with 16 tokens per CTA, and 100 CTAs (41 tokens each) need 3."""
+  base = op._kernel_config(4096, 128, True)
+  assert base.stages == 4
+  cfg = op._kernel_config(4096, 128, True, (("ctas", 100),))
+  assert (cfg.stages, cfg.ctas) == (3, 100)
+  tpc, _ = rk.grid_for(cfg, 4096, 128, True)
+  assert rk.smem_budget(cfg, True, tpc) <= common.SMEM_LIMIT
+  assert op._kernel_config(4096, 128, True, (("warpgroups", 3),)).stages == 4   # no grid change: ring kept
+  with pytest.raises(ValueError, match="SMEM"):     # an explicit ring that cannot fit is reported, not replaced
+    rk.grid_for(op._kernel_config(4096, 128, True, (("ctas", 100), ("stages", 8))), 4096, 128, True)

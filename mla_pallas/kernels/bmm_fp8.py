@@ -75,9 +75,9 @@ ring instead of by co-resident CTAs.
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
 tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles). Against XLA's FP8
 dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.7-5.0x at T = 64-256, 1.4-1.9x at T = 8,
-but 0.65-0.97x at T = 1, where XLA computes the product as one reduction fusion (~1.5 us with L2-resident
-weights) while this kernel takes 4.5-9.6 us (a latency chain: launch, TMA, quantization, wgmma, epilogue, per
-tile); ``impl="auto"`` takes XLA below T = 8.
+0.95-1.41x at T = 1 (unpadded ``a`` and swizzled output staging for T < 8; before, 0.65-0.97x), where XLA computes
+the product as one reduction fusion (~1.5 us with L2-resident weights) while this kernel is a latency chain of
+5-9 us (launch, TMA, quantization, wgmma, epilogue); ``impl="auto"`` takes XLA below T = 8.
 """
 from __future__ import annotations
 
@@ -350,8 +350,9 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
     as_ [H, T_pad] f32 (per_token; T_pad = T rounded up to the CTA's rows, padded with 1.0) or [1] f32.
     w   [H, N, K] fp8: K-major weights.
     ws  [H, ceil(K/128), N/128] f32: weight block scales.
-  With ``cfg.quantize_k == K`` (per_token only): ``a [T8, H, K]`` bfloat16 (T rounded up to a multiple of 8 with
-  zero rows, as ``a8`` above), ``w``, ``ws``.
+  With ``cfg.quantize_k == K`` (per_token only): ``a [T8, H, K]`` bfloat16 (T8 = T for T < 8, else T rounded up
+  to a multiple of 8 with zero rows: a GMEM row count below 8 is accepted, the box's rows past it read zeros),
+  ``w``, ``ws``.
   Returns out [T, H, N] bfloat16.
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
@@ -365,8 +366,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   grid = min(num_tiles, cfg.max_ctas)
   body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid)
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
-  # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0; other T use a linear staging tile.
-  out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 else ()
+  # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
+  out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()
   k_chunks = k // CHUNK
   if fuse:
     a_scratch = [

@@ -44,8 +44,10 @@ H = 128 make 62 µs, as measured (59 µs). v3 overlaps four such chains per SM (
 serial chain (9 loads, RMS, 64 row stores issued by one thread) while its other CTAs did q tiles: that chain was
 the whole time at T = 128 and dominated at H = 16. In v3 a CTA's kv rows are its own tokens only, spread over its
 warpgroups. Default grid (:func:`default_config`): one CTA per SM, ``ctas = min(SMs, T)``, each with
-ceil(T / SMs) tokens or one fewer (1 at T = 128: 128 CTAs; 31-32 at T = 4096 and 60-64 at T = 8192, H = 16: 132
-CTAs), stages = 2 where 64 tokens per CTA need the SMEM; beyond ~8400 tokens, waves of 64-token CTAs.
+ceil(T / SMs) tokens or one fewer (1 at T = 128: 128 CTAs; 31-32 at T = 4096, H = 16 and 60-64 at T = 8192, H = 16:
+132 CTAs), stages = 2 where 64 tokens per CTA need the SMEM; beyond ~8400 tokens, waves of 64-token CTAs. Two
+measured exceptions: CTAs of at most 8 tokens run 2 warpgroups (faster at small T), and at H >= 128, T >= 4096 the
+q rings are 4 deep with the 15-16 tokens per CTA that then fit (several waves; 76-80 % of copy BW instead of 71-75 %).
 
 RoPE as a permutation: ``swap`` exchanges the two members of every rotation pair (DeepSeek interleaved pairs
 (2i, 2i+1), or NeoX halves (i, i+32)); C and S are the per-token tables arranged per column, S carrying the sign
@@ -100,12 +102,12 @@ SMEM budget (bytes; NW = 4, stages = 3, TPC = 32; :func:`smem_budget`, checked a
     norm weight, barriers, reserved                  ~4 000
     lowered: 210 040 fused, 192 632 unfused (limit 232 448); T = 8192, H = 16 (TPC = 64, stages = 2): 231 512
 
-Measured (H200, CUPTI, same-run XLA path and device copy of the same bytes; benchmarks/RESULTS.md,
-``PYTHONPATH=. bash benchmarks/rope_v3_gpu.sh``, 2026-11-30): fused T = 4096, H = 128 46.3 µs = 75 % of copy BW
-(2.07× XLA; stages = 4: 78 %), of which 5.3 µs are the XLA pre-pass; unfused 44.5 µs = 80 % (2.01×); fused
-T = 8192, H = 128 71 % (1.91×); T = 8192, H = 16 30.2 µs = 40 % (1.39×; kernel 23.6 µs + pre-pass 6.6 µs);
-T = 128, H = 128 6.9 µs (1.22×); T = 1 4.6 µs (0.88×: slower than XLA's 4.1). v2c (the previous version) reached
-50 % / 57 % at T = 4096 and was slower than XLA at T = 128 and at H = 16.
+Measured (H200, CUPTI, same-run XLA path and device copy of the same bytes; benchmarks/RESULTS.md, 2026-11-30),
+with the default configs: fused T = 4096, H = 128 45.1 µs = 76 % of copy BW (2.12× XLA), of which 5.4 µs are the
+XLA pre-pass; T = 8192, H = 128 80 % (2.15×); unfused T = 4096 81 % (2.05×); T = 8192, H = 16 40 % (1.41×; kernel
+23.4 µs + pre-pass 6.6 µs); T = 512 1.79×, T = 128 1.33× (H = 128) / 1.02× (H = 16); T = 1-64 0.84-1.00× (the
+kernel alone takes 3.2-3.5 µs, the pre-pass 0.9-2.3 µs). v2c (the previous version) reached 50 % / 57 % at
+T = 4096 and was slower than XLA at T = 128 and at H = 16.
 """
 from __future__ import annotations
 
@@ -279,22 +281,39 @@ def grid_for(cfg: TuningConfig, num_tokens: int, heads: int, fused: bool,
   return tpc, ctas
 
 
+# Default-config rules measured on an H200 (2026-11-30, benchmarks/RESULTS.md, rope v3 sweeps):
+# * up to SMALL_TPC tokens per CTA, 2 warpgroups: faster than 4 at T = 1-128 (H = 16 and 128; e.g. T = 1: 4.2 vs
+#   4.6 us, T = 128: 6.4 vs 6.9 us) and at T = 1024, H = 16 (8.2 vs 8.8 us), equal at T = 512, H = 128;
+# * H >= DEEP_RING_MIN_HEADS and T >= DEEP_RING_MIN_TOKENS, stages = 4 with the tokens per CTA that fit (15-16,
+#   several waves): T = 4096 44.3 vs 46.4 us, T = 8192 85.8 vs 96.0 us (78-79 % of copy BW instead of 71-75 %).
+SMALL_TPC = 8
+DEEP_RING_MIN_HEADS = 128
+DEEP_RING_MIN_TOKENS = 4096
+
+
 def default_config(num_tokens: int, heads: int, fused: bool, num_sms: int = DEFAULT_SMS) -> TuningConfig:
-  """The default config for a shape: one CTA per SM (ctas = min(SMs, token units)) with stages = 3, or with
-  stages = 2 where only that fits one wave (e.g. T = 8192, H = 16: 60-64 tokens per CTA); beyond one wave
-  (T > ~8400) stages = 2 and 64 tokens per CTA."""
+  """The default config for a shape. Large q-bound shapes (H >= DEEP_RING_MIN_HEADS, T >= DEEP_RING_MIN_TOKENS):
+  stages = 4 with the tokens per CTA that fit in SMEM (several waves). Otherwise one CTA per SM
+  (ctas = min(SMs, token units)) with stages = 3, or with stages = 2 where only that fits one wave (e.g.
+  T = 8192, H = 16: 60-64 tokens per CTA); beyond one wave (T > ~8400) stages = 2 and 64 tokens per CTA; and
+  2 warpgroups instead of 4 when a CTA has at most SMALL_TPC tokens."""
   g, units = _units(num_tokens, heads)
+  if heads >= DEEP_RING_MIN_HEADS and num_tokens >= DEEP_RING_MIN_TOKENS:
+    cfg = TuningConfig(stages=4)
+    tpc, ctas = grid_for(cfg, num_tokens, heads, fused, num_sms)
+    return dataclasses.replace(cfg, tokens_per_cta=tpc, ctas=ctas)
   ctas = min(num_sms, units)
   want = g * -(-units // ctas)
   if want > MAX_TPC:
     ctas, want = None, g * (MAX_TPC // g)
+  wgs = 2 if want <= SMALL_TPC else TuningConfig.warpgroups
   for stages in (3, 2):
-    cfg = TuningConfig(stages=stages)
+    cfg = TuningConfig(stages=stages, warpgroups=wgs)
     if smem_budget(cfg, fused, want) <= common.SMEM_LIMIT:
       tpc, ctas = grid_for(dataclasses.replace(cfg, tokens_per_cta=want, ctas=ctas), num_tokens, heads, fused,
                            num_sms)
       return dataclasses.replace(cfg, tokens_per_cta=tpc, ctas=ctas)
-  cfg = TuningConfig()
+  cfg = TuningConfig(warpgroups=wgs)
   tpc, ctas = grid_for(cfg, num_tokens, heads, fused, num_sms)
   return dataclasses.replace(cfg, tokens_per_cta=tpc, ctas=ctas)
 

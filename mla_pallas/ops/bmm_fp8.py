@@ -158,8 +158,9 @@ def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = N
 
 
 # Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md, 2026-11-30, the four MLA shapes) the
-# kernel was slower than XLA at T = 1 (0.65-0.97x: XLA turns the T = 1 product into one reduction fusion) and at
-# T = 2 (v2b), and faster at T = 8 (1.38-1.91x), 64, 128 and 256 (1.7-5.0x); T = 3..7 were not measured.
+# kernel was at parity with XLA at T = 1 (v2d: 0.95-1.02x for three shapes, 1.41x for GLM-5 W_UK; XLA turns the
+# T = 1 product into one reduction fusion) and slower at T = 2 (v2b), and faster at T = 8 (1.41-1.93x), 64, 128 and
+# 256 (1.7-5.0x); T = 3..7 were not measured.
 AUTO_MIN_TOKENS = 8
 
 
@@ -194,7 +195,9 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
   if cfg.quantize_k is not None:   # the kernel quantizes a (the float32 operations of quant.quantize_rows_fp8)
     if not fusable:
       raise NotImplementedError(f"{OP}: in-kernel quantization (quantize_k) needs bfloat16 a and per-token scales")
-    t8 = -(-t // 8) * 8   # swizzled TMA boxes need a multiple of 8 GMEM rows: zero rows (sliced off by the store)
+    # Swizzled TMA boxes need a GMEM row count below 8 or a multiple of 8: zero rows (sliced off by the store)
+    # for T > 8 only, so T < 8 (decode) launches no pad kernel.
+    t8 = t if t < 8 else -(-t // 8) * 8
     a_in = a if t8 == t else jnp.pad(a, ((0, t8 - t), (0, 0), (0, 0)))
     return kbmm.build(t, h, k, n, True, cfg, interpret=interpret)(a_in, w_t, w_scale)
   # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.

@@ -165,7 +165,8 @@ INTERPRET_MAX_WARPGROUPS = 2
 def _kernel_config(t, h, fused, tuning=(), interpret=False):
   """The kernel's TuningConfig: :func:`~mla_pallas.kernels.rope_rmsnorm.default_config` for the shape, then
   ``tuning`` ((name, value) pairs: tests, benchmarks) overrides; the grid (tokens_per_cta, ctas) is re-derived for
-  the overridden config (:func:`~mla_pallas.kernels.rope_rmsnorm.grid_for`) unless given."""
+  the overridden config (:func:`~mla_pallas.kernels.rope_rmsnorm.grid_for`) unless given, and without an explicit
+  ``stages`` the deepest ring (default's, 3, 2) that fits the overridden grid is taken."""
   from mla_pallas.kernels import rope_rmsnorm as rk
   kw = dict(tuning)
   if interpret and "warpgroups" not in kw:
@@ -174,6 +175,15 @@ def _kernel_config(t, h, fused, tuning=(), interpret=False):
   if kw:
     kw.setdefault("tokens_per_cta", None)
     kw.setdefault("ctas", None)
+    if "stages" not in kw:   # a grid override may need a shallower ring than the default's to fit in SMEM
+      for stages in sorted({cfg.stages, 3, 2}, reverse=True):
+        c = dataclasses.replace(cfg, **kw, stages=stages)
+        try:
+          rk.grid_for(c, t, h, fused, _num_sms())     # raises ValueError when the grid's SMEM does not fit
+          return c
+        except ValueError:
+          if stages == 2:
+            raise
     cfg = dataclasses.replace(cfg, **kw)
   return cfg
 
@@ -340,7 +350,11 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
 # fused rope + rms norm + fp8 quantization + cache write
 # ---------------------------------------------------------------------------------------------------------
 
-PAIRWISE_MAX_T = 512   # up to this many tokens the duplicate check compares all pairs (T^2 booleans)
+# Up to this many tokens the duplicate check compares all pairs (T^2 booleans). H200 (2026-11-30): standalone the
+# pairwise form was faster up to T = 1024, but XLA fuses it into the table gather of the pre-pass, which then took
+# 8.3 us at T = 512 (H = 128) against 3.6 us for the scatter-max form's three kernels at T = 1024; at T = 128 the
+# fused pairwise form added ~1 us.
+PAIRWISE_MAX_T = 128
 
 
 def _last_writer(slots, num_slots, pairwise_max_t=None):
