@@ -46,6 +46,11 @@ the swizzled layout removes the re-swizzle and the 40 KB slot, and the second K 
 gather in flight while the consumers work. FlashMLA headline shape: 429.6 µs (340 TFLOP/s) against 562.9 µs for
 v4 in the same run, identical outputs on every check case. Cost: 320 TMAs per tile instead of 64, and QKᵀ over
 640 columns instead of 576 (+11% of the QK MMAs).
+Limiter of v5 (benchmarks/RESULTS.md runs 11-13): the per-tile chain, not bytes or FLOPs — (a) and (b) take the same
+time for the same tile count. At (b) (H = 8) removing the QKᵀ wgmmas saves 78 of 421 µs, the V upcast 76, P·V 23;
+the loader alone takes 283 µs (320 TMAs per tile); under Nsight Compute the tensor pipe is the busiest (41 % of the
+cycles) although 56 of every 64 MMA rows are padding there. Small H wants the heads on the MMA's N side
+(Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ with m64n8 wgmmas), which this kernel does not have yet.
 
 Why P·V in f16 by default (measured on an H200, 2026-11-30, benchmarks/RESULTS.md): it removes the slow FP8
 transpose of V (vector-length-1 layout) and the P round trip through SMEM; at the FlashMLA headline shape it ran
