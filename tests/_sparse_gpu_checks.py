@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -35,7 +36,13 @@ def metrics(got, want):
   return rel, float(np.abs(g - w).max()), cos
 
 
-def run(case, impl):
+def run(case, impl, tuning=()):
+  """The public op; with ``tuning`` (kernel TuningConfig overrides) the op's jitted implementation instead."""
+  if tuning:
+    from mla_pallas.ops import sparse_decode as sd
+    return sd._sparse_decode_jit(case.q, case.kv.reshape(-1, case.kv.shape[-1]), case.indices,
+                                 jnp.float32(case.kv_scale), case.topk_length, softmax_scale=case.softmax_scale,
+                                 impl=impl, interpret=False, tuning=tuple(tuning))
   return mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
                                       kv_scale=case.kv_scale, topk_length=case.topk_length, impl=impl)
 
@@ -45,18 +52,20 @@ def _budget(case, pv_length, quantized_p):
                                   quantized_p=quantized_p)
 
 
-def check_kernel_matches_reference(rng, H, s_q, *, quantized_p):
+def check_kernel_matches_reference(rng, H, s_q, *, quantized_p, tuning=()):
   """Random data with NaN-poisoned unused rows, invalid/duplicate indices, an all-invalid row (make_case); odd top-k,
-  page 64/128, topk_length at H = 32, kv_scale 0.5 at H = 16; bitwise determinism across two runs."""
+  page 64/128, topk_length at H = 32, kv_scale 0.5 at H = 16; bitwise determinism across two runs. ``tuning``:
+  kernel TuningConfig overrides (a non-default arrangement)."""
   topk = TOPKS[(HEADS.index(H) + S_Q.index(s_q)) % len(TOPKS)]
   page = 64 if (H + s_q) % 2 else 128
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=16384 // page,
                    with_topk_length=(H == 32), kv_scale=0.5 if H == 16 else 1.0)
   ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
                                                  kv_scale=case.kv_scale, topk_length=case.topk_length)
-  out, lse = run(case, "mosaic")
-  assert _dispatch.last_impl("sparse_mla_decode") == "mosaic"
-  out2, lse2 = run(case, "mosaic")
+  out, lse = run(case, "mosaic", tuning)
+  if not tuning:   # (the op's jitted implementation, which ``tuning`` calls, does not record the dispatch)
+    assert _dispatch.last_impl("sparse_mla_decode") == "mosaic"
+  out2, lse2 = run(case, "mosaic", tuning)
   xla_out, _ = run(case, "xla")
   k, x = metrics(out, ref_out), metrics(xla_out, ref_out)
   print(f"\nH={H} s_q={s_q} topk={topk} page={page}: kernel rel-L2 {k[0]:.4f} max-abs {k[1]:.4f} cos {k[2]:.5f}"

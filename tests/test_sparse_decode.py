@@ -115,6 +115,41 @@ def test_kernel_variants_interpret(rng, tuning):
   _check_against_reference(case, out, lse, budget)
 
 
+@pytest.mark.parametrize("B,s_q,H,topk,page", [
+    (1, 2, 8, 77, 16),      # H = 8 padded to the 16 MMA columns; odd top-k (a partial tile)
+    (2, 1, 16, 130, 64),    # H = 16: every column a head; 3 tiles
+    (1, 1, 16, 512, 16),    # few CTAs: split-KV + combine on the transposed output
+])
+def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
+  """head_axis="n" (heads on the MMA's N side, Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ) computes the same function (races
+  checked); against the default arrangement the only difference is the f32 summation order."""
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=max(4, 1024 // page))
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+
+  def run(tuning, interpret):
+    return sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
+                                 softmax_scale=case.softmax_scale, impl="mosaic", interpret=interpret, tuning=tuning)
+  out, lse = run((("head_axis", "n"),), params)
+  assert not testing.races_found()
+  budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=topk, fp8_mma=False, quantized_p=False)
+  _check_against_reference(case, out, lse, budget)
+  base, base_lse = run((), True)
+  # Same Q quantization and P precision: the two arrangements differ only in f32 summation order, which can flip
+  # the bf16 rounding of an output: at most one bf16 ulp (2^-8 relative) per value.
+  testing.assert_close_fp8(out, base, what="head_axis n vs m", rel_l2=2.0 ** -8)
+  fin = np.isfinite(np.asarray(base_lse))
+  assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
+
+
+def test_heads_on_n_rejects_many_heads(rng):
+  case = make_case(rng, B=1, s_q=1, H=32, topk=64, page_size=16, num_pages=8)
+  with pytest.raises(ValueError, match="head_axis"):
+    sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(1.0), None,
+                          softmax_scale=case.softmax_scale, impl="mosaic", interpret=True,
+                          tuning=(("head_axis", "n"),))
+
+
 def test_plan_splits_small_batches():
   splits, tps = sd._plan(batch_tokens=1, tiles_per_token=1, topk=512)
   assert splits == 2 and tps == 4
@@ -184,7 +219,8 @@ def test_xla_masking_fuzz(idx_list, tl):
 
 @pytest.mark.parametrize("H,s_q,topk,splits,pv_dtype", [
     (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
-    (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled")])
+    (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled"), (8, 4, 2051, 1, "heads_n"),
+    (16, 1, 2048, 2, "heads_n")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
   "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
@@ -192,20 +228,24 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   n_tok = 2 * s_q
   tps = -(-topk // (64 * splits))
   extra = {"fp8": dict(pv_dtype="fp8", stages=2, k_buffers=1, k_gather="linear"), "f16": dict(k_gather="linear"),
-           "swizzled": {}}
+           "swizzled": {}, "heads_n": dict(head_axis="n")}
   cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
                     "bfloat16" if splits == 1 else "float32", cfg)
   S = jax.ShapeDtypeStruct
-  swz = pv_dtype == "swizzled"
+  swz = pv_dtype in ("swizzled", "heads_n")
   q_cols, kv_shape = (sm90.Q_SW_COLS, (4096, 576)) if swz else (576, (4096 * 9, 64))
   low = testing.lower_for_cuda(kern, S((n_tok * tiles_per_token, 64, q_cols), FP8),
                                S((n_tok * tiles_per_token, 64), jnp.float32), S(kv_shape, FP8),
                                S((n_tok, splits * tps, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
   # 9 QK chunks x 2 k32 steps (+ one N=256 fp8 PV wgmma = 2 k32 steps); f16 PV: 4 k16 steps;
-  # swizzled: 5 QK chunks of 128 x 4 k32 steps.
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == {"fp8": 20, "f16": 18, "swizzled": 20}[pv_dtype]
-  assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == (0 if pv_dtype == "fp8" else 4)
+  # swizzled: 5 QK chunks of 128 x 4 k32 steps; heads_n: the same as m64n16 (Sᵀ = K·Qᵀ), and P·V as four
+  # 64-row blocks of Oᵀ x 4 k16 steps of m64n16 f16 wgmmas (Vᵀ the transposed A operand).
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == {"fp8": 20, "f16": 18, "swizzled": 20,
+                                                            "heads_n": 20}[pv_dtype]
+  assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == {"fp8": 0, "heads_n": 16}.get(pv_dtype, 4)
+  if pv_dtype == "heads_n":
+    assert low.count(r"m64n16k32\.f32\.e4m3\.e4m3") == 20 and low.count(r"m64n16k16\.f32\.f16\.f16") == 16
   assert low.count(r"cp\.async\.bulk\.tensor") > 0
 
 
@@ -220,6 +260,10 @@ def test_tuning_config_rejects_bad_values():
     sm90.TuningConfig(k_gather="direct")
   with pytest.raises(ValueError, match="v_stager"):
     sm90.TuningConfig(v_stager="somewhere")
+  with pytest.raises(ValueError, match="head_axis"):
+    sm90.TuningConfig(head_axis="k")
+  with pytest.raises(ValueError, match="head_axis"):
+    sm90.TuningConfig(head_axis="n", k_gather="linear")
 
 
 def test_argument_errors(rng):

@@ -142,24 +142,26 @@ def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):
     plgpu.barrier_wait(barrier.at[slot_of(s) % n_slots])
 
 
-def online_softmax_tile(s, valid_cols, row_scale, m, l):
+def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
-    s: [R, T] f32 raw Q.K products; valid_cols: [T] bool (False: masked key); row_scale: [R] f32 (folds q_scale,
-    kv_scale, softmax_scale and log2 e); m, l: [R] running max (base-2 logits) and running sum.
+    s: [R, T] f32 raw Q.K products (``keys_axis=0``: the transposed tile Sᵀ [T, R], heads on the columns);
+    valid_cols: [T] bool (False: masked key); row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
+    log2 e); m, l: [R] running max (base-2 logits) and running sum.
   Returns:
-    (p [R, T] = 2^(s' - m_new) in [0, 1], alpha [R] = 2^(m - m_new) to rescale the running output, m_new, l_new).
-    A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
+    (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1], alpha [R] = 2^(m - m_new) to rescale the running output,
+    m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
   """
-  valid = lax.broadcast_in_dim(valid_cols, s.shape, [1])
-  s = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+  head_axis = 1 - keys_axis
+  valid = lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+  s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
   s = jnp.where(valid, s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=1))
+  m_new = jnp.maximum(m, s.max(axis=keys_axis))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_use)
-  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
+  return p, alpha, m_new, l * alpha + p.sum(axis=keys_axis)
 
 
 def interpret_kwargs(interpret) -> dict:

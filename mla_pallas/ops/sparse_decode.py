@@ -157,6 +157,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
   cfg = kmod.TuningConfig(tiles_per_split=tps, **dict(tuning))
   k_pad = splits * tps * tile
+  heads_on_n = getattr(cfg, "head_axis", "m") == "n"
+  if heads_on_n and h > kmod.HEADS_ON_N:
+    raise ValueError(f"TuningConfig.head_axis='n' needs H <= {kmod.HEADS_ON_N} (the heads are the MMA's N side); "
+                     f"got H={h}")
 
   # Pre-pass (one fused XLA op): sanitised indices, padded top-k, per-row quantized Q with folded scales.
   valid = _valid_mask(indices, num_slots, topk_length)
@@ -182,12 +186,15 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   else:                 # per-row TMA of 640-byte boxes from the cache viewed as 64-byte chunks
     o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
+  out_rows = tile
+  if heads_on_n:        # Oᵀ [.., 512, 16] -> [.., 16, 512]: the first 16 rows of the tile
+    o, out_rows = jnp.swapaxes(o, -1, -2), kmod.HEADS_ON_N
   if splits > 1:
     o, lse = combine_splits(o, lse)
   else:
     o, lse = o[:, 0], lse[:, 0]
-  o = o.reshape(n_tok, tiles_per_token * tile, D_V)[:, :h]
-  lse = lse.reshape(n_tok, tiles_per_token * tile)[:, :h]
+  o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
+  lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
   return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
 
 
