@@ -2,7 +2,7 @@
 path and a device copy of the same bytes, then each variant's op time (pre-pass + kernel), kernel-only time and
 pre-pass time (CUPTI, cache donated as in the bench), each checked near-bitwise against the XLA path.
 
-  PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]     PLAN: v3 (default) | small_t | defaults
+  PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]     PLAN: v3 (default) | small_t | defaults | unique
 
 Stops at ROPE_V3_DEADLINE (epoch seconds) if set, printing what it measured so far; writes JSON to OUT_DIR.
 Called by benchmarks/rope_v3_gpu.sh.
@@ -35,14 +35,18 @@ def sets_for(spec, shape, n=None):
 
 
 def fused(impl, tuning=()):
+  """The fused op; a ("unique_slots", True) entry of ``tuning`` is the op's argument, not a TuningConfig knob."""
+  unique = dict(tuning).get("unique_slots", False)
+  tuning = tuple((k, v) for k, v in tuning if k != "unique_slots")
+
   def f(pages, kv, q, pos, cos, sin, w, slots, buf):
     if impl == "copy":
       return pages, _copy(buf)
     if impl == "xla":
       return op._fused_jit(pages, kv, q, pos, cos, sin, w, jnp.float32(EPS), jnp.float32(KV_SCALE), slots,
-                           interleaved=True)
+                           interleaved=True, unique_slots=unique)
     return op._fused_mosaic(pages, kv, q, pos, cos, sin, w, jnp.float32(EPS), jnp.float32(KV_SCALE), slots,
-                            interleaved=True, interpret=False, tuning=tuning)
+                            interleaved=True, interpret=False, tuning=tuning, unique_slots=unique)
   return f
 
 
@@ -96,7 +100,8 @@ def run(op_name, shape, variants):
       tot = statistics.median(samples)
       kern = sum(v for k, v in kernels.items() if k.startswith(KERNEL))
       chk = check(f, mk("xla"), sets[0], is_fused)
-      cfg = op._kernel_config(shape["T"], shape["H"], is_fused, tuple(tuning))
+      knobs = tuple((k, v) for k, v in tuning if k != "unique_slots")
+      cfg = op._kernel_config(shape["T"], shape["H"], is_fused, knobs)
       tpc, ctas = rk.grid_for(cfg, shape["T"], shape["H"], is_fused, op._num_sms())
       name = (" ".join(f"{k}={v}" for k, v in tuning) or "default") + (
           f" -> wg{cfg.warpgroups} s{cfg.stages} tpc{tpc} ctas{ctas} ks{cfg.kv_share}")
@@ -141,6 +146,9 @@ PLANS = {
 PLANS["defaults"] = [(F, dict(T=t, H=h), [()]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128), (512, 128),
                                                           (4096, 128), (8192, 128), (1, 16), (128, 16), (8192, 16))
                      ] + [(U, dict(T=4096, H=128), [()]), (U, dict(T=128, H=128), [()])]
+# unique_slots=True (no duplicate-slot scan in the pre-pass) beside the default, at the issue-4 shapes.
+PLANS["unique"] = [(F, dict(T=t, H=h), [(), W(unique_slots=True)])
+                   for t, h in ((4096, 128), (8192, 128), (8192, 16), (512, 128), (128, 128), (1, 128))]
 PLAN = PLANS[plan_name]
 for op_name, shape, variants in PLAN:
   if time.time() > deadline:

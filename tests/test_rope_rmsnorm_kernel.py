@@ -465,3 +465,26 @@ def test_grid_override_takes_a_ring_that_fits():
   assert op._kernel_config(4096, 128, True, (("warpgroups", 3),)).stages == 4   # no grid change: ring kept
   with pytest.raises(ValueError, match="SMEM"):     # an explicit ring that cannot fit is reported, not replaced
     rk.grid_for(op._kernel_config(4096, 128, True, (("ctas", 100), ("stages", 8))), 4096, 128, True)
+
+
+@pytest.mark.parametrize("impl", ["xla", "mosaic"])
+def test_unique_slots_promise_skips_the_scan_and_changes_nothing(rng, impl):
+  """unique_slots=True (the caller promises distinct valid slots, as unique_indices of a JAX scatter) gives bitwise
+  the same cache and q as the default duplicate-slot scan when the slots are distinct (make_case draws a
+  permutation, plus -1 / out-of-range entries), and the op jaxpr then has no scan: no [T, T] compare, no scatter-max."""
+  case = make_case(rng, 70, 16)
+  outs = []
+  for unique in (False, True):
+    outs.append(mla_pallas.fused_rope_rmsnorm_quantization(
+        jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
+        kv_scale=case.kv_scale, slots=case.slots, unique_slots=unique, impl=impl, interpret=True))
+  for a, b in zip(*outs):
+    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  num_slots = case.pages.size // 576
+  promised = jax.make_jaxpr(lambda s: op._dest_slots(s, num_slots, True, -1))(case.slots)
+  scanned = jax.make_jaxpr(lambda s: op._dest_slots(s, num_slots, False, -1))(case.slots)
+  assert len(promised.eqns) < len(scanned.eqns)
+  with pytest.raises(ValueError, match="unique_slots"):
+    mla_pallas.fused_rope_rmsnorm_quantization(
+        jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
+        kv_scale=case.kv_scale, slots=case.slots, unique_slots=1, impl=impl, interpret=True)
