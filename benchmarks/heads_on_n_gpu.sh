@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The sparse-decode kernel's head_axis="n" arrangement (H <= 16: heads on the MMA's N side) on one H200, ~4 min:
+# The sparse-decode kernel's head_axis="n" arrangement (H <= 32: heads on the MMAs' N side) on one H200, ~4 min:
 #   1. GPU tests: tests/test_sparse_decode_gpu.py -k heads_on_n (NaN rows, invalid/duplicate indices, an all-invalid
 #      row, odd top-k, determinism; against the float32 reference, beside the XLA path);
 #   2. (b) GLM-5 TP-8 (B 128, s_q 4, H 8, top-k 2048) and B 128 s_q 2 H 16 (case h16), head_axis=n vs the default, beside XLA, and
 #      head_axis=n ablations (no QK / no V upcast / loader alone) to place its time.
-# If (1) passes and (2) is faster, make head_axis="n" the default for H <= 16 in mla_pallas/ops/sparse_decode.py.
+# If (1) passes and (2) is faster, make head_axis="n" the default for small H in mla_pallas/ops/sparse_decode.py.
 # Usage (repo root): PYTHONPATH=. bash benchmarks/heads_on_n_gpu.sh    -> logs and JSON in ${OUT:-results}
 set -u
 OUT=${OUT:-results}

@@ -119,6 +119,7 @@ def test_kernel_variants_interpret(rng, tuning):
     (1, 2, 8, 77, 16),      # H = 8 padded to the 16 MMA columns; odd top-k (a partial tile)
     (2, 1, 16, 130, 64),    # H = 16: every column a head; 3 tiles
     (1, 1, 16, 512, 16),    # few CTAs: split-KV + combine on the transposed output
+    (1, 1, 32, 100, 16),    # H = 32: heads_n = 32 (64-byte rows of Pᵀ and V)
 ])
 def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
   """head_axis="n" (heads on the MMA's N side, Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ) computes the same function (races
@@ -143,11 +144,16 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
 
 
 def test_heads_on_n_rejects_many_heads(rng):
-  case = make_case(rng, B=1, s_q=1, H=32, topk=64, page_size=16, num_pages=8)
-  with pytest.raises(ValueError, match="head_axis"):
+  def run(h, tuning):
+    case = make_case(rng, B=1, s_q=1, H=h, topk=64, page_size=16, num_pages=8)
     sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(1.0), None,
-                          softmax_scale=case.softmax_scale, impl="mosaic", interpret=True,
-                          tuning=(("head_axis", "n"),))
+                          softmax_scale=case.softmax_scale, impl="mosaic", interpret=True, tuning=tuning)
+  with pytest.raises(ValueError, match="head_axis"):
+    run(64, (("head_axis", "n"),))
+  with pytest.raises(ValueError, match="heads_n"):
+    run(32, (("head_axis", "n"), ("heads_n", 16)))
+  with pytest.raises(ValueError, match="heads_n"):
+    sm90.TuningConfig(head_axis="n", heads_n=8)
 
 
 def test_plan_splits_small_batches():
@@ -220,7 +226,7 @@ def test_xla_masking_fuzz(idx_list, tl):
 @pytest.mark.parametrize("H,s_q,topk,splits,pv_dtype", [
     (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
     (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled"), (8, 4, 2051, 1, "heads_n"),
-    (16, 1, 2048, 2, "heads_n")])
+    (16, 1, 2048, 2, "heads_n"), (32, 2, 2048, 1, "heads_n")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
   "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
@@ -228,7 +234,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   n_tok = 2 * s_q
   tps = -(-topk // (64 * splits))
   extra = {"fp8": dict(pv_dtype="fp8", stages=2, k_buffers=1, k_gather="linear"), "f16": dict(k_gather="linear"),
-           "swizzled": {}, "heads_n": dict(head_axis="n")}
+           "swizzled": {}, "heads_n": dict(head_axis="n", heads_n=16 if H <= 16 else 32)}
   cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
                     "bfloat16" if splits == 1 else "float32", cfg)
@@ -239,13 +245,14 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
                                S((n_tok * tiles_per_token, 64), jnp.float32), S(kv_shape, FP8),
                                S((n_tok, splits * tps, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
   # 9 QK chunks x 2 k32 steps (+ one N=256 fp8 PV wgmma = 2 k32 steps); f16 PV: 4 k16 steps;
-  # swizzled: 5 QK chunks of 128 x 4 k32 steps; heads_n: the same as m64n16 (Sᵀ = K·Qᵀ), and P·V as four
-  # 64-row blocks of Oᵀ x 4 k16 steps of m64n16 f16 wgmmas (Vᵀ the transposed A operand).
+  # swizzled: 5 QK chunks of 128 x 4 k32 steps; heads_n: the same as m64nN (Sᵀ = K·Qᵀ), and P·V as four
+  # 64-row blocks of Oᵀ x 4 k16 steps of m64nN f16 wgmmas (Vᵀ the transposed A operand).
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == {"fp8": 20, "f16": 18, "swizzled": 20,
                                                             "heads_n": 20}[pv_dtype]
   assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == {"fp8": 0, "heads_n": 16}.get(pv_dtype, 4)
   if pv_dtype == "heads_n":
-    assert low.count(r"m64n16k32\.f32\.e4m3\.e4m3") == 20 and low.count(r"m64n16k16\.f32\.f16\.f16") == 16
+    n = cfg.heads_n
+    assert low.count(rf"m64n{n}k32\.f32\.e4m3\.e4m3") == 20 and low.count(rf"m64n{n}k16\.f32\.f16\.f16") == 16
   assert low.count(r"cp\.async\.bulk\.tensor") > 0
 
 

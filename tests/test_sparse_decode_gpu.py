@@ -30,7 +30,7 @@ def test_prefill_routes_through_kernel(rng):
   checks.check_prefill_routes_through_kernel(rng, quantized_p=QUANTIZED_P)
 
 
-@pytest.mark.parametrize("H,s_q", [(8, 4), (16, 6), (8, 1), (16, 2)])
+@pytest.mark.parametrize("H,s_q", [(8, 4), (16, 6), (8, 1), (16, 2), (32, 1)])
 def test_heads_on_n_matches_reference(rng, H, s_q):
-  """head_axis="n" (H <= 16: heads on the MMA's N side, P kept in f16); not the default until this passes here."""
+  """head_axis="n" (H <= 32: heads on the MMAs' N side, P kept in f16); not the default until this passes here."""
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("head_axis", "n"),))

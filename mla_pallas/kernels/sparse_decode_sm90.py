@@ -35,14 +35,15 @@ pv_dtype="f16")
   release the K buffer (``k_empty``); online softmax; P·V for their 256 output columns (64 × 256 f32 accumulator =
   128 registers per thread) with P as an f16 register operand. S is computed by both consumers (redundant, but no
   cross-warpgroup exchange of S or P). WG0 writes lse.
-* ``head_axis="n"`` (H <= 16; opt-in, **not yet run on a GPU**: interpret mode with race detection and sm_90a
-  lowering only): the heads go on the MMA's N side instead of padding them to 64 rows. Loader as above, but Q's
-  first 16 rows only. Each consumer computes Sᵀ [64 keys, 16] = K·Qᵀ (m64n16k32 fp8 wgmmas, A = the K tile, B =
-  Q), the online softmax down the columns, Pᵀ as f16 [64 keys, 16] through its own SMEM buffer, and Oᵀ [its 256
-  values of d, 16] += Vᵀ·Pᵀ as four m64n16k16 f16 wgmmas (Vᵀ the transposed f16 V tile; the 32-byte rows of Pᵀ fix
-  the V buffer's swizzle at 32 bytes). MMA work per tile drops 4x (16 columns instead of 64 rows); the V upcast
-  stays. Output Oᵀ [tiles, splits, 512, 16] (the op transposes it). SMEM 175 616 B. Motivation: at (b), H = 8,
-  the tensor pipe was the busiest unit (41 % of the cycles, Nsight Compute) on 64-row MMAs with 8 real rows.
+* ``head_axis="n"`` (H <= 32; opt-in, **not yet run on a GPU**: interpret mode with race detection and sm_90a
+  lowering only): the heads go on the MMAs' N side instead of being padded to 64 rows; N = ``heads_n`` = 16 for
+  H <= 16, 32 for H <= 32 (f16 operands need rows of at least 32 bytes). Loader as above, but Q's first N rows only.
+  Each consumer computes Sᵀ [64 keys, N] = K·Qᵀ (m64nNk32 fp8 wgmmas, A = the K tile, B = Q), the online softmax
+  down the columns, Pᵀ as f16 [64 keys, N] through its own SMEM buffer, and Oᵀ [its 256 values of d, N] += Vᵀ·Pᵀ as
+  four m64nNk16 f16 wgmmas (Vᵀ the transposed f16 V tile; the 2N-byte rows of Pᵀ fix the V buffer's swizzle at 2N
+  bytes). MMA work per tile drops 64/N-fold; the V upcast stays. Output Oᵀ [tiles, splits, 512, N] (the op
+  transposes it). SMEM 175 616 B (N = 16). Motivation: at (b), H = 8, the tensor pipe was the busiest unit (41 % of
+  the cycles, Nsight Compute) on 64-row MMAs with 8 real rows.
 * ``k_gather="linear"`` (v4, the default until 2026-11-30): one 640-byte TMA per row into a linear slot, which the
   loader re-swizzles into nine 64-byte-swizzled 64 × 64 tiles through registers (``Layout.WGMMA_8BIT``) before
   refilling the slot; ``pv_dtype="fp8"`` (P as fp8(256 p) through SMEM, V transposed into the K-major Vᵀ FP8
@@ -111,7 +112,7 @@ SW_CHUNK = 128     # k_gather="swizzled": bytes per TMA box / per wgmma K chunk 
 SW_CHUNKS = 5      # latent chunks 0-3 (columns 0-511) + tail (columns 448-575: latent 448-511 and rope)
 SW_TAIL_COL = D_QK - SW_CHUNK   # 448: first cache column of the tail chunk
 Q_SW_COLS = SW_CHUNKS * SW_CHUNK   # 640: Q as latent | 64 zeros | rope (the zeros meet latent 448-511 in the tail)
-HEADS_ON_N = 16   # head_axis="n": the MMA's N (H <= 16 padded to 16: f16 operands need >= 32-byte rows)
+HEADS_ON_N = (16, 32)   # head_axis="n": the MMAs' N (TuningConfig.heads_n; f16 operands need >= 32-byte rows)
 CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
 LOADER_REGS = 56
 
@@ -137,10 +138,11 @@ class TuningConfig(common.TuningConfigBase):
   # re-swizzle; see "Swizzled gather" in the module docstring). Needs the defaults otherwise.
   k_gather: str = "swizzled"
   # "m": the 64 query rows (heads) are the MMA's M side (S = Q·Kᵀ, O = P·V; H < 64 is padded to 64 rows).
-  # "n" (H <= 16 only, with k_gather="swizzled"): the heads are the MMA's N side — Sᵀ = K·Qᵀ (m64n16 fp8
-  # wgmmas), Oᵀ = Vᵀ·Pᵀ (m64n16 f16 wgmmas, Vᵀ the transposed f16 V tile) — so 16 MMA columns instead of
+  # "n" (H <= 32, with k_gather="swizzled"): the heads are the MMAs' N side — Sᵀ = K·Qᵀ (m64nN fp8 wgmmas),
+  # Oᵀ = Vᵀ·Pᵀ (m64nN f16 wgmmas, Vᵀ the transposed f16 V tile), N = heads_n — so N MMA columns instead of
   # 64 MMA rows per head group. Not yet run on a GPU (interpret mode and sm_90 lowering only).
   head_axis: str = "m"
+  heads_n: int = 16             # head_axis="n": N of the MMAs, H padded to 16 or 32 (the op sets it from H)
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
@@ -171,6 +173,8 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.head_axis must be 'm' or 'n'; got {self.head_axis!r}")
     if self.head_axis == "n" and self.k_gather != "swizzled":
       raise ValueError("TuningConfig.head_axis='n' needs k_gather='swizzled'")
+    if self.heads_n not in HEADS_ON_N:
+      raise ValueError(f"TuningConfig.heads_n must be one of {HEADS_ON_N}; got {self.heads_n}")
     self.check_split()
     self.check_smem(smem_budget(self))
 
@@ -185,7 +189,7 @@ def smem_budget(cfg: TuningConfig) -> int:
         ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
         ((rows,), jnp.float32),                              # lse staging
         ((128,), jnp.uint8),                                 # placeholder (linear ring)
-        ((2, TILE, HEADS_ON_N), jnp.float16) if rows == HEADS_ON_N else ((128,), jnp.uint8),   # Pᵀ ("n")
+        ((2, TILE, rows), jnp.float16) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # Pᵀ (head_axis "n")
     ) + 64 * 8 + 2048
   return common.smem_bytes(
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
@@ -199,8 +203,8 @@ def smem_budget(cfg: TuningConfig) -> int:
 
 
 def _q_rows(cfg: TuningConfig) -> int:
-  """Query rows a CTA loads and computes: the 64-row tile, or HEADS_ON_N with head_axis="n"."""
-  return HEADS_ON_N if cfg.head_axis == "n" else TILE
+  """Query rows a CTA loads and computes: the 64-row tile, or heads_n (the MMAs' N) with head_axis="n"."""
+  return cfg.heads_n if cfg.head_axis == "n" else TILE
 
 
 def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool,
@@ -401,24 +405,25 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
 
 def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg, qs_gmem, scal_gmem, o_gmem,
                          lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem, lse_smem, q_bar, idx_bar, k_full, k_empty):
-  """Consumers of head_axis="n" (H <= 16): the heads on the MMA's N side, everything transposed.
+  """Consumers of head_axis="n" (H <= N = heads_n, 16 or 32): the heads on the MMAs' N side, everything transposed.
 
-  Per 64-key tile each consumer computes Sᵀ [64 keys, 16] = K · Qᵀ (five m64n16k128 fp8 wgmmas: A = the swizzled
+  Per 64-key tile each consumer computes Sᵀ [64 keys, N] = K · Qᵀ (five m64nNk128 fp8 wgmmas: A = the swizzled
   K chunk, K-major; B = Q's 16 rows, K-major), stages its half of V as f16 meanwhile, releases the K buffer, runs
-  the online softmax down the columns (keys_axis=0; masked keys are rows), writes Pᵀ as f16 [64 keys, 16] to its
-  own SMEM buffer, and accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for its four 64-wide blocks of d (m64n16k16
-  f16 wgmmas: A = the transposed f16 V tile, 32-byte swizzle to match Pᵀ's 32-byte rows). Both consumers compute
-  the same Sᵀ (16 columns: cheap); consumer w owns d in [256 w, 256 w + 256). Output: Oᵀ [512, 16] per split
-  (o_gmem [tiles, splits, 512, 16]) and lse [16]; the op transposes and keeps the first H columns.
+  the online softmax down the columns (keys_axis=0; masked keys are rows), writes Pᵀ as f16 [64 keys, N] to its
+  own SMEM buffer, and accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for its four 64-wide blocks of d (m64nNk16
+  f16 wgmmas: A = the transposed f16 V tile, its swizzle matching Pᵀ's 2N-byte rows). Both consumers compute the
+  same Sᵀ (N columns: cheap); consumer w owns d in [256 w, 256 w + 256). Output: Oᵀ [512, N] per split
+  (o_gmem [tiles, splits, 512, N]) and lse [N]; the op transposes and keeps the first H columns.
   """
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  n = _q_rows(cfg)                              # heads_n: the MMAs' N
   key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
-  head_layout = plgpu.Layout.WGMMA.reduce(0)    # [16]: one value per head (column of Sᵀ)
+  head_layout = plgpu.Layout.WGMMA.reduce(0)    # [n]: one value per head (column of Sᵀ)
   half = D_V // 2
   n_blocks = half // TILE
   plgpu.barrier_wait(q_bar)
   plgpu.barrier_wait(idx_bar)
-  head_scale = plgpu.load(qs_gmem.at[tile_q, pl.ds(0, HEADS_ON_N)], layout=head_layout, optimized=False)
+  head_scale = plgpu.load(qs_gmem.at[tile_q, pl.ds(0, n)], layout=head_layout, optimized=False)
   kv_scale = scal_gmem[0]
 
   def v_block(j):    # Vᵀ for this consumer's j-th block of 64 output columns: the A operand (transposed)
@@ -440,7 +445,7 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
             common.stage_v16(k_tiles, v16, chunks=range(2 * w, 2 * w + 2), width=SW_CHUNK)
       plgpu.commit_smem()
       return acc_ref[...]
-    st = pl.run_scoped(qk, plgpu.ACC((TILE, HEADS_ON_N), jnp.float32))
+    st = pl.run_scoped(qk, plgpu.ACC((TILE, n), jnp.float32))
     plgpu.barrier_arrive(k_empty.at[kb])
 
     keys = plgpu.load(idx_smem.at[t], layout=key_layout, optimized=False)
@@ -457,15 +462,15 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
         return tuple(r[...] for r in refs)
       plgpu.wgmma_wait(0)
     if interpret:   # the interpreter cannot seed an accumulator from registers: add fresh products instead
-      fresh = pl.run_scoped(lambda *refs: pv(refs), *[plgpu.ACC((TILE, HEADS_ON_N), jnp.float32)] * n_blocks)
+      fresh = pl.run_scoped(lambda *refs: pv(refs), *[plgpu.ACC((TILE, n), jnp.float32)] * n_blocks)
       accs = tuple(a + f for a, f in zip(accs, fresh))
     else:
       accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
     return accs, m_new, l
 
-  acc0 = plgpu.layout_cast(jnp.zeros((TILE, HEADS_ON_N), jnp.float32), plgpu.Layout.WGMMA)
-  m0 = plgpu.layout_cast(jnp.full((HEADS_ON_N,), -jnp.inf, jnp.float32), head_layout)
-  l0 = plgpu.layout_cast(jnp.zeros((HEADS_ON_N,), jnp.float32), head_layout)
+  acc0 = plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA)
+  m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), head_layout)
+  l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
   accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, ((acc0,) * n_blocks, m0, l0))
 
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
@@ -540,13 +545,13 @@ def _v_scratch(cfg):
   if cfg.pv_dtype == "fp8":
     return plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64))
   # head_axis="n": Vᵀ is the A operand of a wgmma whose B (Pᵀ, 16 f16 = 32-byte rows) fixes the swizzle at 32.
-  swizzle = 2 * HEADS_ON_N if cfg.head_axis == "n" else 128
+  swizzle = 2 * cfg.heads_n if cfg.head_axis == "n" else 128
   return plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, swizzle))
 
 
 def _p_scratch(cfg, interpret):
-  if cfg.head_axis == "n":   # Pᵀ [64 keys, 16] f16 per consumer (MN-major B of the Oᵀ wgmma)
-    return plgpu.SMEM((2, TILE, HEADS_ON_N), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_ON_N))
+  if cfg.head_axis == "n":   # Pᵀ [64 keys, heads_n] f16 per consumer (MN-major B of the Oᵀ wgmma)
+    return plgpu.SMEM((2, TILE, cfg.heads_n), jnp.float16, transforms=swizzled(jnp.float16, 2 * cfg.heads_n))
   if cfg.pv_dtype == "fp8":
     return plgpu.SMEM((2, TILE, TILE), FP8, transforms=swizzled(FP8, 64))
   if interpret:
@@ -569,7 +574,8 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
     scal [1] f32: kv_scale (multiplies the output).
   Returns (o [num_q_tiles, num_splits, 64, 512] out_dtype, lse [num_q_tiles, num_splits, 64] f32 natural log),
   each split's output normalised by its own softmax sum (merge splits by lse). head_axis="n": o is transposed and
-  holds the first HEADS_ON_N rows only, [num_q_tiles, num_splits, 512, 16], and lse is [num_q_tiles, num_splits, 16].
+  holds the first heads_n rows only, [num_q_tiles, num_splits, 512, heads_n], and lse is
+  [num_q_tiles, num_splits, heads_n].
   """
   out_dtype = jnp.dtype(out_dtype_name)
   n_tiles = cfg.tiles_per_split
@@ -578,7 +584,7 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
   kwargs = common.interpret_kwargs(interpret)
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, D_V, HEADS_ON_N) if cfg.head_axis == "n" else
+      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, D_V, cfg.heads_n) if cfg.head_axis == "n" else
                                      (num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, _q_rows(cfg)), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),

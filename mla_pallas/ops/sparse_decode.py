@@ -155,12 +155,18 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   tiles_per_token = max(1, h // tile)
   n_tok = b * s_q
   splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
-  cfg = kmod.TuningConfig(tiles_per_split=tps, **dict(tuning))
+  kw = dict(tuning)
+  heads_on_n = kw.get("head_axis") == "n"
+  if heads_on_n:        # the heads are the MMAs' N: H padded to the smallest of kmod.HEADS_ON_N that holds it
+    fits = [n for n in kmod.HEADS_ON_N if n >= h]
+    if not fits:
+      raise ValueError(f"TuningConfig.head_axis='n' needs H <= {max(kmod.HEADS_ON_N)} (the heads are the MMA's N "
+                       f"side); got H={h}")
+    kw.setdefault("heads_n", fits[0])
+  cfg = kmod.TuningConfig(tiles_per_split=tps, **kw)
+  if heads_on_n and cfg.heads_n < h:
+    raise ValueError(f"TuningConfig.heads_n={cfg.heads_n} must be >= H={h}")
   k_pad = splits * tps * tile
-  heads_on_n = getattr(cfg, "head_axis", "m") == "n"
-  if heads_on_n and h > kmod.HEADS_ON_N:
-    raise ValueError(f"TuningConfig.head_axis='n' needs H <= {kmod.HEADS_ON_N} (the heads are the MMA's N side); "
-                     f"got H={h}")
 
   # Pre-pass (one fused XLA op): sanitised indices, padded top-k, per-row quantized Q with folded scales.
   valid = _valid_mask(indices, num_slots, topk_length)
@@ -187,8 +193,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   else:                 # per-row TMA of 640-byte boxes from the cache viewed as 64-byte chunks
     o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
   out_rows = tile
-  if heads_on_n:        # Oᵀ [.., 512, 16] -> [.., 16, 512]: the first 16 rows of the tile
-    o, out_rows = jnp.swapaxes(o, -1, -2), kmod.HEADS_ON_N
+  if heads_on_n:        # Oᵀ [.., 512, heads_n] -> [.., heads_n, 512]: the first heads_n rows of the tile
+    o, out_rows = jnp.swapaxes(o, -1, -2), cfg.heads_n
   if splits > 1:
     o, lse = combine_splits(o, lse)
   else:
