@@ -95,6 +95,25 @@ def test_persistent_ctas_walk_several_tiles(rng, wg_split, stages, fused):
   assert_matches_reference(out, a, w8, ws, "per_token")
 
 
+@pytest.mark.parametrize("t,k,fused,max_ctas", [(8, 128, True, 132), (1, 192, True, 132), (70, 192, False, 2)])
+def test_two_sub_tiles_per_consumer_is_bitwise_the_default(rng, t, k, fused, max_ctas):
+  """sub_n=2 (CTA tile 64 x 512: each consumer runs two 64 x 128 sub-tiles on the resident K chunks) computes the
+  same products and promotions as the default 64 x 256 tiles, so the outputs are equal bit for bit; races checked.
+  max_ctas=2 makes the CTAs walk several tiles (the ring's slots held across sub-tiles, then released)."""
+  h, n = 3, 512
+  a, w8, ws = make_inputs(rng, t, h, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  base = (("quantize_k", k if fused else None), ("max_ctas", max_ctas))
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
+  testing.reset_interpreter()
+  two = jax.block_until_ready(run(interpret=params, tuning=base + (("sub_n", 2),)))
+  assert not testing.races_found(), "the interpreter found a data race in the kernel"
+  one = run(interpret=True, tuning=base)
+  assert np.array_equal(np.asarray(two, np.float32), np.asarray(one, np.float32))
+  assert_matches_reference(two, a, w8, ws, "per_token")
+
+
 @pytest.mark.parametrize("t,k,n", [(1, 128, 256), (70, 192, 256), (9, 512, 256)])
 def test_in_kernel_quantization_is_bitwise_the_prepass(rng, t, k, n):
   """quantize_k: the kernel quantizes bf16 a itself with quant.quantize_rows_fp8's float32 operations, so its
@@ -180,26 +199,36 @@ def test_tuning_config_validation():
   with pytest.raises(ValueError, match="SMEM"):
     kbmm.TuningConfig(stages=12)
   assert kbmm.smem_budget(kbmm.TuningConfig()) <= 120 * 1024   # default fits with room to spare
+  with pytest.raises(ValueError, match="sub_n"):
+    kbmm.TuningConfig(sub_n=3)
+  with pytest.raises(ValueError, match="sub_n"):
+    kbmm.TuningConfig(sub_n=2, wg_split="m")
+  with pytest.raises(ValueError, match="stages"):   # 8 resident K chunks do not fit a 4-slot ring
+    kbmm.check_shapes(8, 128, 512, 512, kbmm.TuningConfig(sub_n=2))
 
 
 # The real shapes: DeepSeek-V3.2 q_nope @ W_UK (K 128 -> N 512), GLM-5 (K 192 -> 512), output projections
 # (K 512 -> N 128 / 256). Each consumer warpgroup issues K / 32 m64n128k32 e4m3 wgmmas (one code path, shared by
 # both consumers).
-@pytest.mark.parametrize("k,n,t,act_scale", [
-    (128, 512, 4096, "per_token"),
-    (192, 512, 4096, "per_tensor"),
-    (512, 128, 4096, "per_token"),
-    (512, 256, 70, "per_token"),      # T % 8 != 0: linear output staging
+@pytest.mark.parametrize("k,n,t,act_scale,sub_n", [
+    (128, 512, 4096, "per_token", 1),
+    (192, 512, 4096, "per_tensor", 1),
+    (512, 128, 4096, "per_token", 1),
+    (512, 256, 70, "per_token", 1),      # T % 8 != 0: linear output staging
+    (128, 512, 8, "per_token", 2),       # two sub-tiles per consumer (in-kernel quantization at T = 8)
+    (192, 512, 1, "per_token", 2),
 ])
-def test_lowers_for_sm90(k, n, t, act_scale):
+def test_lowers_for_sm90(k, n, t, act_scale, sub_n):
   h = 128
   S = jax.ShapeDtypeStruct
-  fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, act_scale, "hnk", False)   # pre-pass + kernel
+  fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, act_scale, "hnk", False,   # (pre-pass +) kernel
+                                           tuning=(("sub_n", sub_n),) if sub_n > 1 else ())
   low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
                                S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
   assert "mosaic_gpu" in low.hlo
-  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == k // 32
-  assert low.count(r"wgmma\.mma_async") == k // 32
+  # each consumer: K / 32 m64n128k32 wgmmas per sub-tile
+  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == sub_n * k // 32
+  assert low.count(r"wgmma\.mma_async") == sub_n * k // 32
 
 
 def test_in_kernel_quantization_buffers():

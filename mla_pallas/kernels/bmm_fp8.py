@@ -98,6 +98,7 @@ TILE_M = 64        # token rows per consumer warpgroup (wgmma M)
 TILE_N = 128       # output columns per consumer warpgroup = one weight scale block
 SCALE_BLOCK = 128  # weight block-scale granularity along K and N
 CHUNK = 64         # K elements per TMA box / wgmma operand tile (64-byte swizzle)
+B_BOX_ROWS = 256   # a TMA box spans at most 256 elements per dimension: wider B chunks take several boxes
 MAX_K = 2048       # K blocks are unrolled in Python; beyond this the op falls back to XLA
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
@@ -118,12 +119,17 @@ class TuningConfig(common.TuningConfigBase):
     quantization" in the module docstring). The value is K, so that the SMEM budget can be checked here.
   a_buffers: bf16 A tiles in flight with ``quantize_k`` (2: the next tile's rows load while this one is
     multiplied; 1 where two do not fit in SMEM, e.g. K = 512). Ignored without ``quantize_k``.
+  sub_n: 64 x 128 sub-tiles per consumer along N (wg_split "n" only): 2 makes the CTA tile 64 x 512, so at decode
+    sizes a CTA covers one head's N = 512 with one A load / quantization and one tile hand-off instead of two
+    tiles (the slots of the tile's K chunks stay in the ring until the last sub-tile: needs K / 64 <= stages).
+    Not yet measured on a GPU (interpret mode and sm_90 lowering only).
   """
   stages: int = 4
   wg_split: str = "n"
   max_ctas: int = 132
   quantize_k: int | None = None
   a_buffers: int = 2
+  sub_n: int = 1
 
   def validate(self):
     if self.wg_split not in ("n", "m"):
@@ -132,6 +138,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.stages must be <= 16; got {self.stages}")
     if self.a_buffers > 2:
       raise ValueError(f"TuningConfig.a_buffers must be 1 or 2; got {self.a_buffers}")
+    if self.sub_n not in (1, 2):
+      raise ValueError(f"TuningConfig.sub_n must be 1 or 2; got {self.sub_n}")
+    if self.sub_n > 1 and self.wg_split != "n":
+      raise ValueError("TuningConfig.sub_n=2 needs wg_split='n'")
     if self.quantize_k is not None and (self.quantize_k <= 0 or self.quantize_k % CHUNK):
       raise ValueError(f"TuningConfig.quantize_k must be None or a positive multiple of {CHUNK}; "
                        f"got {self.quantize_k!r}")
@@ -151,7 +161,7 @@ class TuningConfig(common.TuningConfigBase):
 
   @property
   def cta_n(self) -> int:
-    return TILE_N * self.wn
+    return TILE_N * self.wn * self.sub_n
 
 
 def smem_budget(cfg: TuningConfig) -> int:
@@ -179,7 +189,10 @@ def check_shapes(t: int, h: int, k: int, n: int, cfg: TuningConfig) -> None:
                               f"(needs K % {CHUNK} == 0 and K <= {MAX_K})")
   if n % cfg.cta_n:
     raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for N={n} "
-                              f"(needs N % {cfg.cta_n} == 0 with wg_split={cfg.wg_split!r})")
+                              f"(needs N % {cfg.cta_n} == 0 with wg_split={cfg.wg_split!r}, sub_n={cfg.sub_n})")
+  if cfg.sub_n > 1 and k // CHUNK > cfg.stages:
+    raise ValueError(f"TuningConfig.sub_n={cfg.sub_n} keeps all K / 64 = {k // CHUNK} chunks of a tile in the ring: "
+                     f"needs stages >= {k // CHUNK}; got stages={cfg.stages}")
   del t, h
 
 
@@ -262,7 +275,12 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
         ks = pl.ds(c * CHUNK, CHUNK)
         if not fuse:
           plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, ks], a_ring.at[slot], full.at[slot])
-        plgpu.copy_gmem_to_smem(w_gmem.at[h, pl.ds(n0, cfg.cta_n), ks], b_ring.at[slot], full.at[slot])
+        if cfg.cta_n <= B_BOX_ROWS:
+          plgpu.copy_gmem_to_smem(w_gmem.at[h, pl.ds(n0, cfg.cta_n), ks], b_ring.at[slot], full.at[slot])
+        else:                                           # TMA boxes hold at most 256 rows
+          for b0 in range(0, cfg.cta_n, B_BOX_ROWS):
+            plgpu.copy_gmem_to_smem(w_gmem.at[h, pl.ds(n0 + b0, B_BOX_ROWS), ks],
+                                    b_ring.at[slot, pl.ds(b0, B_BOX_ROWS)], full.at[slot])
 
     # Drain: observe the consumers' last release of every slot (interpret-mode barrier rule; harmless on hardware).
     end = my_tiles * n_chunks
@@ -286,15 +304,16 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
     wi_m = wg if cfg.wg_split == "m" else 0
     wi_n = wg if cfg.wg_split == "n" else 0
     rows = pl.ds(wi_m * TILE_M, TILE_M)
-    cols = pl.ds(wi_n * TILE_N, TILE_N)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.loop(0, my_tiles)
     def _(i):
       m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
-      nb = n_idx * cfg.wn + wi_n
+      # This consumer's 128-column sub-tiles (indices within the CTA tile; written so that sub_n = 1 traces the
+      # same operations as before the knob existed).
+      subs = [wi_n] if cfg.sub_n == 1 else [wi_n * cfg.sub_n + s for s in range(cfg.sub_n)]
       # Scales first: their GMEM latency then overlaps the waits for the operands.
-      w_scales = [ws_gmem[h, kb, nb] for kb in range(n_blocks)]
+      w_scales = [[ws_gmem[h, kb, n_idx * (cfg.wn * cfg.sub_n) + sub] for kb in range(n_blocks)] for sub in subs]
       if fuse:
         ab = lax.rem(i, cfg.a_buffers)
         plgpu.barrier_wait(a_full.at[ab])
@@ -305,37 +324,42 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
                              optimized=False)
       else:
         a_scale = as_gmem[0]
-      total = plgpu.layout_cast(jnp.zeros((TILE_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
-      for kb in range(n_blocks):
-        chunks = range(kb * per_block, min((kb + 1) * per_block, n_chunks))
+      for si, sub in enumerate(subs):
+        cols = pl.ds(sub * TILE_N, TILE_N)
+        last_sub = si == len(subs) - 1
+        total = plgpu.layout_cast(jnp.zeros((TILE_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
+        for kb in range(n_blocks):
+          chunks = range(kb * per_block, min((kb + 1) * per_block, n_chunks))
 
-        def block(acc_ref):
-          for c in chunks:
-            slot = lax.rem(i * n_chunks + c, stages)
-            plgpu.barrier_wait(full.at[slot])
-            a_op = a8.at[wg, c] if fuse else a_ring.at[slot, rows]
-            plgpu.wgmma(acc_ref, a_op, b_ring.at[slot, cols].T)
-          return acc_ref[...]   # waits for the wgmmas
-        part = pl.run_scoped(block, plgpu.ACC((TILE_M, TILE_N), jnp.float32))
-        for c in chunks:
-          plgpu.barrier_arrive(empty.at[lax.rem(i * n_chunks + c, stages)])
-        if fuse and kb == 0:
-          # The bf16 tile may be overwritten. Released after the first block's wgmmas have completed rather than
-          # right after the quantization: interpret mode does not order this arrive after the SMEM loads
-          # without a data dependence (it reported a race); on the GPU the two places are equivalent.
-          plgpu.barrier_arrive(a_empty.at[ab])
-        total = total + part * w_scales[kb]
+          def block(acc_ref):
+            for c in chunks:
+              slot = lax.rem(i * n_chunks + c, stages)
+              if si == 0:   # a slot's phase is waited once; later sub-tiles reuse the resident chunk
+                plgpu.barrier_wait(full.at[slot])
+              a_op = a8.at[wg, c] if fuse else a_ring.at[slot, rows]
+              plgpu.wgmma(acc_ref, a_op, b_ring.at[slot, cols].T)
+            return acc_ref[...]   # waits for the wgmmas
+          part = pl.run_scoped(block, plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+          if last_sub:      # every sub-tile has read these chunks: release their slots
+            for c in chunks:
+              plgpu.barrier_arrive(empty.at[lax.rem(i * n_chunks + c, stages)])
+          if fuse and kb == 0 and si == 0:
+            # The bf16 tile may be overwritten. Released after the first block's wgmmas have completed rather than
+            # right after the quantization: interpret mode does not order this arrive after the SMEM loads
+            # without a data dependence (it reported a race); on the GPU the two places are equivalent.
+            plgpu.barrier_arrive(a_empty.at[ab])
+          total = total + part * w_scales[si][kb]
 
-      if fuse or per_token:
-        out = total * lax.broadcast_in_dim(a_scale, total.shape, [0])
-      else:
-        out = total * a_scale
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's store has read the staging tile
-      o_smem.at[wg][...] = out.astype(jnp.bfloat16)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          o_smem.at[wg], o_gmem.at[pl.ds(m0 + wi_m * TILE_M, TILE_M), h, pl.ds(n_idx * cfg.cta_n + wi_n * TILE_N,
-                                                                                 TILE_N)])
+        if fuse or per_token:
+          out = total * lax.broadcast_in_dim(a_scale, total.shape, [0])
+        else:
+          out = total * a_scale
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has read the staging tile
+        o_smem.at[wg][...] = out.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[wg], o_gmem.at[pl.ds(m0 + wi_m * TILE_M, TILE_M), h, pl.ds(n_idx * cfg.cta_n + sub * TILE_N,
+                                                                                   TILE_N)])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -378,7 +402,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   else:
     a_scratch = [plgpu.SMEM((cfg.stages, cfg.cta_m, CHUNK), FP8, transforms=swizzled(FP8, CHUNK))]   # A ring
   barriers = [
-      plgpu.Barrier(num_arrivals=1 if fuse else 2, num_barriers=cfg.stages),   # full: the chunk's TMAs
+      plgpu.Barrier(num_arrivals=(0 if fuse else 1) + -(-cfg.cta_n // B_BOX_ROWS),   # full: the chunk's TMAs
+                    num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # empty: both consumers released it
   ]
   if fuse:
