@@ -58,8 +58,8 @@ v4 in the same run, identical outputs on every check case. Cost: 320 TMAs per ti
 Limiter of v5 (benchmarks/RESULTS.md runs 11-13): the per-tile chain, not bytes or FLOPs — (a) and (b) take the same
 time for the same tile count. At (b) (H = 8) removing the QKᵀ wgmmas saves 78 of 421 µs, the V upcast 76, P·V 23;
 the loader alone takes 283 µs (320 TMAs per tile); under Nsight Compute the tensor pipe is the busiest (41 % of the
-cycles) although 56 of every 64 MMA rows are padding there. Small H wants the heads on the MMA's N side
-(Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ with m64n8 wgmmas), which this kernel does not have yet.
+cycles) although 56 of every 64 MMA rows are padding there; that is what the opt-in ``head_axis="n"``
+arrangement (heads on the MMAs' N side, above) addresses — not yet measured on a GPU.
 
 Why P·V in f16 by default (measured on an H200, 2026-11-30, benchmarks/RESULTS.md): it removes the slow FP8
 transpose of V (vector-length-1 layout) and the P round trip through SMEM; at the FlashMLA headline shape it ran
@@ -375,16 +375,10 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       if cfg.v_stager == "loader":
         plgpu.barrier_wait(v_full)
 
-      def pv(acc_ref):
+      def pv(acc_refs):
         if 'pv' not in cfg.ablate:
-          plgpu.wgmma(acc_ref, p_op, v_op)
-        if interpret:
-          return acc_ref[...]
-        plgpu.wgmma_wait(0)
-      if interpret:   # the interpreter cannot seed an accumulator from registers: add a fresh product instead
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((TILE, 256), jnp.float32))
-      else:           # hardware: accumulate in place (a second 64x256 f32 accumulator would spill)
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          plgpu.wgmma(acc_refs[0], p_op, v_op)
+      (acc,) = _accumulate(pv, (acc,), interpret)
       if cfg.v_stager == "loader":
         plgpu.barrier_arrive(v_empty)
       return acc, m_new, l
@@ -458,14 +452,7 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
       for j, ref in enumerate(refs):
         if 'pv' not in cfg.ablate:
           plgpu.wgmma(ref, v_block(j), p_sw.at[wg])
-      if interpret:
-        return tuple(r[...] for r in refs)
-      plgpu.wgmma_wait(0)
-    if interpret:   # the interpreter cannot seed an accumulator from registers: add fresh products instead
-      fresh = pl.run_scoped(lambda *refs: pv(refs), *[plgpu.ACC((TILE, n), jnp.float32)] * n_blocks)
-      accs = tuple(a + f for a, f in zip(accs, fresh))
-    else:
-      accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+    accs = _accumulate(pv, accs, interpret)
     return accs, m_new, l
 
   acc0 = plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA)
@@ -478,6 +465,26 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
     out = a * lax.broadcast_in_dim(inv, a.shape, [1])
     o_gmem.at[tile_q, split, pl.ds(wg * half + j * TILE, TILE)][...] = out.astype(out_dtype)
   _store_lse(wg, m, l, lse_smem, lse_gmem.at[tile_q, split])
+
+
+def _accumulate(issue, accs, interpret):
+  """``accs`` (f32 register tiles, WGMMA layout) plus the wgmmas ``issue(acc_refs)`` issues into them, waited for.
+
+  On hardware the accumulators are seeded from the registers and the wgmmas accumulate in place (a second
+  64 x 256 f32 accumulator would spill); the interpreter cannot seed an accumulator from registers, so there the
+  wgmmas go into fresh zero accumulators that are then added.
+  """
+  if interpret:
+    def fresh(*refs):
+      issue(refs)
+      return tuple(r[...] for r in refs)
+    return tuple(a + f for a, f in zip(accs, pl.run_scoped(fresh, *[plgpu.ACC(a.shape, jnp.float32)
+                                                                    for a in accs])))
+
+  def in_place(refs):
+    issue(refs)
+    plgpu.wgmma_wait(0)
+  return tuple(pl.run_state(in_place)(tuple(plgpu.ACC.init(a) for a in accs)))
 
 
 def _store_lse(wg, m, l, lse_smem, lse_dst):
