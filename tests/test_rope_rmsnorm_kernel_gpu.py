@@ -63,6 +63,17 @@ def test_fused_kernel_tuning_matches_reference(rng, t, h, tuning):
   print(f"T={t} H={h} {tuning}: {n8} fp8 / {nq} q values one step off")
 
 
+@pytest.mark.parametrize("t,h", [(4096, 128), (128, 16)])
+def test_fused_kernel_unique_slots(rng, t, h):
+  """unique_slots=True (no duplicate-slot scan; make_case draws distinct slots plus skipped ones) checks against
+  the reference like the default path."""
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
+  new_pages, q_out = mla_pallas.fused_rope_rmsnorm_quantization(
+      jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
+      kv_scale=case.kv_scale, slots=case.slots, interleaved=True, unique_slots=True, impl="mosaic")
+  check_fused(case, new_pages, q_out, True)
+
+
 def test_fused_kernel_duplicates_and_f32_weight(rng):
   """Duplicated slots across and within CTAs (the last token wins), skipped slots, a float32 norm weight."""
   import numpy as np
