@@ -138,7 +138,7 @@ def main():
   if a.bench:
     cases = {"a": (128, 2, 128, 2048, 32768), "b": (128, 4, 8, 2048, 32768), "c64": (64, 1, 64, 2048, 32768),
              "c128": (128, 1, 64, 2048, 32768),
-             "h16": (128, 2, 16, 2048, 32768)}
+             "h16": (128, 2, 16, 2048, 32768), "h32": (128, 1, 32, 2048, 32768)}
     sel = a.cases.split(",") if a.cases else list(cases)
     for name in sel:
       out, flops, gbytes, rel = bench(*cases[name])

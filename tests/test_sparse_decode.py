@@ -134,13 +134,54 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
   assert not testing.races_found()
   budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=topk, fp8_mma=False, quantized_p=False)
   _check_against_reference(case, out, lse, budget)
-  base, base_lse = run((), True)
+  base, base_lse = run((("head_axis", "m"),), True)
   # Same Q quantization and P precision: the two arrangements differ only in f32 summation order, which can flip
   # the bf16 rounding of an output: at most one bf16 ulp (2^-8 relative) per value.
   testing.assert_close_fp8(out, base, what="head_axis n vs m", rel_l2=2.0 ** -8)
   fin = np.isfinite(np.asarray(base_lse))
   assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
+
+
+@pytest.mark.parametrize("consumers,k_buffers", [(4, 2), (5, 3), (2, 3)])
+def test_heads_on_n_consumers_interpret(rng, consumers, k_buffers):
+  """head_axis="n" with the V upcast spread over 4 or 5 consumer warpgroups (V_CHUNK_OWNERS) and/or a third K
+  buffer: the same wgmmas on the same operands per block of d, so equal to the head_axis="m" result within one
+  bf16 ulp; races checked (P / alpha hand-off through the p_full / p_empty buffers)."""
+  case = make_case(rng, B=1, s_q=2, H=8, topk=77, page_size=16, num_pages=64)
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+
+  def run(tuning, interpret):
+    return sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
+                                 softmax_scale=case.softmax_scale, impl="mosaic", interpret=interpret, tuning=tuning)
+  testing.reset_interpreter()
+  out, lse = run((("consumers", consumers), ("k_buffers", k_buffers)), params)
+  assert not testing.races_found()
+  base, base_lse = run((("head_axis", "m"),), True)
+  testing.assert_close_fp8(out, base, what=f"consumers={consumers} vs head_axis m", rel_l2=2.0 ** -8)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(base_lse), atol=1e-4)
+
+
+@pytest.mark.parametrize("consumers", sorted(sm90.V_CHUNK_OWNERS))
+def test_consumer_registers_fit_the_launch_allocation(consumers):
+  """setmaxnreg can only hand out what the loader gives back from the launch allocation (65536 / threads per
+  thread, a multiple of 8); asking for more hangs the kernel on the GPU."""
+  cfg = sm90.TuningConfig(head_axis="n", consumers=consumers)
+  threads = 128 * (consumers + 1)
+  r0 = 65536 // threads // 8 * 8
+  regs = sm90._consumer_regs(cfg)
+  assert regs % 8 == 0 and regs >= r0 and sm90.LOADER_REGS + consumers * regs <= r0 * (consumers + 1)
+  assert sm90._consumer_regs(sm90.TuningConfig()) == sm90.CONSUMER_REGS == 224
+
+
+def test_default_tuning_puts_few_heads_on_n():
+  """sm_90: H <= HEADS_ON_N_MAX -> head_axis="n" with 3 K buffers; explicit choices and other H / arches kept."""
+  assert sd._default_tuning("sm90", 8) == {"head_axis": "n", "k_buffers": 3}
+  assert sd._default_tuning("sm90", 16, (("k_buffers", 2),)) == {"head_axis": "n", "k_buffers": 2}
+  assert sd._default_tuning("sm90", 8, (("head_axis", "m"),)) == {"head_axis": "m"}
+  assert sd._default_tuning("sm90", 8, (("k_gather", "linear"),)) == {"k_gather": "linear"}
+  assert sd._default_tuning("sm90", 32) == {} and sd._default_tuning("sm90", 128) == {}
+  assert sd._default_tuning("sm100", 8) == {}
 
 
 def test_heads_on_n_rejects_many_heads(rng):
@@ -154,6 +195,12 @@ def test_heads_on_n_rejects_many_heads(rng):
     run(32, (("head_axis", "n"), ("heads_n", 16)))
   with pytest.raises(ValueError, match="heads_n"):
     sm90.TuningConfig(head_axis="n", heads_n=8)
+  with pytest.raises(ValueError, match="consumers"):
+    sm90.TuningConfig(consumers=4)                   # head_axis="m" has exactly 2 consumers
+  with pytest.raises(ValueError, match="consumers"):
+    sm90.TuningConfig(head_axis="n", consumers=3)
+  with pytest.raises(ValueError, match="k_buffers"):
+    sm90.TuningConfig(k_buffers=3)
 
 
 def test_plan_splits_small_batches():
@@ -226,7 +273,8 @@ def test_xla_masking_fuzz(idx_list, tl):
 @pytest.mark.parametrize("H,s_q,topk,splits,pv_dtype", [
     (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
     (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled"), (8, 4, 2051, 1, "heads_n"),
-    (16, 1, 2048, 2, "heads_n"), (32, 2, 2048, 1, "heads_n")])
+    (16, 1, 2048, 2, "heads_n"), (32, 2, 2048, 1, "heads_n"), (8, 4, 2048, 1, "heads_n_c4"),
+    (16, 1, 2048, 1, "heads_n_c5")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
   "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
@@ -234,25 +282,29 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   n_tok = 2 * s_q
   tps = -(-topk // (64 * splits))
   extra = {"fp8": dict(pv_dtype="fp8", stages=2, k_buffers=1, k_gather="linear"), "f16": dict(k_gather="linear"),
-           "swizzled": {}, "heads_n": dict(head_axis="n", heads_n=16 if H <= 16 else 32)}
+           "swizzled": {}, "heads_n": dict(head_axis="n", heads_n=16 if H <= 16 else 32),
+           "heads_n_c4": dict(head_axis="n", consumers=4),                  # 4 consumers: one V chunk each
+           "heads_n_c5": dict(head_axis="n", consumers=5, k_buffers=3)}     # + a softmax-only consumer 0
+  heads_n = pv_dtype.startswith("heads_n")
   cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
                     "bfloat16" if splits == 1 else "float32", cfg)
   S = jax.ShapeDtypeStruct
-  swz = pv_dtype in ("swizzled", "heads_n")
+  swz = pv_dtype == "swizzled" or heads_n
   q_cols, kv_shape = (sm90.Q_SW_COLS, (4096, 576)) if swz else (576, (4096 * 9, 64))
   low = testing.lower_for_cuda(kern, S((n_tok * tiles_per_token, 64, q_cols), FP8),
                                S((n_tok * tiles_per_token, 64), jnp.float32), S(kv_shape, FP8),
                                S((n_tok, splits * tps, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
   # 9 QK chunks x 2 k32 steps (+ one N=256 fp8 PV wgmma = 2 k32 steps); f16 PV: 4 k16 steps;
-  # swizzled: 5 QK chunks of 128 x 4 k32 steps; heads_n: the same as m64nN (Sᵀ = K·Qᵀ), and P·V as four
-  # 64-row blocks of Oᵀ x 4 k16 steps of m64nN f16 wgmmas (Vᵀ the transposed A operand).
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == {"fp8": 20, "f16": 18, "swizzled": 20,
-                                                            "heads_n": 20}[pv_dtype]
-  assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == {"fp8": 0, "heads_n": 16}.get(pv_dtype, 4)
-  if pv_dtype == "heads_n":
+  # swizzled: 5 QK chunks of 128 x 4 k32 steps; heads_n: the same as m64nN (Sᵀ = K·Qᵀ, consumer 0 only), and
+  # P·V as four 64-row blocks of Oᵀ x 4 k16 steps of m64nN f16 wgmmas (Vᵀ the transposed A operand), emitted
+  # once in each consumer's code (consumer 0 runs the softmax, consumer 1 waits for its Pᵀ).
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == {"fp8": 20, "f16": 18}.get(pv_dtype, 20)
+  # heads_n: 8 blocks of 64 values of d x 4 k16 steps, split over the consumers' code
+  assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == (32 if heads_n else {"fp8": 0}.get(pv_dtype, 4))
+  if heads_n:
     n = cfg.heads_n
-    assert low.count(rf"m64n{n}k32\.f32\.e4m3\.e4m3") == 20 and low.count(rf"m64n{n}k16\.f32\.f16\.f16") == 16
+    assert low.count(rf"m64n{n}k32\.f32\.e4m3\.e4m3") == 20 and low.count(rf"m64n{n}k16\.f32\.f16\.f16") == 32
   assert low.count(r"cp\.async\.bulk\.tensor") > 0
 
 

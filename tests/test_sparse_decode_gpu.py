@@ -6,11 +6,14 @@ model's fp8 accumulation term still applies to it (conservative).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from mla_pallas import testing
 from mla_pallas.kernels import sparse_decode_sm90 as sm90
 
 import _sparse_gpu_checks as checks
+from _sparse_inputs import make_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -30,7 +33,39 @@ def test_prefill_routes_through_kernel(rng):
   checks.check_prefill_routes_through_kernel(rng, quantized_p=QUANTIZED_P)
 
 
-@pytest.mark.parametrize("H,s_q", [(8, 4), (16, 6), (8, 1), (16, 2), (32, 1)])
+@pytest.mark.parametrize("H,s_q", [(8, 4), (16, 6), (8, 1), (16, 2), (32, 1), (32, 4)])
 def test_heads_on_n_matches_reference(rng, H, s_q):
-  """head_axis="n" (H <= 32: heads on the MMAs' N side, P kept in f16); not the default until this passes here."""
+  """head_axis="n" (H <= 32: heads on the MMAs' N side, P kept in f16): the op's default for H <= 16."""
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("head_axis", "n"),))
+
+
+@pytest.mark.parametrize("H,s_q", [(8, 4), (16, 2)])
+def test_heads_on_m_matches_reference(rng, H, s_q):
+  """head_axis="m" at H <= 16 (the heads padded to the MMAs' 64 rows): the default there until 2026-11-30."""
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("head_axis", "m"),))
+
+
+@pytest.mark.parametrize("H,s_q,tuning", [(8, 4, (("consumers", 4),)), (16, 2, (("consumers", 5), ("k_buffers", 3))),
+                                          (8, 1, (("k_buffers", 3),))])
+def test_heads_on_n_consumers_match_reference(rng, H, s_q, tuning):
+  """head_axis="n" with the V upcast over 4 / 5 consumer warpgroups and / or 3 K buffers (opt-in variants)."""
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("head_axis", "n"),) + tuning)
+
+
+@pytest.mark.parametrize("H,s_q", [(8, 4), (16, 2), (32, 1)])
+def test_head_axes_agree(rng, H, s_q):
+  """Both arrangements (and the consumer / K-buffer variants) compute the same fp8 products and the same f16 P, so
+  they differ only in f32 summation order: at most about one bf16 ulp (2^-8 relative) apart, as in interpret mode.
+  Much tighter than the error budget against the reference, which a racing first head_axis="n" version (two
+  warpgroups sharing Mosaic's cross-warp reduction scratch) passed at N = 16 while it was 0.035 rel-L2 off XLA."""
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64)
+  base, base_lse = checks.run(case, "mosaic", (("head_axis", "m"),))
+  variants = [(("head_axis", "n"),), (("head_axis", "n"), ("k_buffers", 3))]
+  if H <= 16:
+    variants.append((("head_axis", "n"), ("consumers", 4)))
+  for tuning in variants:
+    out, lse = checks.run(case, "mosaic", tuning)
+    testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"{tuning} vs head_axis m")
+    fin = np.isfinite(np.asarray(base_lse))
+    assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)

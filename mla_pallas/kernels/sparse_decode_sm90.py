@@ -35,15 +35,19 @@ pv_dtype="f16")
   release the K buffer (``k_empty``); online softmax; P·V for their 256 output columns (64 × 256 f32 accumulator =
   128 registers per thread) with P as an f16 register operand. S is computed by both consumers (redundant, but no
   cross-warpgroup exchange of S or P). WG0 writes lse.
-* ``head_axis="n"`` (H <= 32; opt-in, **not yet run on a GPU**: interpret mode with race detection and sm_90a
-  lowering only): the heads go on the MMAs' N side instead of being padded to 64 rows; N = ``heads_n`` = 16 for
-  H <= 16, 32 for H <= 32 (f16 operands need rows of at least 32 bytes). Loader as above, but Q's first N rows only.
-  Each consumer computes Sᵀ [64 keys, N] = K·Qᵀ (m64nNk32 fp8 wgmmas, A = the K tile, B = Q), the online softmax
-  down the columns, Pᵀ as f16 [64 keys, N] through its own SMEM buffer, and Oᵀ [its 256 values of d, N] += Vᵀ·Pᵀ as
-  four m64nNk16 f16 wgmmas (Vᵀ the transposed f16 V tile; the 2N-byte rows of Pᵀ fix the V buffer's swizzle at 2N
-  bytes). MMA work per tile drops 64/N-fold; the V upcast stays. Output Oᵀ [tiles, splits, 512, N] (the op
-  transposes it). SMEM 175 616 B (N = 16). Motivation: at (b), H = 8, the tensor pipe was the busiest unit (41 % of
-  the cycles, Nsight Compute) on 64-row MMAs with 8 real rows.
+* ``head_axis="n"`` (v6; the op's default for H <= 16, with ``k_buffers=3``; opt-in at H <= 32): the heads go on
+  the MMAs' N side instead of being padded to 64 rows; N = ``heads_n`` = 16 for H <= 16, 32 for H <= 32 (f16
+  operands need rows of at least 32 bytes). Loader as above, but Q's first N rows only (Q is 10 KB at N = 16, which
+  leaves room for a third K buffer: the loader runs two tiles ahead). Consumer 0 computes Sᵀ [64 keys, N] = K·Qᵀ
+  (m64nNk32 fp8 wgmmas, A = the K tile, B = Q) and the online softmax down the columns, and hands Pᵀ (f16 [64 keys,
+  N]) and the rescale factors to consumer 1 through double-buffered SMEM; each consumer stages its half of V and
+  accumulates Oᵀ [its 256 values of d, N] += Vᵀ·Pᵀ as four m64nNk16 f16 wgmmas (Vᵀ the transposed f16 V tile; the
+  2N-byte rows of Pᵀ fix the V buffer's swizzle at 2N bytes). MMA work per tile drops 64/N-fold; the V upcast
+  stays. Only consumer 0 runs a softmax because its reductions cross warps, and Mosaic GPU gives every warpgroup's
+  cross-warp reductions the same SMEM scratch (see ``_consumer_heads_on_n``). ``consumers=4`` / ``5`` spread the V
+  upcast over more warpgroups (measured no faster). Output Oᵀ [tiles, splits, 512, N] (the op transposes it).
+  H200 (benchmarks/RESULTS.md runs 14-16): (b) 353.6 µs = 1.71 TB/s against 422.4 µs for head_axis="m" in the same
+  run; at H = 32 (N = 32) no faster than "m" (131.4 against 129.7 µs), so the op keeps "m" there.
 * ``k_gather="linear"`` (v4, the default until 2026-11-30): one 640-byte TMA per row into a linear slot, which the
   loader re-swizzles into nine 64-byte-swizzled 64 × 64 tiles through registers (``Layout.WGMMA_8BIT``) before
   refilling the slot; ``pv_dtype="fp8"`` (P as fp8(256 p) through SMEM, V transposed into the K-major Vᵀ FP8
@@ -58,8 +62,10 @@ v4 in the same run, identical outputs on every check case. Cost: 320 TMAs per ti
 Limiter of v5 (benchmarks/RESULTS.md runs 11-13): the per-tile chain, not bytes or FLOPs — (a) and (b) take the same
 time for the same tile count. At (b) (H = 8) removing the QKᵀ wgmmas saves 78 of 421 µs, the V upcast 76, P·V 23;
 the loader alone takes 283 µs (320 TMAs per tile); under Nsight Compute the tensor pipe is the busiest (41 % of the
-cycles) although 56 of every 64 MMA rows are padding there; that is what the opt-in ``head_axis="n"``
-arrangement (heads on the MMAs' N side, above) addresses — not yet measured on a GPU.
+cycles) although 56 of every 64 MMA rows are padding there; that is what ``head_axis="n"`` (above) removed.
+Limiter of v6 at (b) (run 14, head_axis="n" with 2 K buffers, 372 µs): without the V upcast 301.5 µs (2.0 TB/s),
+without QKᵀ 337 µs, loader alone 261 µs: the V upcast (e4m3 -> f16 through registers, 64 KB of f16 per tile) is
+now the largest consumer cost; a third K buffer took the default to 353.6 µs.
 
 Why P·V in f16 by default (measured on an H200, 2026-11-30, benchmarks/RESULTS.md): it removes the slow FP8
 transpose of V (vector-length-1 layout) and the P round trip through SMEM; at the FlashMLA headline shape it ran
@@ -80,18 +86,19 @@ linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. La
 
 SMEM budget (bytes, 64-token tiles, top-k split of up to 2048 keys)
 --------------------------------------------------------------------
-                                     default (swizzled gather)  k_gather="linear" (v4)   linear, pv_dtype="fp8",
-                                                                                          stages=2, k_buffers=1
-    Q (fp8, swizzled)                   40 960 (5 × 64 × 128)      36 864 (9 × 64 × 64)     36 864
-    linear ring (stages × 64 × 640)          0                     40 960                   81 920
-    K (k_buffers × tile, swizzled)      81 920 (2 × 5 × 64 × 128)  73 728 (2 × 9 × 64 × 64) 36 864
-    V f16 (64 × 512) / Vᵀ fp8 (512×64)  65 536                     65 536                   32 768
-    P (2 consumers × 64 × 64 fp8)            0                          0                    8 192
-    indices (tiles_per_split × 64 int32) 8 192                      8 192                    8 192
-    lse staging, barriers, placeholders   ~2 600                     ~600                     ~600
-    Mosaic reduction scratch             2 048                      2 048                    2 048
-    total (smem_budget, 1 KB rounding) 202 240                    229 888                  208 384
-(limit 232 448: one CTA per SM; a third swizzled K buffer would need 242 KB.)
+                                     swizzled gather, H > 16     head_axis="n", N = 16,     k_gather="linear" (v4)
+                                     (head_axis="m")             k_buffers=3 (H <= 16)
+    Q (fp8, swizzled)                   40 960 (5 × 64 × 128)      10 240 (5 × 16 × 128)      36 864 (9 × 64 × 64)
+    linear ring (stages × 64 × 640)          0                          0                     40 960
+    K (k_buffers × tile, swizzled)      81 920 (2 × 5 × 64 × 128) 122 880 (3 × 5 × 64 × 128) 73 728 (2 × 9 × 64 × 64)
+    V f16 (64 × 512)                    65 536                     65 536                     65 536
+    Pᵀ (2 × 64 × 16 f16), alpha / 1/l        0                      4 096 + 1 024                   0
+    indices (tiles_per_split × 64 int32) 8 192                      8 192                      8 192
+    lse staging, barriers, placeholders   ~3 600                     ~2 600                     ~600
+    Mosaic reduction scratch             2 048                      2 048                      2 048
+    total (smem_budget, 1 KB rounding) 203 264                    216 576                    229 888
+(limit 232 448: one CTA per SM; a third K buffer with the 64-row Q would need 243 KB; ``pv_dtype="fp8"`` with
+``stages=2, k_buffers=1`` on the linear path: 208 384.)
 """
 from __future__ import annotations
 
@@ -115,6 +122,9 @@ Q_SW_COLS = SW_CHUNKS * SW_CHUNK   # 640: Q as latent | 64 zeros | rope (the zer
 HEADS_ON_N = (16, 32)   # head_axis="n": the MMAs' N (TuningConfig.heads_n; f16 operands need >= 32-byte rows)
 CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
 LOADER_REGS = 56
+# head_axis="n": which 128-column chunks of V (d = 128 c ... 128 c + 127) each consumer warpgroup stages and owns in
+# P.V, by TuningConfig.consumers. Consumer 0 also runs QKᵀ and the softmax, so it gets the fewest.
+V_CHUNK_OWNERS = {2: ((0, 1), (2, 3)), 4: ((0,), (1,), (2,), (3,)), 5: ((), (0,), (1,), (2,), (3,))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +138,7 @@ class TuningConfig(common.TuningConfigBase):
   tiles_per_split: int = 32
   v_stager: str = "consumers"
   k_stager: str = "loader"
-  k_buffers: int = 2            # 2: double-buffered K tiles (needs stages=1 to fit in SMEM)
+  k_buffers: int = 2            # 2: double-buffered K tiles (needs stages=1 to fit in SMEM); 3: head_axis="n" only
   pv_dtype: str = "f16"         # "f16": P.V in float16 (V upcast exactly, no transpose; P in f16 registers);
                                 # "fp8": P as fp8(256 p) through SMEM, V transposed to fp8 V^T (FP8 wgmma)
   auto_barriers: bool = True    # False: CompilerParams(unsafe_no_auto_barriers=True); see the module docstring
@@ -140,9 +150,12 @@ class TuningConfig(common.TuningConfigBase):
   # "m": the 64 query rows (heads) are the MMA's M side (S = Q·Kᵀ, O = P·V; H < 64 is padded to 64 rows).
   # "n" (H <= 32, with k_gather="swizzled"): the heads are the MMAs' N side — Sᵀ = K·Qᵀ (m64nN fp8 wgmmas),
   # Oᵀ = Vᵀ·Pᵀ (m64nN f16 wgmmas, Vᵀ the transposed f16 V tile), N = heads_n — so N MMA columns instead of
-  # 64 MMA rows per head group. Not yet run on a GPU (interpret mode and sm_90 lowering only).
+  # 64 MMA rows per head group. The op picks "n" (and k_buffers=3) for H <= 16 (ops/sparse_decode.py).
   head_axis: str = "m"
   heads_n: int = 16             # head_axis="n": N of the MMAs, H padded to 16 or 32 (the op sets it from H)
+  # Consumer warpgroups (the loader is one more). 2, or with head_axis="n" 4 or 5: more warpgroups share the V
+  # upcast (V_CHUNK_OWNERS); registers per consumer thread drop to 104 (4) or 80 (5), see _consumer_regs.
+  consumers: int = 2
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
@@ -152,8 +165,8 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.k_stager must be 'loader' or 'consumers'; got {self.k_stager!r}")
     if self.k_stager == "consumers" and self.v_stager != "consumers":
       raise ValueError("TuningConfig.k_stager='consumers' needs v_stager='consumers'")
-    if self.k_buffers not in (1, 2):
-      raise ValueError(f"TuningConfig.k_buffers must be 1 or 2; got {self.k_buffers}")
+    if self.k_buffers not in (1, 2, 3):
+      raise ValueError(f"TuningConfig.k_buffers must be 1, 2 or 3; got {self.k_buffers}")
     if self.k_buffers > 1 and (self.k_stager != "loader" or self.v_stager != "consumers"):
       raise ValueError("TuningConfig.k_buffers=2 needs k_stager='loader' and v_stager='consumers'")
     if self.pv_dtype not in ("fp8", "f16"):
@@ -175,6 +188,11 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.head_axis='n' needs k_gather='swizzled'")
     if self.heads_n not in HEADS_ON_N:
       raise ValueError(f"TuningConfig.heads_n must be one of {HEADS_ON_N}; got {self.heads_n}")
+    if self.consumers not in (V_CHUNK_OWNERS if self.head_axis == "n" else (2,)):
+      raise ValueError(f"TuningConfig.consumers must be 2 (or, with head_axis='n', one of "
+                       f"{tuple(V_CHUNK_OWNERS)}); got {self.consumers}")
+    if self.k_buffers == 3 and self.head_axis != "n":
+      raise ValueError("TuningConfig.k_buffers=3 needs head_axis='n' (the 64-row Q leaves no SMEM for it)")
     self.check_split()
     self.check_smem(smem_budget(self))
 
@@ -190,6 +208,7 @@ def smem_budget(cfg: TuningConfig) -> int:
         ((rows,), jnp.float32),                              # lse staging
         ((128,), jnp.uint8),                                 # placeholder (linear ring)
         ((2, TILE, rows), jnp.float16) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # Pᵀ (head_axis "n")
+        ((3, rows), jnp.float32) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # alpha, 1/l (head_axis "n")
     ) + 64 * 8 + 2048
   return common.smem_bytes(
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
@@ -202,6 +221,18 @@ def smem_budget(cfg: TuningConfig) -> int:
   ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
+def _consumer_regs(cfg: TuningConfig) -> int:
+  """Registers per consumer thread after ``setmaxnreg`` (a multiple of 8).
+
+  ``setmaxnreg`` only moves registers within the CTA's launch allocation: R0 per thread for all 128 (consumers + 1)
+  threads, R0 = 65536 / threads rounded down to a multiple of 8 (168 with 3 warpgroups, 96 with 5, 80 with 6).
+  The loader gives back down to LOADER_REGS and the consumers may take at most what that frees; asking for more
+  makes ``setmaxnreg.inc`` wait forever (on the H200, 2026-11-30, 4 consumers at 112 registers hung)."""
+  threads = 128 * (cfg.consumers + 1)
+  r0 = 65536 // threads // 8 * 8
+  return min(256, (r0 * (cfg.consumers + 1) - LOADER_REGS) // cfg.consumers // 8 * 8)
+
+
 def _q_rows(cfg: TuningConfig) -> int:
   """Query rows a CTA loads and computes: the 64-row tile, or heads_n (the MMAs' N) with head_axis="n"."""
   return cfg.heads_n if cfg.head_axis == "n" else TILE
@@ -210,8 +241,8 @@ def _q_rows(cfg: TuningConfig) -> int:
 def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool,
           q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,            # inputs
           o_gmem, lse_gmem,                                         # outputs
-          q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem,         # scratch
-          q_bar, idx_bar, lin_full, lin_empty, k_full, k_empty, v_full, v_empty):
+          q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem, head_smem,   # scratch
+          q_bar, idx_bar, lin_full, lin_empty, k_full, k_empty, v_full, v_empty, p_full, p_empty):
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
   token = lax.div(tile_q, tiles_per_token)
@@ -223,7 +254,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
   if swz and not interpret:   # the tiled view (wgmma operands) and a swizzle-only view of the same bytes (TMA rows)
     k_sw, k_rows = k_sw
 
-  @pl.when(wg == 2)
+  @pl.when(wg == cfg.consumers)
   def _loader():
     plgpu.set_max_registers(LOADER_REGS, action="decrease")
     q_width = SW_CHUNK if swz else CHUNK
@@ -303,10 +334,11 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       common.drain(k_empty, n_tiles, k_buffers)
 
   if cfg.head_axis == "n":
-    @pl.when(wg < 2)
+    @pl.when(wg < cfg.consumers)
     def _():
       _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg, qs_gmem, scal_gmem, o_gmem,
-                           lse_gmem, q_sw, k_sw, vt_sw, p_sw, idx_smem, lse_smem, q_bar, idx_bar, k_full, k_empty)
+                           lse_gmem, q_sw, k_sw, vt_sw, p_sw, idx_smem, lse_smem, head_smem, q_bar, idx_bar,
+                           k_full, k_empty, p_full, p_empty)
     return
 
   @pl.when(wg < 2)
@@ -398,73 +430,124 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
 
 
 def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg, qs_gmem, scal_gmem, o_gmem,
-                         lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem, lse_smem, q_bar, idx_bar, k_full, k_empty):
+                         lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem, lse_smem, head_smem, q_bar, idx_bar, k_full,
+                         k_empty, p_full, p_empty):
   """Consumers of head_axis="n" (H <= N = heads_n, 16 or 32): the heads on the MMAs' N side, everything transposed.
 
-  Per 64-key tile each consumer computes Sᵀ [64 keys, N] = K · Qᵀ (five m64nNk128 fp8 wgmmas: A = the swizzled
-  K chunk, K-major; B = Q's 16 rows, K-major), stages its half of V as f16 meanwhile, releases the K buffer, runs
-  the online softmax down the columns (keys_axis=0; masked keys are rows), writes Pᵀ as f16 [64 keys, N] to its
-  own SMEM buffer, and accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for its four 64-wide blocks of d (m64nNk16
-  f16 wgmmas: A = the transposed f16 V tile, its swizzle matching Pᵀ's 2N-byte rows). Both consumers compute the
-  same Sᵀ (N columns: cheap); consumer w owns d in [256 w, 256 w + 256). Output: Oᵀ [512, N] per split
-  (o_gmem [tiles, splits, 512, N]) and lse [N]; the op transposes and keeps the first H columns.
+  Per 64-key tile, consumer 0 (WG0) computes Sᵀ [64 keys, N] = K · Qᵀ (five m64nNk128 fp8 wgmmas: A = the
+  swizzled K chunk, K-major; B = Q's N rows, K-major) while it stages its chunks of V as f16, releases the K buffer,
+  runs the online softmax down the columns (keys_axis=0; masked keys are rows) and hands Pᵀ (f16 [64 keys, N]) and
+  alpha ([N] f32) to the other consumers through the SMEM buffer ``t % 2`` (``p_full``; each of them frees it on
+  ``p_empty``). Consumers 1.. stage their chunks of V (``V_CHUNK_OWNERS[consumers]``: 128 columns of d each) and
+  release the K buffer, then wait for Pᵀ. Each accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for the 64-wide blocks
+  of d of its chunks (m64nNk16 f16 wgmmas: A = the transposed f16 V tile, its swizzle matching Pᵀ's 2N-byte rows).
+  After the last tile consumer 0 hands over kv_scale / l (``head_smem[2]``, ``p_full[2]``) and writes lse.
+
+  Why one softmax, not one per consumer: the softmax reduces Sᵀ down its rows, i.e. across the 4 warps, and Mosaic
+  GPU's cross-warp reductions all use one SMEM scratch at a fixed offset, shared by every warpgroup. Two consumers
+  reducing at the same time corrupt each other's partial maxima / sums: on the H200 the first version (both
+  consumers ran the same softmax) failed at N = 32 (cosine 0.988) although interpret mode and N = 16 passed.
+  Output: Oᵀ [512, N] per split (o_gmem [tiles, splits, 512, N]) and lse [N]; the op transposes and keeps the
+  first H columns.
   """
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(_consumer_regs(cfg), action="increase")
   n = _q_rows(cfg)                              # heads_n: the MMAs' N
   key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
   head_layout = plgpu.Layout.WGMMA.reduce(0)    # [n]: one value per head (column of Sᵀ)
-  half = D_V // 2
-  n_blocks = half // TILE
-  plgpu.barrier_wait(q_bar)
-  plgpu.barrier_wait(idx_bar)
-  head_scale = plgpu.load(qs_gmem.at[tile_q, pl.ds(0, n)], layout=head_layout, optimized=False)
-  kv_scale = scal_gmem[0]
+  n_tiles = cfg.tiles_per_split
+  owners = V_CHUNK_OWNERS[cfg.consumers]
+  blocks_per_chunk = SW_CHUNK // TILE
 
-  def v_block(j):    # Vᵀ for this consumer's j-th block of 64 output columns: the A operand (transposed)
-    return v16.at[:, pl.ds(wg * half + j * TILE, TILE)].T
+  def blocks(w):     # consumer w's 64-wide blocks of d
+    return [c * blocks_per_chunk + i for c in owners[w] for i in range(blocks_per_chunk)]
 
-  def step(t, carry):
-    accs, m, l = carry
-    kb = lax.rem(t, cfg.k_buffers)
-    k_tiles = k_sw.at[kb]
-    plgpu.barrier_wait(k_full.at[kb])
+  def acc0(w):
+    return (plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA),) * len(blocks(w))
 
-    def qk(acc_ref):
-      for c in range(SW_CHUNKS if 'qk' not in cfg.ablate else 0):
-        plgpu.wgmma(acc_ref, k_tiles.at[c], q_sw.at[c].T)
-      for w in range(2):    # this consumer's V half (chunks 2w, 2w + 1) while the wgmmas run
-        @pl.when(wg == w)
-        def _():
-          if 'v_stage' not in cfg.ablate:
-            common.stage_v16(k_tiles, v16, chunks=range(2 * w, 2 * w + 2), width=SW_CHUNK)
-      plgpu.commit_smem()
-      return acc_ref[...]
-    st = pl.run_scoped(qk, plgpu.ACC((TILE, n), jnp.float32))
-    plgpu.barrier_arrive(k_empty.at[kb])
+  def stage_v(k_tiles, w):    # consumer w's chunks of V as f16
+    if 'v_stage' not in cfg.ablate and owners[w]:
+      common.stage_v16(k_tiles, v16, chunks=owners[w], width=SW_CHUNK)
 
-    keys = plgpu.load(idx_smem.at[t], layout=key_layout, optimized=False)
-    p, alpha, m_new, l = common.online_softmax_tile(st, keys != num_slots, head_scale, m, l, keys_axis=0)
+  def pv_step(t, accs, alpha, w):    # rescale, then Oᵀ[w's d-blocks] += Vᵀ · Pᵀ(t), waited for
+    if not accs:
+      return accs
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs)
-    p_sw.at[wg][...] = p.astype(jnp.float16)
-    plgpu.commit_smem()
 
     def pv(refs):
-      for j, ref in enumerate(refs):
+      for b, ref in zip(blocks(w), refs):
         if 'pv' not in cfg.ablate:
-          plgpu.wgmma(ref, v_block(j), p_sw.at[wg])
-    accs = _accumulate(pv, accs, interpret)
-    return accs, m_new, l
+          plgpu.wgmma(ref, v16.at[:, pl.ds(b * TILE, TILE)].T, p_sw.at[lax.rem(t, 2)])
+    return _accumulate(pv, accs, interpret)
 
-  acc0 = plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA)
-  m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), head_layout)
-  l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
-  accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, ((acc0,) * n_blocks, m0, l0))
+  def store(accs, inv, w):
+    for b, a in zip(blocks(w), accs):
+      out = a * lax.broadcast_in_dim(inv, a.shape, [1])
+      o_gmem.at[tile_q, split, pl.ds(b * TILE, TILE)][...] = out.astype(out_dtype)
 
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
-  for j, a in enumerate(accs):
-    out = a * lax.broadcast_in_dim(inv, a.shape, [1])
-    o_gmem.at[tile_q, split, pl.ds(wg * half + j * TILE, TILE)][...] = out.astype(out_dtype)
-  _store_lse(wg, m, l, lse_smem, lse_gmem.at[tile_q, split])
+  @pl.when(wg == 0)
+  def _softmax_consumer():
+    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(idx_bar)
+    head_scale = plgpu.load(qs_gmem.at[tile_q, pl.ds(0, n)], layout=head_layout, optimized=False)
+
+    def step(t, carry):
+      accs, m, l = carry
+      kb = lax.rem(t, cfg.k_buffers)
+      pb = lax.rem(t, 2)
+      k_tiles = k_sw.at[kb]
+      plgpu.barrier_wait(k_full.at[kb])
+
+      def qk(acc_ref):
+        for c in range(SW_CHUNKS if 'qk' not in cfg.ablate else 0):
+          plgpu.wgmma(acc_ref, k_tiles.at[c], q_sw.at[c].T)
+        stage_v(k_tiles, 0)    # while the wgmmas run
+        plgpu.commit_smem()
+        return acc_ref[...]
+      st = pl.run_scoped(qk, plgpu.ACC((TILE, n), jnp.float32))
+      plgpu.barrier_arrive(k_empty.at[kb])
+
+      keys = plgpu.load(idx_smem.at[t], layout=key_layout, optimized=False)
+      p, alpha, m_new, l = common.online_softmax_tile(st, keys != num_slots, head_scale, m, l, keys_axis=0)
+
+      @pl.when(t >= 2)
+      def _():
+        plgpu.barrier_wait(p_empty.at[pb])   # the other consumers are done with buffer pb (tile t - 2)
+      p_sw.at[pb][...] = p.astype(jnp.float16)
+      head_smem.at[pb][...] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_full.at[pb])
+      return pv_step(t, accs, alpha, 0), m_new, l
+
+    m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), head_layout)
+    l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
+    accs, m, l = lax.fori_loop(0, n_tiles, step, (acc0(0), m0, l0))
+    inv = scal_gmem[0] / jnp.where(l == 0.0, 1.0, l)
+    head_smem.at[2][...] = inv
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_full.at[2])
+    store(accs, inv, 0)
+    _store_lse(wg, m, l, lse_smem, lse_gmem.at[tile_q, split])
+    common.drain(p_empty, n_tiles, 2)
+
+  for w in range(1, cfg.consumers):
+    @pl.when(wg == w)
+    def _pv_consumer():
+      def step(t, accs):
+        kb = lax.rem(t, cfg.k_buffers)
+        pb = lax.rem(t, 2)
+        plgpu.barrier_wait(k_full.at[kb])
+        stage_v(k_sw.at[kb], w)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(k_empty.at[kb])
+        plgpu.barrier_wait(p_full.at[pb])
+        alpha = plgpu.load(head_smem.at[pb], layout=head_layout, optimized=False)
+        accs = pv_step(t, accs, alpha, w)
+        plgpu.barrier_arrive(p_empty.at[pb])
+        return accs
+
+      accs = lax.fori_loop(0, n_tiles, step, acc0(w))
+      plgpu.barrier_wait(p_full.at[2])
+      store(accs, plgpu.load(head_smem.at[2], layout=head_layout, optimized=False), w)
 
 
 def _accumulate(issue, accs, interpret):
@@ -557,7 +640,7 @@ def _v_scratch(cfg):
 
 
 def _p_scratch(cfg, interpret):
-  if cfg.head_axis == "n":   # Pᵀ [64 keys, heads_n] f16 per consumer (MN-major B of the Oᵀ wgmma)
+  if cfg.head_axis == "n":   # Pᵀ [64 keys, heads_n] f16, buffer t % 2 (MN-major B of the Oᵀ wgmmas)
     return plgpu.SMEM((2, TILE, cfg.heads_n), jnp.float16, transforms=swizzled(jnp.float16, 2 * cfg.heads_n))
   if cfg.pv_dtype == "fp8":
     return plgpu.SMEM((2, TILE, TILE), FP8, transforms=swizzled(FP8, 64))
@@ -595,21 +678,25 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
                                      (num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, _q_rows(cfg)), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=3, thread_name="wg",
+      num_threads=cfg.consumers + 1, thread_name="wg",
       scratch_types=_q_lin_k_scratch(cfg, bool(interpret)) + [
           _v_scratch(cfg),                                                               # V^T (fp8) / V (f16)
           _p_scratch(cfg, bool(interpret)),                                              # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
           plgpu.SMEM((_q_rows(cfg),), jnp.float32),                                      # lse
+          plgpu.SMEM((3, cfg.heads_n), jnp.float32) if cfg.head_axis == "n" else
+          plgpu.SMEM((128,), jnp.uint8),                       # head_axis "n": alpha (2 buffers), kv_scale / l
           plgpu.Barrier(num_arrivals=SW_CHUNKS if swz else N_CHUNKS),   # q_bar
           plgpu.Barrier(),                                       # idx_bar
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # lin_empty (k_stager="consumers")
           plgpu.Barrier(num_arrivals=SW_CHUNKS * TILE if swz else 2 if cfg.k_stager == "consumers" else 1,
                         num_barriers=cfg.k_buffers),             # k_full
-          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),   # k_empty
+          plgpu.Barrier(num_arrivals=cfg.consumers, num_barriers=cfg.k_buffers),   # k_empty
           plgpu.Barrier(),                                       # v_full
           plgpu.Barrier(num_arrivals=2),                         # v_empty
+          plgpu.Barrier(num_barriers=3),                         # p_full (head_axis "n": P^T, alpha; [2]: 1/l)
+          plgpu.Barrier(num_arrivals=cfg.consumers - 1, num_barriers=2),   # p_empty (head_axis "n")
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE,
                                            unsafe_no_auto_barriers=not cfg.auto_barriers,

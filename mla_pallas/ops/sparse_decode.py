@@ -135,6 +135,25 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
   return splits, tps
 
 
+# sm_90 kernel: head_axis="n" (the heads on the MMAs' N side, N = 16) with 3 K buffers by default up to this many
+# heads. H200, benchmarks/RESULTS.md run 14: (b) H = 8 425.1 us with the heads on the 64 MMA rows -> 372.3 us
+# (head_axis="n") -> 351.3 us (+ k_buffers=3); H = 16 224.1 -> 190.7 -> 183.0 us. At H = 32 (N = 32) head_axis="n"
+# measured 131.4 against 129.7 us, so H = 32 keeps head_axis="m".
+HEADS_ON_N_MAX = 16
+
+
+def _default_tuning(arch: str, h: int, tuning=()) -> dict:
+  """Kernel TuningConfig overrides: ``tuning`` plus the op's shape-dependent defaults. sm_90, H <= HEADS_ON_N_MAX
+  (unless ``tuning`` names head_axis or k_gather="linear"): head_axis="n" with 3 K buffers (k_buffers, unless
+  named): the 16-row Q leaves SMEM for a third 40 KB K tile, so the loader runs two tiles ahead."""
+  kw = dict(tuning)
+  if (arch == "sm90" and "head_axis" not in kw and h <= HEADS_ON_N_MAX
+      and kw.get("k_gather", "swizzled") == "swizzled"):
+    kw["head_axis"] = "n"
+    kw.setdefault("k_buffers", 3)
+  return kw
+
+
 def _kernel_module(arch: str):
   if arch == "sm100":
     from mla_pallas.kernels import sparse_decode_sm100 as mod
@@ -155,7 +174,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   tiles_per_token = max(1, h // tile)
   n_tok = b * s_q
   splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
-  kw = dict(tuning)
+  kw = _default_tuning(arch, h, tuning)
   heads_on_n = kw.get("head_axis") == "n"
   if heads_on_n:        # the heads are the MMAs' N: H padded to the smallest of kmod.HEADS_ON_N that holds it
     fits = [n for n in kmod.HEADS_ON_N if n >= h]
