@@ -109,7 +109,7 @@ def test_two_sub_tiles_per_consumer_is_bitwise_the_default(rng, t, k, fused, max
   testing.reset_interpreter()
   two = jax.block_until_ready(run(interpret=params, tuning=base + (("sub_n", 2),)))
   assert not testing.races_found(), "the interpreter found a data race in the kernel"
-  one = run(interpret=True, tuning=base)
+  one = run(interpret=True, tuning=base + (("sub_n", 1),))
   assert np.array_equal(np.asarray(two, np.float32), np.asarray(one, np.float32))
   assert_matches_reference(two, a, w8, ws, "per_token")
 
@@ -229,6 +229,24 @@ def test_lowers_for_sm90(k, n, t, act_scale, sub_n):
   # each consumer: K / 32 m64n128k32 wgmmas per sub-tile
   assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == sub_n * k // 32
   assert low.count(r"wgmma\.mma_async") == sub_n * k // 32
+
+
+def test_default_sub_n_where_it_saves_a_wave():
+  """sub_n=2 (64 x 512 CTA tiles) is the default only at T <= SUB_N_MAX_TOKENS, N % 512 == 0, K / 64 <= stages,
+  and where halving the tile count saves a wave over the SMs; an explicit sub_n always wins."""
+  cfg = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h)
+  assert cfg(512, 8, 128, 128).sub_n == 2       # DeepSeek W_UK: 256 tiles (2 waves) -> 128 (1 wave)
+  assert cfg(512, 1, 192, 64).sub_n == 1        # GLM-5 W_UK: 128 tiles, one wave either way
+  assert cfg(512, 8, 128, 128, (("sub_n", 1),)).sub_n == 1
+  assert cfg(512, 256, 192, 64).sub_n == 2      # GLM-5 W_UK T = 256: 512 tiles (4 waves) -> 256 (2 waves)
+  assert cfg(512, 4096, 128, 128).sub_n == 1    # prefill sizes: not measured, 64 x 256 tiles
+  assert cfg(256, 8, 512, 128).sub_n == 1       # N % 512 != 0
+  assert cfg(512, 8, 512, 128).sub_n == 1       # K / 64 = 8 chunks > 4 ring slots
+  fused = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h,
+                                                               fusable=True)
+  assert (fused(512, 256, 192, 64).sub_n, fused(512, 256, 192, 64).a_buffers) == (2, 1)   # 2 bf16 A tiles: no room
+  # an explicit a_buffers=2 does not fit beside 64 x 512 tiles at K = 192: 64 x 256 tiles, no error
+  assert fused(512, 70, 192, 3, (("max_ctas", 2), ("a_buffers", 2))).sub_n == 1
 
 
 def test_in_kernel_quantization_buffers():

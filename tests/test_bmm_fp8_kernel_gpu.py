@@ -121,13 +121,14 @@ def test_in_kernel_quantization_is_bitwise_the_prepass(rng, k, n, t):
 @pytest.mark.parametrize("k", [128, 192])
 @pytest.mark.parametrize("t", [1, 8, 70])
 def test_two_sub_tiles_per_consumer_is_bitwise_the_default(rng, k, t):
-  """sub_n=2 (64 x 512 CTA tiles, two 64 x 128 sub-tiles per consumer on the resident K chunks; opt-in) runs the
+  """sub_n=2 (64 x 512 CTA tiles, two 64 x 128 sub-tiles per consumer on the resident K chunks; the default at
+  decode sizes where it saves a wave) runs the
   same wgmmas and promotions per 64 x 128 sub-tile as the default, so the outputs are equal bit for bit, and
   close to the reference within the error model above."""
   a, w8, ws = make_inputs(rng, t, 128, k, 512)
   wt = bmm_mod.prepare_weight(w8)
   run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
-  two, one = run(tuning=(("sub_n", 2),)), run()
+  two, one = run(tuning=(("sub_n", 2),)), run(tuning=(("sub_n", 1),))
   np.testing.assert_array_equal(np.asarray(two).view(np.uint16), np.asarray(one).view(np.uint16))
   want = reference.quantize_and_bmm_fp8(a, w8, ws, act_scale="per_token")
   testing.assert_close_fp8(two, want, rel_l2=_tolerance(), what="sub_n=2 vs reference")

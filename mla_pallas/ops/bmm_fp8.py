@@ -136,32 +136,65 @@ def _num_sms() -> int:
 FUSED_QUANT_MAX_TOKENS = 256
 
 
-def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, fusable: bool = False):
+# 64 x 512 CTA tiles (TuningConfig.sub_n=2) by default up to this many tokens where they cut the number of waves of
+# output tiles over the SMs (benchmarks/RESULTS.md run 14, H200, kernel with sub_n=2 / 1: DeepSeek W_UK T = 1-64
+# 4.7-6.4 / 6.3-7.6 us, T = 256 15.7 / 20.3 us, GLM-5 W_UK T = 256 13.0 / 15.5 us; at GLM-5 W_UK T <= 64 (128 tiles,
+# one wave either way) 64 x 512 tiles were 0.3-0.9 us slower, and the rule keeps 64 x 256 there). Larger T: not
+# measured.
+SUB_N_MAX_TOKENS = 256
+
+
+def _wide_tiles_save_a_wave(t, h, k, n, kw) -> bool:
+  """True where 64 x 512 CTA tiles (sub_n=2) are the better default: T <= SUB_N_MAX_TOKENS, wg_split "n",
+  N % 512 == 0, all K / 64 chunks fit in the ring, and halving the tile count saves a wave of CTAs."""
+  if t is None or h is None or k is None or t > SUB_N_MAX_TOKENS:
+    return False
+  if kw.get("wg_split") != "n" or n % 512 or k // 64 > kw.get("stages", 4):
+    return False
+  tiles = -(-t // 64) * h * (n // 256)     # 64 x 256 tiles (64 rows of one head's tokens each)
+  sms = kw["max_ctas"]
+  return -(-tiles // sms) > -(-(tiles // 2) // sms)
+
+
+def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
+                   fusable: bool = False):
   """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
   (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
-  its SMEM fits (two bf16 A buffers, else one, else the pre-pass)."""
+  its SMEM fits (two bf16 A buffers, else one, else the pre-pass); 64 x 512 CTA tiles (``sub_n=2``) where
+  :func:`_wide_tiles_save_a_wave` says so and they fit in SMEM with the same quantization choice."""
   from mla_pallas.kernels import bmm_fp8 as kbmm
   kw = dict(wg_split="n" if n % 256 == 0 else "m", max_ctas=_num_sms())
   kw.update(dict(tuning))
   explicit = "quantize_k" in kw
   if not explicit and fusable and t <= FUSED_QUANT_MAX_TOKENS:
     kw["quantize_k"] = k
+  if "sub_n" not in kw and _wide_tiles_save_a_wave(t, h, k, n, kw):
+    try:
+      return _fit_a_buffers(kbmm, dict(kw, sub_n=2), drop_quantize=False)
+    except ValueError:
+      pass     # e.g. an explicit a_buffers=2 next to 64 x 512 tiles exceeds SMEM: keep 64 x 256 tiles
+  return _fit_a_buffers(kbmm, kw, drop_quantize=not explicit)
+
+
+def _fit_a_buffers(kbmm, kw: dict, *, drop_quantize: bool):
+  """TuningConfig(**kw) with two bf16 A buffers where they fit in SMEM, else one (unless ``a_buffers`` is given);
+  where neither fits, in-kernel quantization is dropped (the XLA pre-pass) if ``drop_quantize``."""
   if kw.get("quantize_k") is not None and "a_buffers" not in kw:
     for a_buffers in (2, 1):      # double-buffered bf16 A tiles where they fit in SMEM
       try:
         return kbmm.TuningConfig(**kw, a_buffers=a_buffers)
       except ValueError:
         pass
-    if not explicit:              # the bf16 A tile does not fit: quantize in the XLA pre-pass
-      kw["quantize_k"] = None
+    if drop_quantize:             # the bf16 A tile does not fit: quantize in the XLA pre-pass
+      kw = dict(kw, quantize_k=None)
   return kbmm.TuningConfig(**kw)
 
 
-# Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md, 2026-11-30, the four MLA shapes) the
-# kernel was at parity with XLA at T = 1 (v2d: 0.95-1.02x for three shapes, 1.41x for GLM-5 W_UK; XLA turns the
-# T = 1 product into one reduction fusion) and slower at T = 2 (v2b), and faster at T = 8 (1.41-1.93x), 64, 128 and
-# 256 (1.7-5.0x); T = 3..7 were not measured.
-AUTO_MIN_TOKENS = 8
+# Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md run 14, the four MLA shapes, kernel
+# defaults with 64 x 512 tiles where they save a wave) the kernel was at parity or slower at T = 1 for the two W_UV
+# shapes (1.01x, 0.92x; XLA turns the T = 1 product into one reduction fusion; 1.28x / 1.43x for W_UK) and faster
+# at T = 2 (1.28-1.50x), 4 (1.42-1.62x), 8 (1.42-1.89x) and above.
+AUTO_MIN_TOKENS = 2
 
 
 def _slower_than_xla(tokens: int):
@@ -191,7 +224,7 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
   w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
   n = w_t.shape[1]
   fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
-  cfg = _kernel_config(n, tuning, t=t, k=k, fusable=fusable)
+  cfg = _kernel_config(n, tuning, t=t, k=k, h=h, fusable=fusable)
   if cfg.quantize_k is not None:   # the kernel quantizes a (the float32 operations of quant.quantize_rows_fp8)
     if not fusable:
       raise NotImplementedError(f"{OP}: in-kernel quantization (quantize_k) needs bfloat16 a and per-token scales")
