@@ -272,10 +272,11 @@ def _k_up(weights, latent, fp8, impl, interpret, rec):
 
 
 def _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl, interpret,
-                 interleaved, rec):
+                 interleaved, unique_slots, rec):
   new_pages, q_rot = fused_rope_rmsnorm_quantization(
       pages, kv, q_rope, positions, cos, sin, weights.kv_norm_w, eps=cfg.rms_norm_eps, kv_scale=kv_scale,
-      slots=slots, interleaved=interleaved, impl=_impl_for(impl, "fused_rope_rmsnorm_quantization"),
+      slots=slots, interleaved=interleaved, unique_slots=unique_slots,
+      impl=_impl_for(impl, "fused_rope_rmsnorm_quantization"),
       interpret=interpret)
   rec.op("rmsnorm+rope+fp8 cache write", "fused_rope_rmsnorm_quantization")
   return new_pages, q_rot
@@ -291,14 +292,15 @@ def _check_cfg(cfg):
 # ----------------------------------------------------------------------------------------------------------
 
 def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, topk_length,
-                 block_table, cache_seqlens, *, cfg, impl, interpret, interleaved, key, graph):
+                 block_table, cache_seqlens, *, cfg, impl, interpret, interleaved, key, graph,
+                 unique_slots=False):
   rec = _Steps()
   fp8 = _is_fp8(weights)
   b, s_q, h, nope = q_nope.shape
   t = b * s_q
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE),
                                   positions.reshape(t), slots.reshape(t), cos, sin, cfg, impl, interpret,
-                                  interleaved, rec)
+                                  interleaved, unique_slots, rec)
   q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec)
   q576 = jnp.concatenate([q_lat, q_rot.astype(jnp.bfloat16)], axis=-1).reshape(b, s_q, h, D_QK)
   if indices is not None:
@@ -317,11 +319,12 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
 
 
 def _sparse_prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices,
-                         topk_length, *, cfg, impl, interpret, interleaved, key, graph):
+                         topk_length, *, cfg, impl, interpret, interleaved, key, graph,
+                 unique_slots=False):
   rec = _Steps()
   fp8 = _is_fp8(weights)
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl,
-                                  interpret, interleaved, rec)
+                                  interpret, interleaved, unique_slots, rec)
   q_lat = _q_absorb(weights, q_nope, fp8, impl, interpret, rec)
   q576 = jnp.concatenate([q_lat, q_rot.astype(jnp.bfloat16)], axis=-1)
   o, _ = sparse_mla_prefill(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
@@ -343,12 +346,12 @@ def _gather_latent(pages, slots, kv_scale):
 
 
 def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *, cfg,
-                  impl, interpret, interleaved, key, graph):
+                  impl, interpret, interleaved, key, graph, unique_slots=False):
   rec = _Steps()
   fp8 = _is_fp8(weights)
   t, h, nope = q_nope.shape
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl,
-                                  interpret, interleaved, rec)
+                                  interpret, interleaved, unique_slots, rec)
   rows = _gather_latent(new_pages, slots, kv_scale)                                 # [T, 576] f32
   rec.xla("gather new rows from the cache (dequantized)", "jnp.take")
   latent = rows[:, :D_V] if fp8 else rows[:, :D_V].astype(jnp.bfloat16)
@@ -365,18 +368,18 @@ def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots
   return out, new_pages
 
 
-_STATIC = ("cfg", "impl", "interpret", "interleaved", "key", "graph")
+_STATIC = ("cfg", "impl", "interpret", "interleaved", "key", "graph", "unique_slots")
 _decode_jit = jax.jit(_decode_body, static_argnames=_STATIC, donate_argnames=("pages",))
 _sparse_prefill_jit = jax.jit(_sparse_prefill_body, static_argnames=_STATIC, donate_argnames=("pages",))
 _prefill_jit = jax.jit(_prefill_body, static_argnames=_STATIC, donate_argnames=("pages",))
 
 
-def _run(jitted, graph, dyn, cfg, impl, interpret, interleaved):
+def _run(jitted, graph, dyn, cfg, impl, interpret, interleaved, unique_slots=False):
   _check_cfg(cfg)
   impl = _freeze_impl(impl)
-  key = (graph, _sig(dyn), cfg, impl, interpret, interleaved)
+  key = (graph, _sig(dyn), cfg, impl, interpret, interleaved, unique_slots)
   out = jitted(*dyn, cfg=cfg, impl=impl, interpret=interpret, interleaved=bool(interleaved), key=key,
-               graph=graph)
+               graph=graph, unique_slots=unique_slots)
   _LAST["report"] = _REPORTS.get(key)
   return out
 
@@ -393,7 +396,7 @@ def _check_variant(weights, fp8, name):
 
 def _decode(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg, indices=None,
             topk_length=None, block_table=None, cache_seqlens=None, impl="auto", interpret=False,
-            interleaved=True):
+            interleaved=True, unique_slots=False):
   name = f"mla_decode_branch_{'fp8' if fp8 else 'bf16'}"
   _check_variant(weights, fp8, name)
   if indices is None and (block_table is None or cache_seqlens is None):
@@ -402,7 +405,7 @@ def _decode(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
     block_table = cache_seqlens = None
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          indices, topk_length, block_table, cache_seqlens)
-  return _run(_decode_jit, name, dyn, cfg, impl, interpret, interleaved)
+  return _run(_decode_jit, name, dyn, cfg, impl, interpret, interleaved, unique_slots)
 
 
 _DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form); see the module doc for the steps.
@@ -421,6 +424,8 @@ _DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form); see the m
     block_table: ``[B, P]`` int32 and cache_seqlens: ``[B]`` int32 lengths including the new tokens (dense).
     impl: "auto" | "mosaic" | "xla", or a dict ``{{op: impl, "default": impl}}``; interpret: Pallas interpret mode.
     interleaved: RoPE pairing (True: DeepSeek's interleaved pairs).
+    unique_slots: python bool; True promises that no two new tokens share a valid slot (as ``unique_indices`` of a
+      JAX scatter), which skips the cache write's duplicate-slot scan (fused_rope_rmsnorm_quantization).
 
   Returns:
     ``(out [B, s_q, H, v] bfloat16, new_pages)``. :func:`graph_report` says which implementation each step ran.
@@ -440,19 +445,19 @@ mla_decode_branch_bf16.__doc__ = _DECODE_DOC.format(variant="BF16", wcls="MLAWei
 
 
 def _prefill(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *, cfg,
-             impl="auto", interpret=False, interleaved=True):
+             impl="auto", interpret=False, interleaved=True, unique_slots=False):
   name = f"mla_prefill_branch_{'fp8' if fp8 else 'bf16'}"
   _check_variant(weights, fp8, name)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          cu_seqlens)
-  return _run(_prefill_jit, name, dyn, cfg, impl, interpret, interleaved)
+  return _run(_prefill_jit, name, dyn, cfg, impl, interpret, interleaved, unique_slots)
 
 
 _PREFILL_DOC = """MLA dense prefill branch ({variant} weights, not absorbed); see the module doc.
 
   Args:
-    weights: :class:`{wcls}`; pages (DONATED), kv_scale, cos, sin, cfg, impl, interpret, interleaved: as in the
-      decode branch.
+    weights: :class:`{wcls}`; pages (DONATED), kv_scale, cos, sin, cfg, impl, interpret, interleaved,
+      unique_slots: as in the decode branch.
     q_nope: ``[T, H, nope]``, q_rope: ``[T, H, 64]``, kv: ``[T, 576]`` (bf16), positions: ``[T]`` int32 (each
       sequence from 0), slots: ``[T]`` int32 (packed batch).
     cu_seqlens: ``[B + 1]`` int32: sequence b owns tokens ``[cu_seqlens[b], cu_seqlens[b+1])``.
@@ -479,12 +484,12 @@ mla_prefill_branch_bf16.__doc__ = _PREFILL_DOC.format(variant="BF16", wcls="MLAW
 
 
 def _sparse_prefill(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, *,
-                    cfg, topk_length=None, impl="auto", interpret=False, interleaved=True):
+                    cfg, topk_length=None, impl="auto", interpret=False, interleaved=True, unique_slots=False):
   name = f"mla_prefill_branch_sparse_{'fp8' if fp8 else 'bf16'}"
   _check_variant(weights, fp8, name)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          indices, topk_length)
-  return _run(_sparse_prefill_jit, name, dyn, cfg, impl, interpret, interleaved)
+  return _run(_sparse_prefill_jit, name, dyn, cfg, impl, interpret, interleaved, unique_slots)
 
 
 _SPARSE_PREFILL_DOC = """MLA sparse prefill branch ({variant} weights, absorbed); see the module doc.
@@ -527,9 +532,9 @@ def choose_branch(max_seqlen: int, *, sparse: bool = False) -> str:
 
 def _prefill_decode(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg,
                     max_seqlen, cu_seqlens=None, block_table=None, cache_seqlens=None, indices=None,
-                    topk_length=None, impl="auto", interpret=False, interleaved=True):
+                    topk_length=None, impl="auto", interpret=False, interleaved=True, unique_slots=False):
   branch = choose_branch(max_seqlen, sparse=indices is not None)
-  common = dict(cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved)
+  common = dict(cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved, unique_slots=unique_slots)
   if branch == "prefill":
     if cu_seqlens is None:
       raise ValueError("the prefill branch (max_seqlen > 1) needs cu_seqlens")
@@ -554,7 +559,8 @@ def _prefill_decode(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions
 _PD_DOC = """Prefill-or-decode MLA graph ({variant} weights): a static choice from ``max_seqlen``.
 
   Args:
-    weights, pages (DONATED), kv_scale, cos, sin, cfg, impl, interpret, interleaved: as in the branches.
+    weights, pages (DONATED), kv_scale, cos, sin, cfg, impl, interpret, interleaved, unique_slots: as in the
+      branches.
     q_nope ``[T, H, nope]``, q_rope ``[T, H, 64]``, kv ``[T, 576]``, positions ``[T]``, slots ``[T]``: packed
       tokens (decode: one per sequence, ``T = B``).
     max_seqlen: python int (static), the most new tokens of one sequence: ``> 1`` -> prefill (dense with

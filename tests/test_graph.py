@@ -175,6 +175,20 @@ def test_decode_branch_under_outer_jit_and_donation(rng):
   assert pages2.is_deleted()
 
 
+def test_decode_branch_unique_slots(rng):
+  """unique_slots=True (the caller promises distinct slots: skips the duplicate-slot scan) writes the same cache and
+  returns the same output as the default for distinct slots; a non-bool is a ValueError naming it."""
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True)
+  outs = [graph.mla_decode_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, cfg=cfg, impl="xla",
+                                      unique_slots=u, **kw) for u in (False, True)]
+  np.testing.assert_array_equal(np.asarray(outs[0][0], np.float32), np.asarray(outs[1][0], np.float32))
+  np.testing.assert_array_equal(_bits(outs[0][1]), _bits(outs[1][1]))
+  with pytest.raises(ValueError, match="unique_slots"):
+    graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, impl="xla", unique_slots="yes", **kw)
+
+
 def test_wrong_weights_and_missing_attention_inputs(rng):
   cfg = CFGS["glm5"]
   w = _weights(rng, cfg, False)
