@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every opt-in variant that so far ran only on the CPU (interpret mode + sm_90 lowering), checked and timed on one
-# H200 in one call (~8 minutes; each step under its own timeout):
+# Opt-in variants written on the CPU (interpret mode + sm_90 lowering), checked and timed on one H200 in one call
+# (~8 minutes; each step under its own timeout). Last run 2026-11-30 (benchmarks/RESULTS.md v6, v2e, unique_slots):
+# all three passed and are now defaults where they measured faster; kept to re-check them together:
 #   1. sparse decode head_axis="n" (H <= 32): GPU tests, then (b) and H = 16 beside the default and XLA, with
 #      ablations (benchmarks/heads_on_n_gpu.sh);
 #   2. BMM sub_n=2 (64 x 512 CTA tiles): GPU tests (bitwise the default), then T = 1, 8 for the N = 512 shapes
