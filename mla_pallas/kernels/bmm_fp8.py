@@ -74,10 +74,11 @@ ring instead of by co-resident CTAs.
 
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
 tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles). Against XLA's FP8
-dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.7-5.0x at T = 64-256, 1.4-1.9x at T = 8,
-0.95-1.41x at T = 1 (unpadded ``a`` and swizzled output staging for T < 8; before, 0.65-0.97x), where XLA computes
-the product as one reduction fusion (~1.5 us with L2-resident weights) while this kernel is a latency chain of
-5-9 us (launch, TMA, quantization, wgmma, epilogue); ``impl="auto"`` takes XLA below T = 8.
+dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.7-5.2x at T = 64-256, 1.4-1.9x at T = 8,
+1.28-1.62x at T = 2-4, 0.92-1.43x at T = 1 (unpadded ``a`` and swizzled output staging for T < 8; 64 x 512 CTA
+tiles, ``sub_n=2``, where they save a wave: DeepSeek W_UK), where XLA computes the T = 1 product as one reduction
+fusion while this kernel is a latency chain of 5-9 us (launch, TMA, quantization, wgmma, epilogue);
+``impl="auto"`` takes XLA at T = 1 only.
 """
 from __future__ import annotations
 
