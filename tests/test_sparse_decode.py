@@ -6,6 +6,7 @@ round Q (per row) and P to e4m3 (unit roundoff 2^-4), the reference does not; th
 """
 from __future__ import annotations
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +92,12 @@ LINEAR = (("k_gather", "linear"),)   # per-row 640-byte TMA into a linear slot +
 FP8_PV = LINEAR + (("pv_dtype", "fp8"), ("stages", 2), ("k_buffers", 1))   # the FP8 P.V design (default until v4)
 
 
+def _run_kernel(case, tuning, interpret):
+  """The op's jitted Mosaic path on a make_case case with kernel TuningConfig overrides ``tuning``."""
+  return sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
+                               softmax_scale=case.softmax_scale, impl="mosaic", interpret=interpret, tuning=tuning)
+
+
 @pytest.mark.parametrize("tuning", [
     FP8_PV,
     LINEAR + (("pv_dtype", "fp8"), ("stages", 1), ("k_buffers", 2)),
@@ -104,9 +111,7 @@ def test_kernel_variants_interpret(rng, tuning):
   """Every non-default warpgroup arrangement of the kernel computes the same function (races checked)."""
   case = make_case(rng, B=2, s_q=1, H=32, topk=200, page_size=16, num_pages=64)
   params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
-  out, lse = sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
-                                   softmax_scale=case.softmax_scale, impl="mosaic", interpret=params,
-                                   tuning=tuning)
+  out, lse = _run_kernel(case, tuning, params)
   assert not testing.races_found()
   # pv_dtype="f16" keeps P in f16 (rounding 2^-11): no P term in the error model.
   cfg = sm90.TuningConfig(**dict(tuning))
@@ -126,10 +131,7 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
   checked); against the default arrangement the only difference is the f32 summation order."""
   case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=max(4, 1024 // page))
   params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
-
-  def run(tuning, interpret):
-    return sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
-                                 softmax_scale=case.softmax_scale, impl="mosaic", interpret=interpret, tuning=tuning)
+  run = functools.partial(_run_kernel, case)
   out, lse = run((("head_axis", "n"),), params)
   assert not testing.races_found()
   budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=topk, fp8_mma=False, quantized_p=False)
@@ -150,10 +152,7 @@ def test_heads_on_n_consumers_interpret(rng, consumers, k_buffers):
   bf16 ulp; races checked (P / alpha hand-off through the p_full / p_empty buffers)."""
   case = make_case(rng, B=1, s_q=2, H=8, topk=77, page_size=16, num_pages=64)
   params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
-
-  def run(tuning, interpret):
-    return sd._sparse_decode_jit(case.q, case.kv.reshape(-1, 576), case.indices, jnp.float32(case.kv_scale), None,
-                                 softmax_scale=case.softmax_scale, impl="mosaic", interpret=interpret, tuning=tuning)
+  run = functools.partial(_run_kernel, case)
   testing.reset_interpreter()
   out, lse = run((("consumers", consumers), ("k_buffers", k_buffers)), params)
   assert not testing.races_found()

@@ -634,7 +634,7 @@ def _q_lin_k_scratch(cfg, interpret):
 def _v_scratch(cfg):
   if cfg.pv_dtype == "fp8":
     return plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64))
-  # head_axis="n": Vᵀ is the A operand of a wgmma whose B (Pᵀ, 16 f16 = 32-byte rows) fixes the swizzle at 32.
+  # head_axis="n": Vᵀ is the A operand of a wgmma whose B (Pᵀ, N f16 = 2N-byte rows) fixes the swizzle at 2N.
   swizzle = 2 * cfg.heads_n if cfg.head_axis == "n" else 128
   return plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, swizzle))
 
