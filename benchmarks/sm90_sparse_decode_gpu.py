@@ -14,7 +14,9 @@ from mla_pallas.ops import sparse_decode as sd
 
 F8 = jnp.float8_e4m3fn
 # VARIANTS: comma-separated TuningConfig overrides, "name=value+name=value" each; "default" for none.
-VARIANTS = os.environ.get("VARIANTS", "default").split(",")
+# Separated by ";" instead when any value holds a comma (e.g. v_owners=((),(0,1,2,3))).
+_V = os.environ.get("VARIANTS", "default")
+VARIANTS = _V.split(";" if ";" in _V else ",")
 
 
 def _tuning(spec):

@@ -145,19 +145,25 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
-@pytest.mark.parametrize("consumers,k_buffers", [(4, 2), (5, 3), (2, 3)])
-def test_heads_on_n_consumers_interpret(rng, consumers, k_buffers):
-  """head_axis="n" with the V upcast spread over 4 or 5 consumer warpgroups (V_CHUNK_OWNERS) and/or a third K
-  buffer: the same wgmmas on the same operands per block of d, so equal to the head_axis="m" result within one
-  bf16 ulp; races checked (P / alpha hand-off through the p_full / p_empty buffers)."""
+@pytest.mark.parametrize("tuning", [
+    (("consumers", 4), ("k_buffers", 2)),
+    (("consumers", 5), ("k_buffers", 3)),
+    (("k_buffers", 3),),
+    (("v_owners", ((), (0, 1, 2, 3))), ("l_partial", True)),   # consumer 0: QKᵀ + softmax only; lazy sums
+])
+def test_heads_on_n_consumers_interpret(rng, tuning):
+  """head_axis="n" with the V upcast spread over 4 or 5 consumer warpgroups (V_CHUNK_OWNERS, or v_owners) and/or
+  a third K buffer: the same wgmmas on the same operands per block of d, so equal to the head_axis="m" result
+  within one bf16 ulp (l_partial only reorders the f32 sum of p); races checked (P / alpha hand-off through the
+  p_full / p_empty buffers)."""
   case = make_case(rng, B=1, s_q=2, H=8, topk=77, page_size=16, num_pages=64)
   params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
   run = functools.partial(_run_kernel, case)
   testing.reset_interpreter()
-  out, lse = run((("consumers", consumers), ("k_buffers", k_buffers)), params)
+  out, lse = run(tuning, params)
   assert not testing.races_found()
   base, base_lse = run((("head_axis", "m"),), True)
-  testing.assert_close_fp8(out, base, what=f"consumers={consumers} vs head_axis m", rel_l2=2.0 ** -8)
+  testing.assert_close_fp8(out, base, what=f"{tuning} vs head_axis m", rel_l2=2.0 ** -8)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(base_lse), atol=1e-4)
 
 
@@ -174,9 +180,13 @@ def test_consumer_registers_fit_the_launch_allocation(consumers):
 
 
 def test_default_tuning_puts_few_heads_on_n():
-  """sm_90: H <= HEADS_ON_N_MAX -> head_axis="n" with 3 K buffers; explicit choices and other H / arches kept."""
-  assert sd._default_tuning("sm90", 8) == {"head_axis": "n", "k_buffers": 3}
-  assert sd._default_tuning("sm90", 16, (("k_buffers", 2),)) == {"head_axis": "n", "k_buffers": 2}
+  """sm_90: H <= HEADS_ON_N_MAX -> head_axis="n" with 3 K buffers, consumer 1 owning all of V (staged under its
+  P.V wgmmas) and lazy softmax sums; explicit choices and other H / arches kept."""
+  v7 = {"v_owners": ((), (0, 1, 2, 3)), "l_partial": True, "v_overlap": True}
+  assert sd._default_tuning("sm90", 8) == {"head_axis": "n", "k_buffers": 3, **v7}
+  assert sd._default_tuning("sm90", 16, (("k_buffers", 2),)) == {"head_axis": "n", "k_buffers": 2, **v7}
+  assert sd._default_tuning("sm90", 16, (("consumers", 4),)) == {"head_axis": "n", "k_buffers": 3, "consumers": 4,
+                                                                  "l_partial": True, "v_overlap": True}
   assert sd._default_tuning("sm90", 8, (("head_axis", "m"),)) == {"head_axis": "m"}
   assert sd._default_tuning("sm90", 8, (("k_gather", "linear"),)) == {"k_gather": "linear"}
   assert sd._default_tuning("sm90", 32) == {} and sd._default_tuning("sm90", 128) == {}
@@ -273,7 +283,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
     (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled"), (8, 4, 2051, 1, "heads_n"),
     (16, 1, 2048, 2, "heads_n"), (32, 2, 2048, 1, "heads_n"), (8, 4, 2048, 1, "heads_n_c4"),
-    (16, 1, 2048, 1, "heads_n_c5")])
+    (16, 1, 2048, 1, "heads_n_c5"), (8, 4, 2048, 1, "heads_n_v1")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
   "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
@@ -283,7 +293,8 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   extra = {"fp8": dict(pv_dtype="fp8", stages=2, k_buffers=1, k_gather="linear"), "f16": dict(k_gather="linear"),
            "swizzled": {}, "heads_n": dict(head_axis="n", heads_n=16 if H <= 16 else 32),
            "heads_n_c4": dict(head_axis="n", consumers=4),                  # 4 consumers: one V chunk each
-           "heads_n_c5": dict(head_axis="n", consumers=5, k_buffers=3)}     # + a softmax-only consumer 0
+           "heads_n_c5": dict(head_axis="n", consumers=5, k_buffers=3),     # + a softmax-only consumer 0
+           "heads_n_v1": dict(head_axis="n", k_buffers=3, v_owners=((), (0, 1, 2, 3)), l_partial=True)}
   heads_n = pv_dtype.startswith("heads_n")
   cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
@@ -291,8 +302,10 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   S = jax.ShapeDtypeStruct
   swz = pv_dtype == "swizzled" or heads_n
   q_cols, kv_shape = (sm90.Q_SW_COLS, (4096, 576)) if swz else (576, (4096 * 9, 64))
-  low = testing.lower_for_cuda(kern, S((n_tok * tiles_per_token, 64, q_cols), FP8),
-                               S((n_tok * tiles_per_token, 64), jnp.float32), S(kv_shape, FP8),
+  q_aval, qs_aval = S((n_tok * tiles_per_token, 64, q_cols), FP8), S((n_tok * tiles_per_token, 64), jnp.float32)
+  if heads_n:     # flat Q rows and scales, q_stride = heads_n rows per token
+    q_aval, qs_aval = S((n_tok * cfg.heads_n, q_cols), FP8), S((n_tok * cfg.heads_n,), jnp.float32)
+  low = testing.lower_for_cuda(kern, q_aval, qs_aval, S(kv_shape, FP8),
                                S((n_tok, splits * tps, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
   # 9 QK chunks x 2 k32 steps (+ one N=256 fp8 PV wgmma = 2 k32 steps); f16 PV: 4 k16 steps;
   # swizzled: 5 QK chunks of 128 x 4 k32 steps; heads_n: the same as m64nN (Sᵀ = K·Qᵀ, consumer 0 only), and
@@ -322,6 +335,12 @@ def test_tuning_config_rejects_bad_values():
     sm90.TuningConfig(head_axis="k")
   with pytest.raises(ValueError, match="head_axis"):
     sm90.TuningConfig(head_axis="n", k_gather="linear")
+  with pytest.raises(ValueError, match="v_owners"):
+    sm90.TuningConfig(head_axis="n", v_owners=((0, 1), (2,)))          # chunk 3 has no owner
+  with pytest.raises(ValueError, match="v_owners"):
+    sm90.TuningConfig(v_owners=((0, 1), (2, 3)))                       # head_axis="m"
+  with pytest.raises(ValueError, match="l_partial"):
+    sm90.TuningConfig(l_partial=True)
 
 
 def test_argument_errors(rng):

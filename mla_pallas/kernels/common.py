@@ -135,6 +135,17 @@ def stage_v16(k_sw, v16, chunks=range(V_CHUNKS), width: int = CHUNK):
         k_sw.at[c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False).astype(jnp.float16)
 
 
+def safe_row(i, num_slots: int):
+  """Scalar row id to gather for a raw top-k entry ``i``: itself when 0 <= i < num_slots, else ``num_slots`` (one
+  row past the end of the cache, so its TMA box is zero-filled and nothing is read out of bounds)."""
+  return jnp.where((i < 0) | (i >= num_slots), num_slots, i)
+
+
+def valid_keys(ids, num_slots: int):
+  """Mask of the keys that count: raw top-k entries (or sanitised ones) inside [0, num_slots)."""
+  return (ids >= 0) & (ids < num_slots)
+
+
 def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):
   """Observe the last completed phase of each ring slot (required by the interpret-mode barrier rule; harmless on
   hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps."""
@@ -148,7 +159,8 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
   Args:
     s: [R, T] f32 raw Q.K products (``keys_axis=0``: the transposed tile Sᵀ [T, R], heads on the columns);
     valid_cols: [T] bool (False: masked key); row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
-    log2 e); m, l: [R] running max (base-2 logits) and running sum.
+    log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
+    (running sums per element: no reduction over the keys in this step, the caller sums once at the end).
   Returns:
     (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1], alpha [R] = 2^(m - m_new) to rescale the running output,
     m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
@@ -161,6 +173,8 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_use)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
+  if l.ndim == s.ndim:   # running sums kept per element (summed over the keys by the caller, after the last tile)
+    return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [head_axis]) + p
   return p, alpha, m_new, l * alpha + p.sum(axis=keys_axis)
 
 

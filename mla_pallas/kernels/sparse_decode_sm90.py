@@ -13,10 +13,11 @@ tiles) against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of th
     pv_dtype="fp8":            O += P8 · V8, P8 = fp8(256 · p)   FA3-style scaling of P into e4m3's range
     out  = O · kv_scale / (256 · l or l),  lse = (m + log2 l) · ln 2
 
-Inputs are prepared by ``mla_pallas.ops.sparse_decode`` (one fused XLA pre-pass): Q quantized per row, indices
-sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the split grid with the same marker).
-A row id of ``num_slots`` lies wholly past the end of the cache, so its TMA box is zero-filled by the hardware:
-the kernel never reads out of bounds, and the consumer masks those columns to −inf.
+Inputs are prepared by ``mla_pallas.ops.sparse_decode`` (one fused XLA pre-pass): Q quantized per row; the indices
+pass through untouched unless ``topk_length`` is given (entries past it become ``num_slots``) or the top-k needs
+padding to the split grid (with ``num_slots``). The kernel treats every id outside [0, num_slots) as invalid: the
+loader gathers row ``num_slots`` instead, which lies wholly past the end of the cache, so its TMA box is
+zero-filled by the hardware (the kernel never reads out of bounds), and the consumer masks that key to −inf.
 
 Warpgroup roles (``num_threads=3``, Lane semantics), default TuningConfig (k_gather="swizzled", k_buffers=2,
 pv_dtype="f16")
@@ -120,6 +121,8 @@ SW_CHUNKS = 5      # latent chunks 0-3 (columns 0-511) + tail (columns 448-575: 
 SW_TAIL_COL = D_QK - SW_CHUNK   # 448: first cache column of the tail chunk
 Q_SW_COLS = SW_CHUNKS * SW_CHUNK   # 640: Q as latent | 64 zeros | rope (the zeros meet latent 448-511 in the tail)
 HEADS_ON_N = (16, 32)   # head_axis="n": the MMAs' N (TuningConfig.heads_n; f16 operands need >= 32-byte rows)
+HEAD_ROW = 32      # head_axis="n": f32 entries per row of head_smem (a 128-byte TMA box: Lane copies need a
+                   # multiple of 128 bytes; rows hold heads_n <= 32 values)
 CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM
 LOADER_REGS = 56
 # head_axis="n": which 128-column chunks of V (d = 128 c ... 128 c + 127) each consumer warpgroup stages and owns in
@@ -156,6 +159,16 @@ class TuningConfig(common.TuningConfigBase):
   # Consumer warpgroups (the loader is one more). 2, or with head_axis="n" 4 or 5: more warpgroups share the V
   # upcast (V_CHUNK_OWNERS); registers per consumer thread drop to 104 (4) or 80 (5), see _consumer_regs.
   consumers: int = 2
+  # head_axis="n": which 128-column chunks of V (0-3) each consumer stages and multiplies, one tuple per consumer
+  # (consumer 0 also runs QKᵀ and the softmax); () = V_CHUNK_OWNERS[consumers]. E.g. ((), (0, 1, 2, 3)): consumer
+  # 0 only QKᵀ + softmax, consumer 1 all of V.
+  v_owners: tuple = ()
+  # head_axis="n": keep the softmax's running sums per (key, head) element and sum them down the keys once after
+  # the last tile (one cross-warp reduction per tile fewer; a different summation order, same math).
+  l_partial: bool = False
+  # head_axis="n": a consumer owning 2+ chunks of V stages the first half, waits for Pᵀ, then stages the second
+  # half while the P.V wgmmas of the first half run (the upcast overlaps the MMAs instead of preceding them).
+  v_overlap: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
@@ -188,9 +201,20 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.head_axis='n' needs k_gather='swizzled'")
     if self.heads_n not in HEADS_ON_N:
       raise ValueError(f"TuningConfig.heads_n must be one of {HEADS_ON_N}; got {self.heads_n}")
-    if self.consumers not in (V_CHUNK_OWNERS if self.head_axis == "n" else (2,)):
-      raise ValueError(f"TuningConfig.consumers must be 2 (or, with head_axis='n', one of "
-                       f"{tuple(V_CHUNK_OWNERS)}); got {self.consumers}")
+    allowed = (2,) if self.head_axis != "n" else tuple(range(2, 6)) if self.v_owners else tuple(V_CHUNK_OWNERS)
+    if self.consumers not in allowed:
+      raise ValueError(f"TuningConfig.consumers must be one of {allowed} (head_axis='n': 2-5 with v_owners, else "
+                       f"one of {tuple(V_CHUNK_OWNERS)}); got {self.consumers}")
+    if self.v_owners:
+      flat = sorted(c for w in self.v_owners for c in w)
+      if self.head_axis != "n" or len(self.v_owners) != self.consumers or flat != [0, 1, 2, 3]:
+        raise ValueError("TuningConfig.v_owners needs head_axis='n' and one tuple of V chunks per consumer that "
+                         f"together hold each of the chunks 0-3 once; got {self.v_owners} for {self.consumers} "
+                         "consumers")
+    if self.l_partial and self.head_axis != "n":
+      raise ValueError("TuningConfig.l_partial needs head_axis='n'")
+    if self.v_overlap and self.head_axis != "n":
+      raise ValueError("TuningConfig.v_overlap needs head_axis='n'")
     if self.k_buffers == 3 and self.head_axis != "n":
       raise ValueError("TuningConfig.k_buffers=3 needs head_axis='n' (the 64-row Q leaves no SMEM for it)")
     self.check_split()
@@ -208,7 +232,7 @@ def smem_budget(cfg: TuningConfig) -> int:
         ((rows,), jnp.float32),                              # lse staging
         ((128,), jnp.uint8),                                 # placeholder (linear ring)
         ((2, TILE, rows), jnp.float16) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # Pᵀ (head_axis "n")
-        ((3, rows), jnp.float32) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # alpha, 1/l (head_axis "n")
+        ((4, HEAD_ROW), jnp.float32) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # qs, alpha, 1/l ("n")
     ) + 64 * 8 + 2048
   return common.smem_bytes(
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
@@ -238,7 +262,12 @@ def _q_rows(cfg: TuningConfig) -> int:
   return cfg.heads_n if cfg.head_axis == "n" else TILE
 
 
-def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool,
+def _v_owners(cfg: TuningConfig) -> tuple:
+  """head_axis="n": the 128-column chunks of V each consumer warpgroup stages and multiplies (P.V)."""
+  return cfg.v_owners or V_CHUNK_OWNERS[cfg.consumers]
+
+
+def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool, q_stride: int,
           q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,            # inputs
           o_gmem, lse_gmem,                                         # outputs
           q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem, head_smem,   # scratch
@@ -258,17 +287,23 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
   def _loader():
     plgpu.set_max_registers(LOADER_REGS, action="decrease")
     q_width = SW_CHUNK if swz else CHUNK
+    if cfg.head_axis == "n":   # flat Q rows: tile_q's heads_n rows start at row tile_q * q_stride (see build)
+      q_tile = q_gmem.at[pl.ds(tile_q * q_stride, _q_rows(cfg))]
+      plgpu.copy_gmem_to_smem(qs_gmem.at[pl.ds(tile_q * q_stride, HEAD_ROW)], head_smem.at[0], q_bar)
+    else:
+      q_tile = q_gmem.at[tile_q]
     for c in range(q_sw.shape[0]):    # Q: 9 boxes of 64 columns, or 5 of 128 (latent | 0 | rope) when swizzled
-      plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, pl.ds(0, _q_rows(cfg)), pl.ds(c * q_width, q_width)],
-                              q_sw.at[c], q_bar)
+      plgpu.copy_gmem_to_smem(q_tile.at[pl.ds(0, _q_rows(cfg)), pl.ds(c * q_width, q_width)], q_sw.at[c], q_bar)
     plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
     plgpu.barrier_wait(idx_bar)
     if swz:
-      _swizzled_loader(cfg, interpret, kv_gmem, k_sw, None if interpret else k_rows, idx_smem, k_full, k_empty)
+      _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, None if interpret else k_rows, idx_smem, k_full,
+                       k_empty)
       return
 
     def gather(t, slot):
-      common.gather_rows(kv_gmem, (lambda r: 0) if 'hbm' in cfg.ablate else (lambda r: idx_smem[t, r]), lin.at[slot], lin_full.at[slot], tile=TILE)
+      row_of = (lambda r: 0) if 'hbm' in cfg.ablate else (lambda r: common.safe_row(idx_smem[t, r], num_slots))
+      common.gather_rows(kv_gmem, row_of, lin.at[slot], lin_full.at[slot], tile=TILE)
 
     for t0 in range(min(stages, n_tiles)):      # prologue: fill the ring
       gather(t0, t0)
@@ -392,7 +427,7 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
       plgpu.barrier_arrive(k_empty.at[kb])
 
       cols = plgpu.load(idx_smem.at[t], layout=col_layout, optimized=False)
-      p, alpha, m_new, l = common.online_softmax_tile(s, cols != num_slots, row_scale, m, l)
+      p, alpha, m_new, l = common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       if cfg.pv_dtype == "fp8":
         p_sw.at[wg][...] = (p * P_SCALE).astype(FP8)
@@ -441,7 +476,8 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
   ``p_empty``). Consumers 1.. stage their chunks of V (``V_CHUNK_OWNERS[consumers]``: 128 columns of d each) and
   release the K buffer, then wait for Pᵀ. Each accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for the 64-wide blocks
   of d of its chunks (m64nNk16 f16 wgmmas: A = the transposed f16 V tile, its swizzle matching Pᵀ's 2N-byte rows).
-  After the last tile consumer 0 hands over kv_scale / l (``head_smem[2]``, ``p_full[2]``) and writes lse.
+  After the last tile consumer 0 hands over kv_scale / l (``head_smem[3]``, ``p_full[2]``) and writes lse.
+  ``head_smem`` rows: 0 the heads' logit scales (TMA, on ``q_bar``), 1-2 alpha of P buffer 0 / 1, 3 kv_scale / l.
 
   Why one softmax, not one per consumer: the softmax reduces Sᵀ down its rows, i.e. across the 4 warps, and Mosaic
   GPU's cross-warp reductions all use one SMEM scratch at a fixed offset, shared by every warpgroup. Two consumers
@@ -455,7 +491,8 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
   key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
   head_layout = plgpu.Layout.WGMMA.reduce(0)    # [n]: one value per head (column of Sᵀ)
   n_tiles = cfg.tiles_per_split
-  owners = V_CHUNK_OWNERS[cfg.consumers]
+  owners = _v_owners(cfg)
+  out_heads = o_gmem.shape[-2]                  # heads stored (<= n): O [.., out_heads, 512], written transposed
   blocks_per_chunk = SW_CHUNK // TILE
 
   def blocks(w):     # consumer w's 64-wide blocks of d
@@ -464,31 +501,38 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
   def acc0(w):
     return (plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA),) * len(blocks(w))
 
-  def stage_v(k_tiles, w):    # consumer w's chunks of V as f16
-    if 'v_stage' not in cfg.ablate and owners[w]:
-      common.stage_v16(k_tiles, v16, chunks=owners[w], width=SW_CHUNK)
+  def stage_v(k_tiles, w, chunks=None):    # consumer w's chunks of V (or ``chunks`` of them) as f16
+    chunks = owners[w] if chunks is None else chunks
+    if 'v_stage' not in cfg.ablate and chunks:
+      common.stage_v16(k_tiles, v16, chunks=chunks, width=SW_CHUNK)
 
-  def pv_step(t, accs, alpha, w):    # rescale, then Oᵀ[w's d-blocks] += Vᵀ · Pᵀ(t), waited for
-    if not accs:
+  def first_chunks(w):   # v_overlap: the chunks staged before P.V starts (the rest are staged under its wgmmas)
+    return owners[w][:len(owners[w]) // 2]
+
+  def pv_step(t, accs, alpha, w, mid=None):   # rescale, then Oᵀ[w's d-blocks] += Vᵀ · Pᵀ(t), waited for; with
+    if not accs:                               # ``mid``: the wgmmas of w's first V chunk(s), mid(), the rest
       return accs
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs)
+    cut = len(first_chunks(w)) * blocks_per_chunk if mid is not None else len(accs)
 
     def pv(refs):
-      for b, ref in zip(blocks(w), refs):
+      for i, (b, ref) in enumerate(zip(blocks(w), refs)):
+        if i == cut:
+          mid()
         if 'pv' not in cfg.ablate:
           plgpu.wgmma(ref, v16.at[:, pl.ds(b * TILE, TILE)].T, p_sw.at[lax.rem(t, 2)])
     return _accumulate(pv, accs, interpret)
 
-  def store(accs, inv, w):
-    for b, a in zip(blocks(w), accs):
-      out = a * lax.broadcast_in_dim(inv, a.shape, [1])
-      o_gmem.at[tile_q, split, pl.ds(b * TILE, TILE)][...] = out.astype(out_dtype)
+  def store(accs, inv, w):   # Oᵀ block [64 d, n] -> O[:out_heads, 64 d] (a transposed GMEM view; the WGMMA layout
+    for b, a in zip(blocks(w), accs):   # cannot be stored transposed, its vector-length-1 twin can)
+      out = plgpu.layout_cast(a * lax.broadcast_in_dim(inv, a.shape, [1]), plgpu.Layout._WGMMA_ACC_32BIT)
+      o_gmem.at[tile_q, split, :, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
 
   @pl.when(wg == 0)
   def _softmax_consumer():
     plgpu.barrier_wait(q_bar)
     plgpu.barrier_wait(idx_bar)
-    head_scale = plgpu.load(qs_gmem.at[tile_q, pl.ds(0, n)], layout=head_layout, optimized=False)
+    head_scale = plgpu.load(head_smem.at[0, pl.ds(0, n)], layout=head_layout, optimized=False)
 
     def step(t, carry):
       accs, m, l = carry
@@ -500,29 +544,36 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
       def qk(acc_ref):
         for c in range(SW_CHUNKS if 'qk' not in cfg.ablate else 0):
           plgpu.wgmma(acc_ref, k_tiles.at[c], q_sw.at[c].T)
-        stage_v(k_tiles, 0)    # while the wgmmas run
-        plgpu.commit_smem()
+        if owners[0]:
+          stage_v(k_tiles, 0)    # while the wgmmas run
+          plgpu.commit_smem()
         return acc_ref[...]
       st = pl.run_scoped(qk, plgpu.ACC((TILE, n), jnp.float32))
       plgpu.barrier_arrive(k_empty.at[kb])
 
       keys = plgpu.load(idx_smem.at[t], layout=key_layout, optimized=False)
-      p, alpha, m_new, l = common.online_softmax_tile(st, keys != num_slots, head_scale, m, l, keys_axis=0)
+      p, alpha, m_new, l = common.online_softmax_tile(st, common.valid_keys(keys, num_slots), head_scale, m, l,
+                                                      keys_axis=0)
 
       @pl.when(t >= 2)
       def _():
         plgpu.barrier_wait(p_empty.at[pb])   # the other consumers are done with buffer pb (tile t - 2)
       p_sw.at[pb][...] = p.astype(jnp.float16)
-      head_smem.at[pb][...] = alpha
+      head_smem.at[pb + 1, pl.ds(0, n)][...] = alpha
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_full.at[pb])
       return pv_step(t, accs, alpha, 0), m_new, l
 
     m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), head_layout)
-    l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
+    if cfg.l_partial:   # running sums per (key row, head), summed down the keys once after the last tile
+      l0 = plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+      l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
     accs, m, l = lax.fori_loop(0, n_tiles, step, (acc0(0), m0, l0))
+    if cfg.l_partial:
+      l = l.sum(axis=0)
     inv = scal_gmem[0] / jnp.where(l == 0.0, 1.0, l)
-    head_smem.at[2][...] = inv
+    head_smem.at[3, pl.ds(0, n)][...] = inv
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_full.at[2])
     store(accs, inv, 0)
@@ -532,22 +583,31 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
   for w in range(1, cfg.consumers):
     @pl.when(wg == w)
     def _pv_consumer():
+      overlap = cfg.v_overlap and len(owners[w]) >= 2
+
       def step(t, accs):
         kb = lax.rem(t, cfg.k_buffers)
         pb = lax.rem(t, 2)
         plgpu.barrier_wait(k_full.at[kb])
-        stage_v(k_sw.at[kb], w)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(k_empty.at[kb])
+
+        def stage_rest():   # (v_overlap: under the wgmmas of the first chunks) the remaining chunks of V
+          stage_v(k_sw.at[kb], w, owners[w][len(first_chunks(w)):] if overlap else None)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(k_empty.at[kb])
+        if overlap:
+          stage_v(k_sw.at[kb], w, first_chunks(w))
+          plgpu.commit_smem()
+        else:
+          stage_rest()
         plgpu.barrier_wait(p_full.at[pb])
-        alpha = plgpu.load(head_smem.at[pb], layout=head_layout, optimized=False)
-        accs = pv_step(t, accs, alpha, w)
+        alpha = plgpu.load(head_smem.at[pb + 1, pl.ds(0, n)], layout=head_layout, optimized=False)
+        accs = pv_step(t, accs, alpha, w, mid=stage_rest if overlap else None)
         plgpu.barrier_arrive(p_empty.at[pb])
         return accs
 
       accs = lax.fori_loop(0, n_tiles, step, acc0(w))
       plgpu.barrier_wait(p_full.at[2])
-      store(accs, plgpu.load(head_smem.at[2], layout=head_layout, optimized=False), w)
+      store(accs, plgpu.load(head_smem.at[3, pl.ds(0, n)], layout=head_layout, optimized=False), w)
 
 
 def _accumulate(issue, accs, interpret):
@@ -571,16 +631,17 @@ def _accumulate(issue, accs, interpret):
 
 
 def _store_lse(wg, m, l, lse_smem, lse_dst):
-  """Consumer 0 writes the split's lse = (m + log2 l) · ln 2 (natural log) through SMEM and one TMA."""
+  """Consumer 0 writes the split's lse = (m + log2 l) · ln 2 (natural log) through SMEM and one TMA (of the first
+  ``lse_dst.shape[0]`` rows)."""
   @pl.when(wg == 0)
   def _():
     lse_smem[...] = (m + jnp.log2(l)) * LN2
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_dst.shape[0])], lse_dst)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _swizzled_loader(cfg, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty):
+def _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty):
   """Gathers of ``k_gather="swizzled"`` (after the loader has loaded Q and the split's indices): per 64-key tile,
   five 128-byte TMAs per row straight into the 128-byte-swizzled K tiles of buffer ``t % k_buffers`` (arriving
   on ``k_full``), once the consumers have released it (``k_empty``).
@@ -595,7 +656,7 @@ def _swizzled_loader(cfg, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_
 
   def gather(t, kb):
     def issue_row(r):
-      row = kv_gmem.at[pl.ds(idx_smem[t, r], 1)]
+      row = kv_gmem.at[pl.ds(common.safe_row(idx_smem[t, r], num_slots), 1)]
       for c in range(SW_CHUNKS):
         src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
         if interpret:
@@ -651,32 +712,44 @@ def _p_scratch(cfg, interpret):
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, tiles_per_token: int,
-          out_dtype_name: str, cfg: TuningConfig, interpret=False):
+          out_dtype_name: str, cfg: TuningConfig, interpret=False, out_heads: int | None = None,
+          q_stride: int | None = None):
   """Build the kernel for given shapes.
 
   Kernel arguments:
     q8   [num_q_tiles, 64, 576] fp8: quantized query rows (tile = token · tiles_per_token + head_block);
          k_gather="swizzled": [num_q_tiles, 64, 640] = latent (512) | 64 zeros | rope (64).
-    qs   [num_q_tiles, 64] f32: per-row logit scale (q_scale · softmax_scale · log2 e; kv_scale folded in too).
+         head_axis="n": flat rows [num_q_tiles · q_stride, 640] (q_stride = the token's heads, default heads_n):
+         the CTA of tile q reads rows [q · q_stride, q · q_stride + heads_n). With q_stride < heads_n the rows
+         past the token's own are the next token's heads (or zero-filled past the end): they only feed MMA
+         columns whose results are never stored (every column of Sᵀ, P and Oᵀ is computed independently).
+    qs   [num_q_tiles, 64] f32: per-row logit scale (q_scale · softmax_scale · log2 e; kv_scale folded in too);
+         head_axis="n": flat [num_q_tiles · q_stride], read by a TMA (zero-filled past the end).
     kv   [num_slots · 9, 64] fp8: the cache (free reshape of [num_slots, 576]); k_gather="swizzled":
          [num_slots, 576].
-    idx  [num_tokens, num_splits · tiles_per_split, 64] int32: sanitised row ids (num_slots = invalid).
+    idx  [num_tokens, num_splits · tiles_per_split, 64] int32: row ids; any id outside [0, num_slots) is an
+         invalid key (masked; gathered as row num_slots, past the end, so the TMA zero-fills it).
     scal [1] f32: kv_scale (multiplies the output).
   Returns (o [num_q_tiles, num_splits, 64, 512] out_dtype, lse [num_q_tiles, num_splits, 64] f32 natural log),
-  each split's output normalised by its own softmax sum (merge splits by lse). head_axis="n": o is transposed and
-  holds the first heads_n rows only, [num_q_tiles, num_splits, 512, heads_n], and lse is
-  [num_q_tiles, num_splits, heads_n].
+  each split's output normalised by its own softmax sum (merge splits by lse). head_axis="n": o holds the first
+  ``out_heads`` rows (default heads_n; a multiple of 8), [num_q_tiles, num_splits, out_heads, 512], and lse is
+  [num_q_tiles, num_splits, out_heads].
   """
   out_dtype = jnp.dtype(out_dtype_name)
+  out_heads = cfg.heads_n if out_heads is None else out_heads
+  q_stride = cfg.heads_n if q_stride is None else q_stride
+  if cfg.head_axis == "n" and not (0 < out_heads <= cfg.heads_n and out_heads % 8 == 0):
+    raise ValueError(f"out_heads must be a multiple of 8 in (0, heads_n={cfg.heads_n}]; got {out_heads}")
   n_tiles = cfg.tiles_per_split
   swz = cfg.k_gather == "swizzled"
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret))
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret), q_stride)
   kwargs = common.interpret_kwargs(interpret)
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, D_V, cfg.heads_n) if cfg.head_axis == "n" else
+      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, out_heads, D_V) if cfg.head_axis == "n" else
                                      (num_q_tiles, num_splits, TILE, D_V), out_dtype),
-                jax.ShapeDtypeStruct((num_q_tiles, num_splits, _q_rows(cfg)), jnp.float32)),
+                jax.ShapeDtypeStruct((num_q_tiles, num_splits, out_heads if cfg.head_axis == "n" else TILE),
+                                     jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
       num_threads=cfg.consumers + 1, thread_name="wg",
       scratch_types=_q_lin_k_scratch(cfg, bool(interpret)) + [
@@ -684,9 +757,9 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
           _p_scratch(cfg, bool(interpret)),                                              # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
           plgpu.SMEM((_q_rows(cfg),), jnp.float32),                                      # lse
-          plgpu.SMEM((3, cfg.heads_n), jnp.float32) if cfg.head_axis == "n" else
-          plgpu.SMEM((128,), jnp.uint8),                       # head_axis "n": alpha (2 buffers), kv_scale / l
-          plgpu.Barrier(num_arrivals=SW_CHUNKS if swz else N_CHUNKS),   # q_bar
+          plgpu.SMEM((4, HEAD_ROW), jnp.float32) if cfg.head_axis == "n" else
+          plgpu.SMEM((128,), jnp.uint8),                  # head_axis "n": qs, alpha (2 buffers), kv_scale / l
+          plgpu.Barrier(num_arrivals=(SW_CHUNKS + (cfg.head_axis == "n")) if swz else N_CHUNKS),   # q_bar (+ qs)
           plgpu.Barrier(),                                       # idx_bar
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # lin_empty (k_stager="consumers")

@@ -138,19 +138,28 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
 # sm_90 kernel: head_axis="n" (the heads on the MMAs' N side, N = 16) with 3 K buffers by default up to this many
 # heads. H200, benchmarks/RESULTS.md run 14: (b) H = 8 425.1 us with the heads on the 64 MMA rows -> 372.3 us
 # (head_axis="n") -> 351.3 us (+ k_buffers=3); H = 16 224.1 -> 190.7 -> 183.0 us. At H = 32 (N = 32) head_axis="n"
-# measured 131.4 against 129.7 us, so H = 32 keeps head_axis="m".
+# measured 131.4 against 129.7 us, so H = 32 keeps head_axis="m". v7 (run 17): consumer 1 owns all of V
+# (v_owners), staging half of it under its P.V wgmmas (v_overlap), and lazy softmax sums (l_partial):
+# (b) 329.6 -> 316.7 -> 310.1 us with the leaner pre-pass of the same run.
 HEADS_ON_N_MAX = 16
 
 
 def _default_tuning(arch: str, h: int, tuning=()) -> dict:
   """Kernel TuningConfig overrides: ``tuning`` plus the op's shape-dependent defaults. sm_90, H <= HEADS_ON_N_MAX
   (unless ``tuning`` names head_axis or k_gather="linear"): head_axis="n" with 3 K buffers (k_buffers, unless
-  named): the 16-row Q leaves SMEM for a third 40 KB K tile, so the loader runs two tiles ahead."""
+  named): the 16-row Q leaves SMEM for a third 40 KB K tile, so the loader runs two tiles ahead; consumer 0 runs
+  only QKᵀ and the softmax while consumer 1 upcasts all of V, half of it under its P.V wgmmas (v_owners,
+  v_overlap; v_owners only when ``tuning`` does not name consumers), and the softmax sums are kept per element
+  (l_partial). Each unless named in ``tuning``."""
   kw = dict(tuning)
   if (arch == "sm90" and "head_axis" not in kw and h <= HEADS_ON_N_MAX
       and kw.get("k_gather", "swizzled") == "swizzled"):
     kw["head_axis"] = "n"
     kw.setdefault("k_buffers", 3)
+    if "consumers" not in kw:     # consumer 0: QKᵀ + softmax only; consumer 1: the whole V upcast and P.V
+      kw.setdefault("v_owners", ((), (0, 1, 2, 3)))
+    kw.setdefault("l_partial", True)
+    kw.setdefault("v_overlap", True)
   return kw
 
 
@@ -187,21 +196,32 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     raise ValueError(f"TuningConfig.heads_n={cfg.heads_n} must be >= H={h}")
   k_pad = splits * tps * tile
 
-  # Pre-pass (one fused XLA op): sanitised indices, padded top-k, per-row quantized Q with folded scales.
-  valid = _valid_mask(indices, num_slots, topk_length)
-  rows = jnp.where(valid, indices, num_slots).reshape(n_tok, topk)
-  rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
+  # Pre-pass (fused XLA ops): per-row quantized Q with folded scales, padded to the rows a CTA reads (64, or
+  # heads_n with head_axis="n"); the indices only where needed: the sm_90 kernel masks ids outside
+  # [0, num_slots) itself, so they pass through unless topk_length masks a tail or the split grid needs padding
+  # (the sm_100 kernel takes sanitised unsigned ids).
+  rows = indices
+  if arch == "sm100" or topk_length is not None:
+    rows = jnp.where(_valid_mask(indices, num_slots, topk_length), indices, num_slots)
+  rows = rows.reshape(n_tok, topk)
+  if k_pad > topk:
+    rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, tile)
   q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
   row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
-  if h < tile:
-    q8 = jnp.pad(q8, ((0, 0), (0, tile - h), (0, 0)))
-    row_scale = jnp.pad(row_scale, ((0, 0), (0, tile - h)))
-  q8 = q8.reshape(n_tok * tiles_per_token, tile, D_QK)
-  row_scale = row_scale.reshape(n_tok * tiles_per_token, tile)
+  build_kw = {}
+  if heads_on_n:        # flat, unpadded Q rows (the kernel reads heads_n rows from row token · H) and O written
+    q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)   # as [.., out_heads, 512]
+    build_kw.update(q_stride=h, out_heads=-(-h // 8) * 8)
+  else:
+    if h < tile:
+      q8 = jnp.pad(q8, ((0, 0), (0, tile - h), (0, 0)))
+      row_scale = jnp.pad(row_scale, ((0, 0), (0, tile - h)))
+    q8 = q8.reshape(n_tok * tiles_per_token, tile, D_QK)
+    row_scale = row_scale.reshape(n_tok * tiles_per_token, tile)
   out_dtype = "bfloat16" if splits == 1 else "float32"
   kern = kmod.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype, cfg,
-                    interpret=interpret)
+                    interpret=interpret, **build_kw)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
@@ -211,9 +231,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   else:                 # per-row TMA of 640-byte boxes from the cache viewed as 64-byte chunks
     o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
-  out_rows = tile
-  if heads_on_n:        # Oᵀ [.., 512, heads_n] -> [.., heads_n, 512]: the first heads_n rows of the tile
-    o, out_rows = jnp.swapaxes(o, -1, -2), cfg.heads_n
+  out_rows = o.shape[-2]   # 64, or with head_axis="n" out_heads (the kernel's first H rounded up to 8)
   if splits > 1:
     o, lse = combine_splits(o, lse)
   else:
