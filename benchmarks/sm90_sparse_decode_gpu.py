@@ -140,7 +140,8 @@ def main():
   if a.bench:
     cases = {"a": (128, 2, 128, 2048, 32768), "b": (128, 4, 8, 2048, 32768), "c64": (64, 1, 64, 2048, 32768),
              "c128": (128, 1, 64, 2048, 32768),
-             "h16": (128, 2, 16, 2048, 32768), "h32": (128, 1, 32, 2048, 32768)}
+             "h16": (128, 2, 16, 2048, 32768), "h32": (128, 1, 32, 2048, 32768),
+             "b1": (128, 1, 8, 2048, 32768)}    # b1: GLM-5 TP-8 with s_q = 1 (the mla_decode_step shape)
     sel = a.cases.split(",") if a.cases else list(cases)
     for name in sel:
       out, flops, gbytes, rel = bench(*cases[name])

@@ -193,6 +193,23 @@ def test_default_tuning_puts_few_heads_on_n():
   assert sd._default_tuning("sm100", 8) == {}
 
 
+def test_persistent_interpret(rng, monkeypatch):
+  """TuningConfig.persistent: with 2 "SMs", 3 items (query tokens) on 2 CTAs, the first working through two items
+  in one pipeline (next item's Q and index halves prefetched, K / P buffers rotating across items). Races checked;
+  per item the same operations in the same order as one CTA per item, so bitwise equal to persistent=False."""
+  monkeypatch.setattr(sd, "_num_sms", lambda: 2)
+  case = make_case(rng, B=1, s_q=3, H=8, topk=500, page_size=16, num_pages=64)   # 8 tiles, the last partial
+  testing.reset_interpreter()
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  out, lse = _run_kernel(case, (("persistent", True),), params)
+  assert not testing.races_found()
+  base, base_lse = _run_kernel(case, (("persistent", False),), True)
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(base).view(np.uint16))
+  assert np.array_equal(np.asarray(lse), np.asarray(base_lse), equal_nan=True)
+  budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=500, fp8_mma=False, quantized_p=False)
+  _check_against_reference(case, out, lse, budget)
+
+
 def test_heads_on_n_rejects_many_heads(rng):
   def run(h, tuning):
     case = make_case(rng, B=1, s_q=1, H=h, topk=64, page_size=16, num_pages=8)
@@ -283,7 +300,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
     (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled"), (8, 4, 2051, 1, "heads_n"),
     (16, 1, 2048, 2, "heads_n"), (32, 2, 2048, 1, "heads_n"), (8, 4, 2048, 1, "heads_n_c4"),
-    (16, 1, 2048, 1, "heads_n_c5"), (8, 4, 2048, 1, "heads_n_v1")])
+    (16, 1, 2048, 1, "heads_n_c5"), (8, 4, 2048, 1, "heads_n_v1"), (8, 4, 2051, 1, "heads_n_persistent")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
   "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
@@ -294,7 +311,9 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
            "swizzled": {}, "heads_n": dict(head_axis="n", heads_n=16 if H <= 16 else 32),
            "heads_n_c4": dict(head_axis="n", consumers=4),                  # 4 consumers: one V chunk each
            "heads_n_c5": dict(head_axis="n", consumers=5, k_buffers=3),     # + a softmax-only consumer 0
-           "heads_n_v1": dict(head_axis="n", k_buffers=3, v_owners=((), (0, 1, 2, 3)), l_partial=True)}
+           "heads_n_v1": dict(head_axis="n", k_buffers=3, v_owners=((), (0, 1, 2, 3)), l_partial=True),
+           "heads_n_persistent": dict(head_axis="n", k_buffers=3, v_owners=((), (0, 1, 2, 3)), l_partial=True,
+                                      v_overlap=True, persistent=True)}
   heads_n = pv_dtype.startswith("heads_n")
   cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
@@ -341,6 +360,10 @@ def test_tuning_config_rejects_bad_values():
     sm90.TuningConfig(v_owners=((0, 1), (2, 3)))                       # head_axis="m"
   with pytest.raises(ValueError, match="l_partial"):
     sm90.TuningConfig(l_partial=True)
+  with pytest.raises(ValueError, match="persistent"):
+    sm90.TuningConfig(head_axis="n", persistent=True, tiles_per_split=7, k_buffers=3)   # < 2 k_buffers + 2
+  with pytest.raises(ValueError, match="persistent"):
+    sm90.TuningConfig(persistent=True)                                  # head_axis="m"
 
 
 def test_argument_errors(rng):

@@ -11,6 +11,7 @@ import pytest
 
 from mla_pallas import testing
 from mla_pallas.kernels import sparse_decode_sm90 as sm90
+from mla_pallas.ops import sparse_decode as sd
 
 import _sparse_gpu_checks as checks
 from _sparse_inputs import make_case
@@ -69,3 +70,22 @@ def test_head_axes_agree(rng, H, s_q):
     fin = np.isfinite(np.asarray(base_lse))
     assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
+
+
+@pytest.mark.parametrize("H,s_q,sms", [(8, 4, 3), (16, 2, 3), (8, 1, 5)])
+def test_persistent_matches_reference(rng, monkeypatch, H, s_q, sms):
+  """TuningConfig.persistent (opt-in; measured no faster, benchmarks/RESULTS.md run 17) with the SM count patched
+  so that every CTA works through several items (and some one more than others): the full reference check."""
+  monkeypatch.setattr(sd, "_num_sms", lambda: sms)
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("persistent", True),))
+
+
+def test_persistent_is_bitwise_one_item_per_cta(rng, monkeypatch):
+  """Per item the persistent kernel runs the same operations in the same order as one CTA per item: bitwise equal
+  on a case with 2 splits per token (odd top-k), 7 "SMs" for 64 items, NaN rows and invalid indices."""
+  monkeypatch.setattr(sd, "_num_sms", lambda: 7)
+  case = make_case(rng, B=8, s_q=4, H=8, topk=2051, page_size=64, num_pages=16384 // 64)
+  out, lse = checks.run(case, "mosaic", (("persistent", True),))
+  base, base_lse = checks.run(case, "mosaic", (("persistent", False),))
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(base).view(np.uint16))
+  assert np.array_equal(np.asarray(lse), np.asarray(base_lse), equal_nan=True)

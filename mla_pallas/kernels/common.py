@@ -146,11 +146,20 @@ def valid_keys(ids, num_slots: int):
   return (ids >= 0) & (ids < num_slots)
 
 
-def drain(barrier, n_steps: int, n_slots: int, slot_of=lambda s: s):
+def drain(barrier, n_steps, n_slots: int, slot_of=lambda s: s):
   """Observe the last completed phase of each ring slot (required by the interpret-mode barrier rule; harmless on
-  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps."""
-  for s in range(max(n_steps - n_slots, 0), n_steps):
-    plgpu.barrier_wait(barrier.at[slot_of(s) % n_slots])
+  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps. ``n_steps``
+  may be a traced int32 (a persistent kernel's step count)."""
+  if isinstance(n_steps, int):
+    for s in range(max(n_steps - n_slots, 0), n_steps):
+      plgpu.barrier_wait(barrier.at[slot_of(s) % n_slots])
+    return
+  for i in range(n_slots):
+    s = n_steps - n_slots + i
+
+    @pl.when(s >= 0)
+    def _():
+      plgpu.barrier_wait(barrier.at[lax.rem(slot_of(s), n_slots)])
 
 
 def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):

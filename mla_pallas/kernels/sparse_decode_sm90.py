@@ -46,9 +46,18 @@ pv_dtype="f16")
   2N-byte rows of Pᵀ fix the V buffer's swizzle at 2N bytes). MMA work per tile drops 64/N-fold; the V upcast
   stays. Only consumer 0 runs a softmax because its reductions cross warps, and Mosaic GPU gives every warpgroup's
   cross-warp reductions the same SMEM scratch (see ``_consumer_heads_on_n``). ``consumers=4`` / ``5`` spread the V
-  upcast over more warpgroups (measured no faster). Output Oᵀ [tiles, splits, 512, N] (the op transposes it).
-  H200 (benchmarks/RESULTS.md runs 14-16): (b) 353.6 µs = 1.71 TB/s against 422.4 µs for head_axis="m" in the same
-  run; at H = 32 (N = 32) no faster than "m" (131.4 against 129.7 µs), so the op keeps "m" there.
+  upcast over more warpgroups (measured no faster). H200 (benchmarks/RESULTS.md runs 14-16): (b) 353.6 µs =
+  1.71 TB/s against 422.4 µs for head_axis="m" in the same run; at H = 32 (N = 32) no faster than "m" (131.4
+  against 129.7 µs), so the op keeps "m" there.
+  v7 (the op's defaults for H <= 16 since 2026-11-30, RESULTS run 17): consumer 0 runs only QKᵀ and the softmax,
+  consumer 1 upcasts all of V, the second half under the P.V wgmmas of the first (``v_owners=((), (0, 1, 2, 3))``,
+  ``v_overlap``); the softmax sums stay per (key, head) element until the last tile (``l_partial``: one cross-warp
+  reduction per tile fewer). Q comes as flat, unpadded rows (``q_stride`` = H; the heads_n - H extra rows a CTA
+  reads are the next token's heads, whose MMA columns are never stored) with its logit scales by TMA into
+  ``head_smem``; raw indices are masked in the kernel; O is written [out_heads, 512] through a transposed GMEM view
+  (vector-length-1 layout), so nothing is transposed or sliced after the kernel. (b) 353.6 -> 305.6-310 µs
+  (1.96-1.98 TB/s; the XLA pre-pass around the kernel went from 36 to ~4 µs). ``persistent`` (one CTA per SM
+  working through several items with Q / index prefetch) is correct and tested but measured no faster.
 * ``k_gather="linear"`` (v4, the default until 2026-11-30): one 640-byte TMA per row into a linear slot, which the
   loader re-swizzles into nine 64-byte-swizzled 64 × 64 tiles through registers (``Layout.WGMMA_8BIT``) before
   refilling the slot; ``pv_dtype="fp8"`` (P as fp8(256 p) through SMEM, V transposed into the K-major Vᵀ FP8
@@ -93,13 +102,14 @@ SMEM budget (bytes, 64-token tiles, top-k split of up to 2048 keys)
     linear ring (stages × 64 × 640)          0                          0                     40 960
     K (k_buffers × tile, swizzled)      81 920 (2 × 5 × 64 × 128) 122 880 (3 × 5 × 64 × 128) 73 728 (2 × 9 × 64 × 64)
     V f16 (64 × 512)                    65 536                     65 536                     65 536
-    Pᵀ (2 × 64 × 16 f16), alpha / 1/l        0                      4 096 + 1 024                   0
+    Pᵀ (2 × 64 × 16 f16), scales / alpha / 1/l   0                  4 096 + 1 024                   0
     indices (tiles_per_split × 64 int32) 8 192                      8 192                      8 192
     lse staging, barriers, placeholders   ~3 600                     ~2 600                     ~600
     Mosaic reduction scratch             2 048                      2 048                      2 048
     total (smem_budget, 1 KB rounding) 203 264                    216 576                    229 888
 (limit 232 448: one CTA per SM; a third K buffer with the 64-row Q would need 243 KB; ``pv_dtype="fp8"`` with
-``stages=2, k_buffers=1`` on the linear path: 208 384.)
+``stages=2, k_buffers=1`` on the linear path: 208 384; head_axis="n" with ``persistent``: a second Q buffer,
+226 816.)
 """
 from __future__ import annotations
 
@@ -169,6 +179,12 @@ class TuningConfig(common.TuningConfigBase):
   # head_axis="n": a consumer owning 2+ chunks of V stages the first half, waits for Pᵀ, then stages the second
   # half while the P.V wgmmas of the first half run (the upcast overlaps the MMAs instead of preceding them).
   v_overlap: bool = False
+  # head_axis="n": one CTA per SM (``num_ctas`` of build, the op passes the SM count) working through the items
+  # (query tile, split) c, c + num_ctas, ... in one pipeline: the next item's Q and indices are prefetched and its
+  # first gathers overlap this item's last tiles (see _loader_heads_on_n). Opt-in: on the H200 it measured no
+  # faster at (b), H = 16 or s_q = 1 (benchmarks/RESULTS.md run 17), although fewer, longer CTAs are faster
+  # (benchmarks/sparse_split_length_probe_gpu.py): what a CTA costs per item is not its start-up.
+  persistent: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
@@ -215,6 +231,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.l_partial needs head_axis='n'")
     if self.v_overlap and self.head_axis != "n":
       raise ValueError("TuningConfig.v_overlap needs head_axis='n'")
+    if self.persistent and (self.head_axis != "n" or self.tiles_per_split < 2 * self.k_buffers + 2):
+      raise ValueError("TuningConfig.persistent needs head_axis='n' and tiles_per_split >= 2 * k_buffers + 2 (the "
+                       f"index prefetch schedule); got head_axis={self.head_axis!r}, tiles_per_split="
+                       f"{self.tiles_per_split}, k_buffers={self.k_buffers}")
     if self.k_buffers == 3 and self.head_axis != "n":
       raise ValueError("TuningConfig.k_buffers=3 needs head_axis='n' (the 64-row Q leaves no SMEM for it)")
     self.check_split()
@@ -225,14 +245,14 @@ def smem_budget(cfg: TuningConfig) -> int:
   if cfg.k_gather == "swizzled":
     rows = _q_rows(cfg)
     return common.smem_bytes(
-        ((SW_CHUNKS, rows, SW_CHUNK), FP8),                  # Q (latent | 0 | rope)
+        ((2 if cfg.persistent else 1, SW_CHUNKS, rows, SW_CHUNK), FP8),   # Q (latent | 0 | rope), per Q buffer
         ((cfg.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8),   # K, gathered straight into the swizzled layout
         ((TILE, D_V), jnp.float16),                          # V f16
         ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
         ((rows,), jnp.float32),                              # lse staging
         ((128,), jnp.uint8),                                 # placeholder (linear ring)
         ((2, TILE, rows), jnp.float16) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # Pᵀ (head_axis "n")
-        ((4, HEAD_ROW), jnp.float32) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # qs, alpha, 1/l ("n")
+        ((5, HEAD_ROW), jnp.float32) if cfg.head_axis == "n" else ((128,), jnp.uint8),   # qs, alpha, 1/l ("n")
     ) + 64 * 8 + 2048
   return common.smem_bytes(
       ((N_CHUNKS, TILE, CHUNK), FP8),                      # Q
@@ -268,32 +288,40 @@ def _v_owners(cfg: TuningConfig) -> tuple:
 
 
 def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, interpret: bool, q_stride: int,
+          num_splits: int, num_items: int, num_ctas: int,
           q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,            # inputs
           o_gmem, lse_gmem,                                         # outputs
           q_sw, lin, k_sw, vt_sw, p_sw, idx_smem, lse_smem, head_smem,   # scratch
           q_bar, idx_bar, lin_full, lin_empty, k_full, k_empty, v_full, v_empty, p_full, p_empty):
-  tile_q = lax.axis_index("q")
-  split = lax.axis_index("split")
-  token = lax.div(tile_q, tiles_per_token)
   wg = lax.axis_index("wg")
-  n_tiles = cfg.tiles_per_split
-  stages = cfg.stages
-  k_buffers = cfg.k_buffers
   swz = cfg.k_gather == "swizzled"
   if swz and not interpret:   # the tiled view (wgmma operands) and a swizzle-only view of the same bytes (TMA rows)
     k_sw, k_rows = k_sw
+  if cfg.head_axis == "n":
+    items = _Items(cfg, num_splits, num_items, num_ctas)
+    _loader_heads_on_n(cfg, num_slots, interpret, q_stride, items, wg, q_gmem, qs_gmem, kv_gmem, idx_gmem, q_sw,
+                       k_sw, None if interpret else k_rows, idx_smem, head_smem, q_bar, idx_bar, k_full, k_empty)
+
+    @pl.when(wg < cfg.consumers)
+    def _():
+      _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_gmem, o_gmem, lse_gmem, q_sw,
+                           k_sw, vt_sw, p_sw, idx_smem, lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty,
+                           p_full, p_empty)
+    return
+
+  tile_q = lax.axis_index("q")
+  split = lax.axis_index("split")
+  token = lax.div(tile_q, tiles_per_token)
+  n_tiles = cfg.tiles_per_split
+  stages = cfg.stages
+  k_buffers = cfg.k_buffers
 
   @pl.when(wg == cfg.consumers)
   def _loader():
     plgpu.set_max_registers(LOADER_REGS, action="decrease")
     q_width = SW_CHUNK if swz else CHUNK
-    if cfg.head_axis == "n":   # flat Q rows: tile_q's heads_n rows start at row tile_q * q_stride (see build)
-      q_tile = q_gmem.at[pl.ds(tile_q * q_stride, _q_rows(cfg))]
-      plgpu.copy_gmem_to_smem(qs_gmem.at[pl.ds(tile_q * q_stride, HEAD_ROW)], head_smem.at[0], q_bar)
-    else:
-      q_tile = q_gmem.at[tile_q]
     for c in range(q_sw.shape[0]):    # Q: 9 boxes of 64 columns, or 5 of 128 (latent | 0 | rope) when swizzled
-      plgpu.copy_gmem_to_smem(q_tile.at[pl.ds(0, _q_rows(cfg)), pl.ds(c * q_width, q_width)], q_sw.at[c], q_bar)
+      plgpu.copy_gmem_to_smem(q_gmem.at[tile_q, :, pl.ds(c * q_width, q_width)], q_sw.at[c], q_bar)
     plgpu.copy_gmem_to_smem(idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], idx_smem, idx_bar)
     plgpu.barrier_wait(idx_bar)
     if swz:
@@ -367,14 +395,6 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
           gather(t + stages, slot)
 
       common.drain(k_empty, n_tiles, k_buffers)
-
-  if cfg.head_axis == "n":
-    @pl.when(wg < cfg.consumers)
-    def _():
-      _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg, qs_gmem, scal_gmem, o_gmem,
-                           lse_gmem, q_sw, k_sw, vt_sw, p_sw, idx_smem, lse_smem, head_smem, q_bar, idx_bar,
-                           k_full, k_empty, p_full, p_empty)
-    return
 
   @pl.when(wg < 2)
   def _consumer():
@@ -464,27 +484,145 @@ def _body(cfg: TuningConfig, num_slots: int, tiles_per_token: int, out_dtype, in
     _store_lse(wg, m, l, lse_smem, lse_gmem.at[tile_q, split])
 
 
-def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg, qs_gmem, scal_gmem, o_gmem,
-                         lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem, lse_smem, head_smem, q_bar, idx_bar, k_full,
-                         k_empty, p_full, p_empty):
+class _Items:
+  """head_axis="n": the work items (query tile, split) a CTA processes. Default: one, the CTA's grid position
+  (grid (q, split)). ``persistent``: grid (num_ctas,), CTA c takes items c, c + num_ctas, ... (item = tile_q ·
+  num_splits + split), one after the other through the same pipeline.
+
+  Index rows arrive in ``parts``: two halves per item when persistent (the loader refills each half for the next
+  item as soon as consumer 0 has read the masks of this item's half), one block otherwise. ``n_qbuf`` Q buffers
+  (2 when persistent: the next item's Q lands while this one's is in use)."""
+
+  def __init__(self, cfg, num_splits, num_items, num_ctas):
+    self.n_tiles = t = cfg.tiles_per_split
+    self.num_splits = num_splits
+    self.persistent = cfg.persistent
+    if cfg.persistent:   # (axis indices are read where they are used: inside each warpgroup's code)
+      self.count = lambda: lax.div(num_items - lax.axis_index("cta") + num_ctas - 1, jnp.int32(num_ctas))
+      self.item = lambda j: lax.axis_index("cta") + j * num_ctas
+      self.parts = ((0, t // 2), (t // 2, t))
+      self.n_qbuf = 2
+    else:
+      self.count = lambda: 1
+      self.parts = ((0, t),)
+      self.n_qbuf = 1
+
+  def position(self, j):
+    """(tile_q, split) of this CTA's item j."""
+    if not self.persistent:
+      return lax.axis_index("q"), lax.axis_index("split")
+    item = self.item(j)
+    return lax.div(item, jnp.int32(self.num_splits)), lax.rem(item, jnp.int32(self.num_splits))
+
+  def qbuf(self, j):
+    return lax.rem(j, 2) if self.n_qbuf == 2 else 0
+
+  @staticmethod
+  def pick(ref, i, n):
+    """ref.at[i] when ref holds n > 1 buffers / barriers, else ref itself."""
+    return ref.at[i] if n > 1 else ref
+
+  def wait_indices(self, t, idx_bar):
+    """At tile t of an item: wait for the index part that starts there."""
+    for part, (lo, _) in enumerate(self.parts):
+      @pl.when(t == lo)
+      def _():
+        plgpu.barrier_wait(self.pick(idx_bar, part, len(self.parts)))
+
+
+def _for_items(items, body):
+  """body(j, None) for each of the CTA's items (a Python call when there is exactly one)."""
+  count = items.count()
+  if isinstance(count, int):
+    for j in range(count):
+      body(j, None)
+  else:
+    lax.fori_loop(0, count, body, None)
+
+
+def _loader_heads_on_n(cfg, num_slots, interpret, q_stride, items, wg, q_gmem, qs_gmem, kv_gmem, idx_gmem, q_sw,
+                       k_sw, k_rows, idx_smem, head_smem, q_bar, idx_bar, k_full, k_empty):
+  """Loader of head_axis="n": per item, Q (heads_n flat rows from row tile_q · q_stride, five 128-column boxes) and
+  the heads' logit scales (a 128-byte box into head_smem row ``qbuf``), both on ``q_bar[qbuf]``; the item's
+  indices (``items.parts``, on ``idx_bar[part]``); then the swizzled gathers of every tile of every item.
+
+  Persistent prefetch schedule, at tile t of item j (after the loader has waited for the K buffer of tile t, i.e.
+  consumer 0 has finished QKᵀ of tile t - k_buffers of this CTA and read every mask before it):
+    t == k_buffers:            indices of j, second half (consumer 0 is past item j - 1), and Q / scales of j + 1
+                               into the other Q buffer (consumer 0 is past item j - 1's QKᵀ);
+    t == T/2 + k_buffers:      indices of j + 1, first half (consumer 0 is past the first half of item j).
+  So the next item's first gathers never wait for an index load (TuningConfig.validate: T >= 2 k_buffers + 2)."""
+  n_tiles = cfg.tiles_per_split
+  kbuf = cfg.k_buffers
+  rows = _q_rows(cfg)
+
+  @pl.when(wg == cfg.consumers)
+  def _():
+    plgpu.set_max_registers(LOADER_REGS, action="decrease")
+
+    def load_q(j):
+      tile_q, _ = items.position(j)
+      qb = items.qbuf(j)
+      bar = items.pick(q_bar, qb, items.n_qbuf)
+      plgpu.copy_gmem_to_smem(qs_gmem.at[pl.ds(tile_q * q_stride, HEAD_ROW)], head_smem.at[qb], bar)
+      q_rows = q_gmem.at[pl.ds(tile_q * q_stride, rows)]
+      for c in range(SW_CHUNKS):
+        plgpu.copy_gmem_to_smem(q_rows.at[:, pl.ds(c * SW_CHUNK, SW_CHUNK)],
+                                items.pick(q_sw, qb, items.n_qbuf).at[c], bar)
+
+    def load_indices(j, part):
+      tile_q, split = items.position(j)    # head_axis="n": one query tile per token
+      lo, hi = items.parts[part]
+      plgpu.copy_gmem_to_smem(idx_gmem.at[tile_q, pl.ds(split * n_tiles + lo, hi - lo)],
+                              idx_smem.at[pl.ds(lo, hi - lo)], items.pick(idx_bar, part, len(items.parts)))
+
+    load_q(0)
+    for part in range(len(items.parts)):
+      load_indices(0, part)
+
+    def before_gather(g):
+      j, t = lax.div(g, n_tiles), lax.rem(g, n_tiles)
+      if items.persistent:
+        half = items.parts[1][0]
+
+        @pl.when((t == kbuf) & (j >= 1))
+        def _():
+          load_indices(j, 1)
+
+        @pl.when((t == kbuf) & (j + 1 < items.count()))
+        def _():
+          load_q(j + 1)
+
+        @pl.when((t == half + kbuf) & (j + 1 < items.count()))
+        def _():
+          load_indices(j + 1, 0)
+      items.wait_indices(t, idx_bar)
+
+    _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty,
+                     n_steps=items.count() * n_tiles, before_gather=before_gather)
+
+
+def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_gmem, o_gmem, lse_gmem, q_sw,
+                         k_sw, v16, p_sw, idx_smem, lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full,
+                         p_empty):
   """Consumers of head_axis="n" (H <= N = heads_n, 16 or 32): the heads on the MMAs' N side, everything transposed.
 
   Per 64-key tile, consumer 0 (WG0) computes Sᵀ [64 keys, N] = K · Qᵀ (five m64nNk128 fp8 wgmmas: A = the
-  swizzled K chunk, K-major; B = Q's N rows, K-major) while it stages its chunks of V as f16, releases the K buffer,
-  runs the online softmax down the columns (keys_axis=0; masked keys are rows) and hands Pᵀ (f16 [64 keys, N]) and
-  alpha ([N] f32) to the other consumers through the SMEM buffer ``t % 2`` (``p_full``; each of them frees it on
-  ``p_empty``). Consumers 1.. stage their chunks of V (``V_CHUNK_OWNERS[consumers]``: 128 columns of d each) and
-  release the K buffer, then wait for Pᵀ. Each accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for the 64-wide blocks
-  of d of its chunks (m64nNk16 f16 wgmmas: A = the transposed f16 V tile, its swizzle matching Pᵀ's 2N-byte rows).
-  After the last tile consumer 0 hands over kv_scale / l (``head_smem[3]``, ``p_full[2]``) and writes lse.
-  ``head_smem`` rows: 0 the heads' logit scales (TMA, on ``q_bar``), 1-2 alpha of P buffer 0 / 1, 3 kv_scale / l.
+  swizzled K chunk, K-major; B = Q's N rows, K-major) while it stages its chunks of V as f16 (if it owns any),
+  releases the K buffer, runs the online softmax down the columns (keys_axis=0; masked keys are rows) and hands Pᵀ
+  (f16 [64 keys, N]) and alpha ([N] f32) to the other consumers through the SMEM buffer ``g % 2`` (g: the CTA's
+  tile count; ``p_full``; each of them frees it on ``p_empty``). Consumers 1.. stage their chunks of V
+  (``_v_owners``: 128 columns of d each; with v_overlap half of them under the P.V wgmmas) and release the K buffer,
+  then wait for Pᵀ. Each accumulates Oᵀ[d-block] += Vᵀ[d-block] · Pᵀ for the 64-wide blocks of d of its chunks
+  (m64nNk16 f16 wgmmas: A = the transposed f16 V tile, its swizzle matching Pᵀ's 2N-byte rows). After an item's
+  last tile consumer 0 hands over kv_scale / l (``p_full[2]``) and writes lse; every consumer writes its blocks of
+  O [out_heads, 512] (a transposed store). ``head_smem`` rows: [0, n_qbuf) the heads' logit scales per Q buffer
+  (TMA, on ``q_bar``), then alpha of P buffer 0 / 1, then kv_scale / l.
 
   Why one softmax, not one per consumer: the softmax reduces Sᵀ down its rows, i.e. across the 4 warps, and Mosaic
   GPU's cross-warp reductions all use one SMEM scratch at a fixed offset, shared by every warpgroup. Two consumers
   reducing at the same time corrupt each other's partial maxima / sums: on the H200 the first version (both
   consumers ran the same softmax) failed at N = 32 (cosine 0.988) although interpret mode and N = 16 passed.
-  Output: Oᵀ [512, N] per split (o_gmem [tiles, splits, 512, N]) and lse [N]; the op transposes and keeps the
-  first H columns.
   """
   plgpu.set_max_registers(_consumer_regs(cfg), action="increase")
   n = _q_rows(cfg)                              # heads_n: the MMAs' N
@@ -494,6 +632,8 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
   owners = _v_owners(cfg)
   out_heads = o_gmem.shape[-2]                  # heads stored (<= n): O [.., out_heads, 512], written transposed
   blocks_per_chunk = SW_CHUNK // TILE
+  alpha_row = items.n_qbuf                      # head_smem rows alpha_row + pb: alpha; alpha_row + 2: kv_scale / l
+  n_steps = items.count() * n_tiles
 
   def blocks(w):     # consumer w's 64-wide blocks of d
     return [c * blocks_per_chunk + i for c in owners[w] for i in range(blocks_per_chunk)]
@@ -506,108 +646,123 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, tile_q, split, wg
     if 'v_stage' not in cfg.ablate and chunks:
       common.stage_v16(k_tiles, v16, chunks=chunks, width=SW_CHUNK)
 
-  def first_chunks(w):   # v_overlap: the chunks staged before P.V starts (the rest are staged under its wgmmas)
-    return owners[w][:len(owners[w]) // 2]
+  def groups(w):   # v_overlap: w's chunks in two halves, the first staged before P.V starts, the second under the
+    chunks = owners[w]   # wgmmas of the first (each chunk in a group of its own measured no faster, run 17)
+    if not (cfg.v_overlap and len(chunks) >= 2):
+      return [chunks]
+    return [chunks[:len(chunks) // 2], chunks[len(chunks) // 2:]]
 
-  def pv_step(t, accs, alpha, w, mid=None):   # rescale, then Oᵀ[w's d-blocks] += Vᵀ · Pᵀ(t), waited for; with
-    if not accs:                               # ``mid``: the wgmmas of w's first V chunk(s), mid(), the rest
+  def pv_step(g, accs, alpha, w, mids=None):   # rescale, then Oᵀ[w's d-blocks] += Vᵀ · Pᵀ(g), waited for;
+    if not accs:                                # ``mids``: {block index: fn}, fn() runs before that block's wgmma
       return accs
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs)
-    cut = len(first_chunks(w)) * blocks_per_chunk if mid is not None else len(accs)
+    mids = mids or {}
 
     def pv(refs):
       for i, (b, ref) in enumerate(zip(blocks(w), refs)):
-        if i == cut:
-          mid()
+        if i in mids:
+          mids[i]()
         if 'pv' not in cfg.ablate:
-          plgpu.wgmma(ref, v16.at[:, pl.ds(b * TILE, TILE)].T, p_sw.at[lax.rem(t, 2)])
+          plgpu.wgmma(ref, v16.at[:, pl.ds(b * TILE, TILE)].T, p_sw.at[lax.rem(g, 2)])
     return _accumulate(pv, accs, interpret)
 
-  def store(accs, inv, w):   # Oᵀ block [64 d, n] -> O[:out_heads, 64 d] (a transposed GMEM view; the WGMMA layout
-    for b, a in zip(blocks(w), accs):   # cannot be stored transposed, its vector-length-1 twin can)
+  def store(accs, inv, w, j):   # Oᵀ block [64 d, n] -> O[:out_heads, 64 d] (a transposed GMEM view; the WGMMA
+    tile_q, split = items.position(j)   # layout cannot be stored transposed, its vector-length-1 twin can)
+    for b, a in zip(blocks(w), accs):
       out = plgpu.layout_cast(a * lax.broadcast_in_dim(inv, a.shape, [1]), plgpu.Layout._WGMMA_ACC_32BIT)
       o_gmem.at[tile_q, split, :, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
 
   @pl.when(wg == 0)
   def _softmax_consumer():
-    plgpu.barrier_wait(q_bar)
-    plgpu.barrier_wait(idx_bar)
-    head_scale = plgpu.load(head_smem.at[0, pl.ds(0, n)], layout=head_layout, optimized=False)
+    def item(j, _):
+      qb = items.qbuf(j)
+      q_tiles = items.pick(q_sw, qb, items.n_qbuf)
+      plgpu.barrier_wait(items.pick(q_bar, qb, items.n_qbuf))
+      head_scale = plgpu.load(head_smem.at[qb, pl.ds(0, n)], layout=head_layout, optimized=False)
 
-    def step(t, carry):
-      accs, m, l = carry
-      kb = lax.rem(t, cfg.k_buffers)
-      pb = lax.rem(t, 2)
-      k_tiles = k_sw.at[kb]
-      plgpu.barrier_wait(k_full.at[kb])
+      def step(t, carry):
+        accs, m, l = carry
+        g = j * n_tiles + t
+        kb = lax.rem(g, cfg.k_buffers)
+        pb = lax.rem(g, 2)
+        k_tiles = k_sw.at[kb]
+        items.wait_indices(t, idx_bar)
+        plgpu.barrier_wait(k_full.at[kb])
 
-      def qk(acc_ref):
-        for c in range(SW_CHUNKS if 'qk' not in cfg.ablate else 0):
-          plgpu.wgmma(acc_ref, k_tiles.at[c], q_sw.at[c].T)
-        if owners[0]:
-          stage_v(k_tiles, 0)    # while the wgmmas run
-          plgpu.commit_smem()
-        return acc_ref[...]
-      st = pl.run_scoped(qk, plgpu.ACC((TILE, n), jnp.float32))
-      plgpu.barrier_arrive(k_empty.at[kb])
+        def qk(acc_ref):
+          for c in range(SW_CHUNKS if 'qk' not in cfg.ablate else 0):
+            plgpu.wgmma(acc_ref, k_tiles.at[c], q_tiles.at[c].T)
+          if owners[0]:
+            stage_v(k_tiles, 0)    # while the wgmmas run
+            plgpu.commit_smem()
+          return acc_ref[...]
+        st = pl.run_scoped(qk, plgpu.ACC((TILE, n), jnp.float32))
+        plgpu.barrier_arrive(k_empty.at[kb])
 
-      keys = plgpu.load(idx_smem.at[t], layout=key_layout, optimized=False)
-      p, alpha, m_new, l = common.online_softmax_tile(st, common.valid_keys(keys, num_slots), head_scale, m, l,
-                                                      keys_axis=0)
+        keys = plgpu.load(idx_smem.at[t], layout=key_layout, optimized=False)
+        p, alpha, m_new, l = common.online_softmax_tile(st, common.valid_keys(keys, num_slots), head_scale, m, l,
+                                                        keys_axis=0)
 
-      @pl.when(t >= 2)
-      def _():
-        plgpu.barrier_wait(p_empty.at[pb])   # the other consumers are done with buffer pb (tile t - 2)
-      p_sw.at[pb][...] = p.astype(jnp.float16)
-      head_smem.at[pb + 1, pl.ds(0, n)][...] = alpha
+        @pl.when(g >= 2)
+        def _():
+          plgpu.barrier_wait(p_empty.at[pb])   # the other consumers are done with buffer pb (tile g - 2)
+        p_sw.at[pb][...] = p.astype(jnp.float16)
+        head_smem.at[alpha_row + pb, pl.ds(0, n)][...] = alpha
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_full.at[pb])
+        return pv_step(g, accs, alpha, 0), m_new, l
+
+      m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), head_layout)
+      if cfg.l_partial:   # running sums per (key row, head), summed down the keys once after the last tile
+        l0 = plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA)
+      else:
+        l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
+      accs, m, l = lax.fori_loop(0, n_tiles, step, (acc0(0), m0, l0))
+      if cfg.l_partial:
+        l = l.sum(axis=0)
+      inv = scal_gmem[0] / jnp.where(l == 0.0, 1.0, l)
+      head_smem.at[alpha_row + 2, pl.ds(0, n)][...] = inv
       plgpu.commit_smem()
-      plgpu.barrier_arrive(p_full.at[pb])
-      return pv_step(t, accs, alpha, 0), m_new, l
+      plgpu.barrier_arrive(p_full.at[2])
+      store(accs, inv, 0, j)
+      tile_q, split = items.position(j)
+      _store_lse(wg, m, l, lse_smem, lse_gmem.at[tile_q, split])
 
-    m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), head_layout)
-    if cfg.l_partial:   # running sums per (key row, head), summed down the keys once after the last tile
-      l0 = plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA)
-    else:
-      l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), head_layout)
-    accs, m, l = lax.fori_loop(0, n_tiles, step, (acc0(0), m0, l0))
-    if cfg.l_partial:
-      l = l.sum(axis=0)
-    inv = scal_gmem[0] / jnp.where(l == 0.0, 1.0, l)
-    head_smem.at[3, pl.ds(0, n)][...] = inv
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p_full.at[2])
-    store(accs, inv, 0)
-    _store_lse(wg, m, l, lse_smem, lse_gmem.at[tile_q, split])
-    common.drain(p_empty, n_tiles, 2)
+    _for_items(items, item)
+    common.drain(p_empty, n_steps, 2)
 
   for w in range(1, cfg.consumers):
     @pl.when(wg == w)
     def _pv_consumer():
-      overlap = cfg.v_overlap and len(owners[w]) >= 2
+      grouped = groups(w)
 
-      def step(t, accs):
-        kb = lax.rem(t, cfg.k_buffers)
-        pb = lax.rem(t, 2)
-        plgpu.barrier_wait(k_full.at[kb])
+      def item(j, _):
+        def step(t, accs):
+          g = j * n_tiles + t
+          kb = lax.rem(g, cfg.k_buffers)
+          pb = lax.rem(g, 2)
+          plgpu.barrier_wait(k_full.at[kb])
 
-        def stage_rest():   # (v_overlap: under the wgmmas of the first chunks) the remaining chunks of V
-          stage_v(k_sw.at[kb], w, owners[w][len(first_chunks(w)):] if overlap else None)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(k_empty.at[kb])
-        if overlap:
-          stage_v(k_sw.at[kb], w, first_chunks(w))
-          plgpu.commit_smem()
-        else:
-          stage_rest()
-        plgpu.barrier_wait(p_full.at[pb])
-        alpha = plgpu.load(head_smem.at[pb + 1, pl.ds(0, n)], layout=head_layout, optimized=False)
-        accs = pv_step(t, accs, alpha, w, mid=stage_rest if overlap else None)
-        plgpu.barrier_arrive(p_empty.at[pb])
-        return accs
+          def stage_group(k):   # group k of w's V chunks; the K buffer is released after the last group
+            stage_v(k_sw.at[kb], w, grouped[k])
+            plgpu.commit_smem()
+            if k == len(grouped) - 1:
+              plgpu.barrier_arrive(k_empty.at[kb])
+          stage_group(0)
+          plgpu.barrier_wait(p_full.at[pb])
+          alpha = plgpu.load(head_smem.at[alpha_row + pb, pl.ds(0, n)], layout=head_layout, optimized=False)
+          starts = [sum(len(c) for c in grouped[:k]) * blocks_per_chunk for k in range(len(grouped))]
+          mids = {starts[k]: functools.partial(stage_group, k) for k in range(1, len(grouped))}
+          accs = pv_step(g, accs, alpha, w, mids=mids)
+          plgpu.barrier_arrive(p_empty.at[pb])
+          return accs
 
-      accs = lax.fori_loop(0, n_tiles, step, acc0(w))
-      plgpu.barrier_wait(p_full.at[2])
-      store(accs, plgpu.load(head_smem.at[3, pl.ds(0, n)], layout=head_layout, optimized=False), w)
+        accs = lax.fori_loop(0, n_tiles, step, acc0(w))
+        plgpu.barrier_wait(p_full.at[2])
+        store(accs, plgpu.load(head_smem.at[alpha_row + 2, pl.ds(0, n)], layout=head_layout, optimized=False),
+              w, j)
+
+      _for_items(items, item)
 
 
 def _accumulate(issue, accs, interpret):
@@ -641,7 +796,8 @@ def _store_lse(wg, m, l, lse_smem, lse_dst):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty):
+def _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty, n_steps=None,
+                     before_gather=lambda g: None):
   """Gathers of ``k_gather="swizzled"`` (after the loader has loaded Q and the split's indices): per 64-key tile,
   five 128-byte TMAs per row straight into the 128-byte-swizzled K tiles of buffer ``t % k_buffers`` (arriving
   on ``k_full``), once the consumers have released it (``k_empty``).
@@ -650,9 +806,14 @@ def _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, k_rows, idx_smem,
   the tiled ``k_sw`` [k_buffers, 5, 64, 128] (a ``RefUnion``): the TMA unit applies the 128-byte swizzle from the
   destination address, so a one-row box lands where the tiled view expects it. Interpret mode keeps the members of
   a ``RefUnion`` apart, so there the rows are copied into one-row slices of ``k_sw`` itself.
+
+  ``n_steps`` (default tiles_per_split): tiles gathered in all, step g from idx_smem row g % tiles_per_split (a
+  persistent CTA's items one after the other); ``before_gather(g)`` runs after buffer g % k_buffers is free and
+  before step g's gather (the persistent kernel's index / Q prefetches).
   """
   n_tiles = cfg.tiles_per_split
   k_buffers = cfg.k_buffers
+  n_steps = n_tiles if n_steps is None else n_steps
 
   def gather(t, kb):
     def issue_row(r):
@@ -666,16 +827,17 @@ def _swizzled_loader(cfg, num_slots, interpret, kv_gmem, k_sw, k_rows, idx_smem,
         plgpu.copy_gmem_to_smem(src, dst, k_full.at[kb])
     common.for_rows_per_warp(TILE, issue_row)
 
-  @pl.loop(0, n_tiles)
-  def _(t):
-    kb = lax.rem(t, k_buffers)
+  @pl.loop(0, n_steps)
+  def _(g):
+    kb = lax.rem(g, k_buffers)
 
-    @pl.when(t >= k_buffers)
+    @pl.when(g >= k_buffers)
     def _():
       plgpu.barrier_wait(k_empty.at[kb])
-    gather(t, kb)
+    before_gather(g)
+    gather(lax.rem(g, n_tiles), kb)
 
-  common.drain(k_empty, n_tiles, k_buffers)
+  common.drain(k_empty, n_steps, k_buffers)
 
 
 def _q_lin_k_scratch(cfg, interpret):
@@ -684,7 +846,10 @@ def _q_lin_k_scratch(cfg, interpret):
     k_tiled = plgpu.SMEM((cfg.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
     k_rows = plgpu.SMEM((cfg.k_buffers, SW_CHUNKS, TILE // 8, 8, SW_CHUNK), FP8,
                         transforms=(plgpu.SwizzleTransform(SW_CHUNK),))
-    return [plgpu.SMEM((SW_CHUNKS, _q_rows(cfg), SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK)),   # Q
+    q_shape = (SW_CHUNKS, _q_rows(cfg), SW_CHUNK)
+    if cfg.persistent:      # two Q buffers: the next item's Q lands while this one's is in use
+      q_shape = (2,) + q_shape
+    return [plgpu.SMEM(q_shape, FP8, transforms=swizzled(FP8, SW_CHUNK)),                      # Q
             plgpu.SMEM((128,), jnp.uint8),                                                       # (no linear ring)
             k_tiled if interpret else plgpu.RefUnion(k_tiled, k_rows)]                           # K
   return [plgpu.SMEM((N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64)),             # Q
@@ -713,7 +878,7 @@ def _p_scratch(cfg, interpret):
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, tiles_per_token: int,
           out_dtype_name: str, cfg: TuningConfig, interpret=False, out_heads: int | None = None,
-          q_stride: int | None = None):
+          q_stride: int | None = None, num_ctas: int | None = None):
   """Build the kernel for given shapes.
 
   Kernel arguments:
@@ -742,7 +907,11 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
     raise ValueError(f"out_heads must be a multiple of 8 in (0, heads_n={cfg.heads_n}]; got {out_heads}")
   n_tiles = cfg.tiles_per_split
   swz = cfg.k_gather == "swizzled"
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret), q_stride)
+  num_items = num_q_tiles * num_splits
+  num_ctas = min(num_items, num_ctas or 132) if cfg.persistent else num_items
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, bool(interpret), q_stride,
+                           num_splits, num_items, num_ctas)
+  n_qbuf = 2 if cfg.persistent else 1
   kwargs = common.interpret_kwargs(interpret)
   return plgpu.kernel(
       body,
@@ -750,17 +919,19 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
                                      (num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, out_heads if cfg.head_axis == "n" else TILE),
                                      jnp.float32)),
-      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
+      grid=(num_ctas,) if cfg.persistent else (num_q_tiles, num_splits),
+      grid_names=("cta",) if cfg.persistent else ("q", "split"),
       num_threads=cfg.consumers + 1, thread_name="wg",
       scratch_types=_q_lin_k_scratch(cfg, bool(interpret)) + [
           _v_scratch(cfg),                                                               # V^T (fp8) / V (f16)
           _p_scratch(cfg, bool(interpret)),                                              # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
           plgpu.SMEM((_q_rows(cfg),), jnp.float32),                                      # lse
-          plgpu.SMEM((4, HEAD_ROW), jnp.float32) if cfg.head_axis == "n" else
-          plgpu.SMEM((128,), jnp.uint8),                  # head_axis "n": qs, alpha (2 buffers), kv_scale / l
-          plgpu.Barrier(num_arrivals=(SW_CHUNKS + (cfg.head_axis == "n")) if swz else N_CHUNKS),   # q_bar (+ qs)
-          plgpu.Barrier(),                                       # idx_bar
+          plgpu.SMEM((n_qbuf + 3, HEAD_ROW), jnp.float32) if cfg.head_axis == "n" else
+          plgpu.SMEM((128,), jnp.uint8),      # head_axis "n": qs (per Q buffer), alpha (2 buffers), kv_scale / l
+          plgpu.Barrier(num_arrivals=(SW_CHUNKS + (cfg.head_axis == "n")) if swz else N_CHUNKS,
+                        num_barriers=2 if cfg.persistent else ()),   # q_bar (+ qs), per Q buffer
+          plgpu.Barrier(num_barriers=2 if cfg.persistent else ()),   # idx_bar (persistent: per half of the indices)
           plgpu.Barrier(num_arrivals=TILE, num_barriers=cfg.stages),   # lin_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # lin_empty (k_stager="consumers")
           plgpu.Barrier(num_arrivals=SW_CHUNKS * TILE if swz else 2 if cfg.k_stager == "consumers" else 1,

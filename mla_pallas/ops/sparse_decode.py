@@ -212,7 +212,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   build_kw = {}
   if heads_on_n:        # flat, unpadded Q rows (the kernel reads heads_n rows from row token · H) and O written
     q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)   # as [.., out_heads, 512]
-    build_kw.update(q_stride=h, out_heads=-(-h // 8) * 8)
+    build_kw.update(q_stride=h, out_heads=-(-h // 8) * 8, num_ctas=_num_sms())
   else:
     if h < tile:
       q8 = jnp.pad(q8, ((0, 0), (0, tile - h), (0, 0)))
