@@ -494,7 +494,7 @@ class _Items:
   (2 when persistent: the next item's Q lands while this one's is in use)."""
 
   def __init__(self, cfg, num_splits, num_items, num_ctas):
-    self.n_tiles = t = cfg.tiles_per_split
+    t = cfg.tiles_per_split
     self.num_splits = num_splits
     self.persistent = cfg.persistent
     if cfg.persistent:   # (axis indices are read where they are used: inside each warpgroup's code)

@@ -196,10 +196,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     raise ValueError(f"TuningConfig.heads_n={cfg.heads_n} must be >= H={h}")
   k_pad = splits * tps * tile
 
-  # Pre-pass (fused XLA ops): per-row quantized Q with folded scales, padded to the rows a CTA reads (64, or
-  # heads_n with head_axis="n"); the indices only where needed: the sm_90 kernel masks ids outside
-  # [0, num_slots) itself, so they pass through unless topk_length masks a tail or the split grid needs padding
-  # (the sm_100 kernel takes sanitised unsigned ids).
+  # Pre-pass (fused XLA ops): per-row quantized Q with folded scales (padded to the 64-row tile with
+  # head_axis="m", flat and unpadded with head_axis="n"); the indices only where needed: the sm_90 kernel masks
+  # ids outside [0, num_slots) itself, so they pass through unless topk_length masks a tail or the split grid
+  # needs padding (the sm_100 kernel takes sanitised unsigned ids).
   rows = indices
   if arch == "sm100" or topk_length is not None:
     rows = jnp.where(_valid_mask(indices, num_slots, topk_length), indices, num_slots)
