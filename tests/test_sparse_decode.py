@@ -180,11 +180,13 @@ def test_consumer_registers_fit_the_launch_allocation(consumers):
 
 
 def test_default_tuning_puts_few_heads_on_n():
-  """sm_90: H <= HEADS_ON_N_MAX -> head_axis="n" with 3 K buffers, consumer 1 owning all of V (staged under its
-  P.V wgmmas) and lazy softmax sums; explicit choices and other H / arches kept."""
-  v7 = {"v_owners": ((), (0, 1, 2, 3)), "l_partial": True, "v_overlap": True}
-  assert sd._default_tuning("sm90", 8) == {"head_axis": "n", "k_buffers": 3, **v7}
-  assert sd._default_tuning("sm90", 16, (("k_buffers", 2),)) == {"head_axis": "n", "k_buffers": 2, **v7}
+  """sm_90: H <= HEADS_ON_N_MAX -> head_axis="n", consumer 1 owning all of V with Vᵀ in registers and 4 K buffers
+  (3 when v_regs is turned off), lazy softmax sums; explicit choices and other H / arches kept."""
+  v8 = {"v_owners": ((), (0, 1, 2, 3)), "v_regs": True, "l_partial": True, "v_overlap": True}
+  assert sd._default_tuning("sm90", 8) == {"head_axis": "n", "k_buffers": 4, **v8}
+  assert sd._default_tuning("sm90", 16, (("k_buffers", 2),)) == {"head_axis": "n", "k_buffers": 2, **v8}
+  assert sd._default_tuning("sm90", 8, (("v_regs", False),)) == {"head_axis": "n", "k_buffers": 3,
+                                                                  **v8, "v_regs": False}
   assert sd._default_tuning("sm90", 16, (("consumers", 4),)) == {"head_axis": "n", "k_buffers": 3, "consumers": 4,
                                                                   "l_partial": True, "v_overlap": True}
   assert sd._default_tuning("sm90", 8, (("head_axis", "m"),)) == {"head_axis": "m"}
@@ -300,7 +302,8 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, "f16"), (8, 4, 2051, 1, "f16"), (128, 2, 256, 2, "f16"), (64, 2, 1024, 1, "fp8"),
     (128, 2, 2048, 1, "swizzled"), (8, 4, 2051, 2, "swizzled"), (8, 4, 2051, 1, "heads_n"),
     (16, 1, 2048, 2, "heads_n"), (32, 2, 2048, 1, "heads_n"), (8, 4, 2048, 1, "heads_n_c4"),
-    (16, 1, 2048, 1, "heads_n_c5"), (8, 4, 2048, 1, "heads_n_v1"), (8, 4, 2051, 1, "heads_n_persistent")])
+    (16, 1, 2048, 1, "heads_n_c5"), (8, 4, 2048, 1, "heads_n_v1"), (8, 4, 2051, 1, "heads_n_persistent"),
+    (8, 4, 2051, 2, "heads_n_vregs"), (32, 1, 2048, 1, "heads_n_vregs")])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA) at sm_90a.
   "swizzled": k_gather="swizzled" (f16 P.V), whose RefUnion row view only exists outside interpret mode."""
@@ -313,7 +316,9 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
            "heads_n_c5": dict(head_axis="n", consumers=5, k_buffers=3),     # + a softmax-only consumer 0
            "heads_n_v1": dict(head_axis="n", k_buffers=3, v_owners=((), (0, 1, 2, 3)), l_partial=True),
            "heads_n_persistent": dict(head_axis="n", k_buffers=3, v_owners=((), (0, 1, 2, 3)), l_partial=True,
-                                      v_overlap=True, persistent=True)}
+                                      v_overlap=True, persistent=True),
+           "heads_n_vregs": dict(head_axis="n", k_buffers=4, v_owners=((), (0, 1, 2, 3)), l_partial=True,
+                                 v_regs=True)}
   heads_n = pv_dtype.startswith("heads_n")
   cfg = sm90.TuningConfig(tiles_per_split=tps, **extra.get(pv_dtype, {}))
   kern = sm90.build(n_tok * tiles_per_token, n_tok, 4096, splits, tiles_per_token,
@@ -336,6 +341,10 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, pv_dtype):
   if heads_n:
     n = cfg.heads_n
     assert low.count(rf"m64n{n}k32\.f32\.e4m3\.e4m3") == 20 and low.count(rf"m64n{n}k16\.f32\.f16\.f16") == 32
+  if cfg.v_regs:   # Vᵀ from the K tile in registers, per 64 x 512 tile per thread: 32 64-bit loads, 64 byte permutes
+    assert low.count(r"ld\.shared\.v2\.b32") == 32 and low.count(r"prmt\.b32") == 64
+    # O: per 8 stored heads, 2 heads x 2 halves of 8 consecutive latent columns per thread, one vector store each
+    assert low.count(r"\{alignment = 16 : i64\} : vector<8x") == 4 * cfg.heads_n // 8
   assert low.count(r"cp\.async\.bulk\.tensor") > 0
 
 

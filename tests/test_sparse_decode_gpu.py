@@ -55,15 +55,16 @@ def test_heads_on_n_consumers_match_reference(rng, H, s_q, tuning):
 
 @pytest.mark.parametrize("H,s_q", [(8, 4), (16, 2), (32, 1)])
 def test_head_axes_agree(rng, H, s_q):
-  """Both arrangements (and the consumer / K-buffer variants) compute the same fp8 products and the same f16 P, so
+  """Both arrangements (and the consumer / K-buffer variants; at H <= 16 the default Vᵀ in registers against the
+  SMEM-staged f16 V tile) compute the same fp8 products and the same f16 P, so
   they differ only in f32 summation order: at most about one bf16 ulp (2^-8 relative) apart, as in interpret mode.
   Much tighter than the error budget against the reference, which a racing first head_axis="n" version (two
   warpgroups sharing Mosaic's cross-warp reduction scratch) passed at N = 16 while it was 0.035 rel-L2 off XLA."""
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64)
   base, base_lse = checks.run(case, "mosaic", (("head_axis", "m"),))
   variants = [(("head_axis", "n"),), (("head_axis", "n"), ("k_buffers", 3))]
-  if H <= 16:
-    variants.append((("head_axis", "n"), ("consumers", 4)))
+  if H <= 16:   # the op's default (Vᵀ in registers, 4 K buffers), the same with V staged in SMEM, 4 consumers
+    variants += [(), (("v_regs", False),), (("head_axis", "n"), ("consumers", 4))]
   for tuning in variants:
     out, lse = checks.run(case, "mosaic", tuning)
     testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"{tuning} vs head_axis m")
@@ -74,8 +75,10 @@ def test_head_axes_agree(rng, H, s_q):
 
 @pytest.mark.parametrize("H,s_q,sms", [(8, 4, 3), (16, 2, 3), (8, 1, 5)])
 def test_persistent_matches_reference(rng, monkeypatch, H, s_q, sms):
-  """TuningConfig.persistent (opt-in; measured no faster, benchmarks/RESULTS.md run 17) with the SM count patched
-  so that every CTA works through several items (and some one more than others): the full reference check."""
+  """TuningConfig.persistent (opt-in; measured no faster, benchmarks/RESULTS.md runs 17 and 19) with the SM count
+  patched so that every CTA works through several items (and some one more than others): the full reference
+  check. At s_q = 1 the splits are 8 tiles long, too short for the default 4 K buffers (the index prefetch needs
+  tiles_per_split >= 2 k_buffers + 2): the op then takes 3."""
   monkeypatch.setattr(sd, "_num_sms", lambda: sms)
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("persistent", True),))
 

@@ -58,6 +58,13 @@ pv_dtype="f16")
   (vector-length-1 layout), so nothing is transposed or sliced after the kernel. (b) 353.6 -> 305.6-310 µs
   (1.96-1.98 TB/s; the XLA pre-pass around the kernel went from 36 to ~4 µs). ``persistent`` (one CTA per SM
   working through several items with Q / index prefetch) is correct and tested but measured no faster.
+  **v8** (the op's defaults for H <= 16 since 2026-11-30, sixth session; RESULTS run 19): ``v_regs`` — consumer 1
+  no longer upcasts V into an f16 SMEM tile: it loads its bytes of V straight from the K tile into registers (32
+  64-bit loads per thread), releases the K buffer at once, and builds Vᵀ as the *register* A operand of the P.V
+  wgmmas with byte permutes and e4m3x2 -> f16x2 conversions (``kernels/vt_registers.py``; rows of Vᵀ are
+  permuted so that the loads and the O stores are 8 bytes / 16 bytes wide). The 64 KB f16 V tile is gone, and a
+  fourth K buffer takes its place (``k_buffers=4``). (b) 305.5 -> 278.2 µs (2.17 TB/s), H = 16 158.3 -> 146.3,
+  s_q = 1 89.8 -> 83.7 µs (same run). Interpret mode runs the SMEM upcast instead (no ``inline_mgpu`` there).
 * ``k_gather="linear"`` (v4, the default until 2026-11-30): one 640-byte TMA per row into a linear slot, which the
   loader re-swizzles into nine 64-byte-swizzled 64 × 64 tiles through registers (``Layout.WGMMA_8BIT``) before
   refilling the slot; ``pv_dtype="fp8"`` (P as fp8(256 p) through SMEM, V transposed into the K-major Vᵀ FP8
@@ -97,7 +104,7 @@ linear ring on an H200 (../shared/mgpu/README.md section 6); Lane is correct. La
 SMEM budget (bytes, 64-token tiles, top-k split of up to 2048 keys)
 --------------------------------------------------------------------
                                      swizzled gather, H > 16     head_axis="n", N = 16,     k_gather="linear" (v4)
-                                     (head_axis="m")             k_buffers=3 (H <= 16)
+                                     (head_axis="m")             k_buffers=3 (v7)
     Q (fp8, swizzled)                   40 960 (5 × 64 × 128)      10 240 (5 × 16 × 128)      36 864 (9 × 64 × 64)
     linear ring (stages × 64 × 640)          0                          0                     40 960
     K (k_buffers × tile, swizzled)      81 920 (2 × 5 × 64 × 128) 122 880 (3 × 5 × 64 × 128) 73 728 (2 × 9 × 64 × 64)
@@ -107,6 +114,8 @@ SMEM budget (bytes, 64-token tiles, top-k split of up to 2048 keys)
     lse staging, barriers, placeholders   ~3 600                     ~2 600                     ~600
     Mosaic reduction scratch             2 048                      2 048                      2 048
     total (smem_budget, 1 KB rounding) 203 264                    216 576                    229 888
+v8 (the default for H <= 16: head_axis="n", v_regs, k_buffers=4): the v7 column without the 65 536 of the V
+tile and with a fourth K buffer (+40 960): 193 024 (203 264 with ``persistent``).
 (limit 232 448: one CTA per SM; a third K buffer with the 64-row Q would need 243 KB; ``pv_dtype="fp8"`` with
 ``stages=2, k_buffers=1`` on the linear path: 208 384; head_axis="n" with ``persistent``: a second Q buffer,
 226 816.)
@@ -123,6 +132,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
+from mla_pallas.kernels import vt_registers
 from mla_pallas.kernels.common import CHUNK, D_QK, D_V, FP8, LN2, N_CHUNKS, P_SCALE, SLOT_CHUNKS, swizzled
 
 TILE = 64          # query rows per CTA and gathered keys per pipeline step
@@ -185,6 +195,11 @@ class TuningConfig(common.TuningConfigBase):
   # faster at (b), H = 16 or s_q = 1 (benchmarks/RESULTS.md run 17), although fewer, longer CTAs are faster
   # (benchmarks/sparse_split_length_probe_gpu.py): what a CTA costs per item is not its start-up.
   persistent: bool = False
+  # head_axis="n" with consumer 1 owning all of V (v_owners=((), (0, 1, 2, 3))): Vᵀ is the P.V wgmmas' A operand
+  # in registers, read from the K tile with 64-bit loads, byte permutes and e4m3x2 -> f16x2 conversions
+  # (kernels/vt_registers.py): no f16 V tile in SMEM (64 KB freed: k_buffers=4 fits), no upcast stores, and
+  # consumer 1 releases the K buffer as soon as its loads are done. Interpret mode keeps the SMEM upcast.
+  v_regs: bool = False
   # Benchmark-only ablations (wrong results!): any of "k_stage", "v_stage" (skip that staging), "hbm" (gather
   # every row from slot 0, so it stays in L2), "qk", "pv" (skip those wgmmas). Used to place time in the kernel.
   ablate: tuple = ()
@@ -194,8 +209,8 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.k_stager must be 'loader' or 'consumers'; got {self.k_stager!r}")
     if self.k_stager == "consumers" and self.v_stager != "consumers":
       raise ValueError("TuningConfig.k_stager='consumers' needs v_stager='consumers'")
-    if self.k_buffers not in (1, 2, 3):
-      raise ValueError(f"TuningConfig.k_buffers must be 1, 2 or 3; got {self.k_buffers}")
+    if self.k_buffers not in ((1, 2, 3, 4) if self.v_regs else (1, 2, 3)):
+      raise ValueError(f"TuningConfig.k_buffers must be 1, 2 or 3 (4 with v_regs); got {self.k_buffers}")
     if self.k_buffers > 1 and (self.k_stager != "loader" or self.v_stager != "consumers"):
       raise ValueError("TuningConfig.k_buffers=2 needs k_stager='loader' and v_stager='consumers'")
     if self.pv_dtype not in ("fp8", "f16"):
@@ -235,7 +250,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.persistent needs head_axis='n' and tiles_per_split >= 2 * k_buffers + 2 (the "
                        f"index prefetch schedule); got head_axis={self.head_axis!r}, tiles_per_split="
                        f"{self.tiles_per_split}, k_buffers={self.k_buffers}")
-    if self.k_buffers == 3 and self.head_axis != "n":
+    if self.v_regs and (self.head_axis != "n" or self.consumers != 2 or self.v_owners != ((), (0, 1, 2, 3))):
+      raise ValueError("TuningConfig.v_regs needs head_axis='n', consumers=2 and v_owners=((), (0, 1, 2, 3)); got "
+                       f"head_axis={self.head_axis!r}, consumers={self.consumers}, v_owners={self.v_owners}")
+    if self.k_buffers >= 3 and self.head_axis != "n":
       raise ValueError("TuningConfig.k_buffers=3 needs head_axis='n' (the 64-row Q leaves no SMEM for it)")
     self.check_split()
     self.check_smem(smem_budget(self))
@@ -247,7 +265,7 @@ def smem_budget(cfg: TuningConfig) -> int:
     return common.smem_bytes(
         ((2 if cfg.persistent else 1, SW_CHUNKS, rows, SW_CHUNK), FP8),   # Q (latent | 0 | rope), per Q buffer
         ((cfg.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8),   # K, gathered straight into the swizzled layout
-        ((TILE, D_V), jnp.float16),                          # V f16
+        ((128,), jnp.uint8) if cfg.v_regs else ((TILE, D_V), jnp.float16),   # V f16 (none with v_regs)
         ((cfg.tiles_per_split, TILE), jnp.int32),            # indices
         ((rows,), jnp.float32),                              # lse staging
         ((128,), jnp.uint8),                                 # placeholder (linear ring)
@@ -619,6 +637,10 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_g
   O [out_heads, 512] (a transposed store). ``head_smem`` rows: [0, n_qbuf) the heads' logit scales per Q buffer
   (TMA, on ``q_bar``), then alpha of P buffer 0 / 1, then kv_scale / l.
 
+  ``v_regs`` (consumer 1 owns all of V): consumer 1 loads its bytes of V from the K buffer into registers, releases
+  the buffer, waits for Pᵀ and runs the P.V wgmmas with Vᵀ as a register A operand (``vt_registers``); its Oᵀ
+  blocks hold the latent columns g, g + 8, ... (block g), stored as 16-byte rows by ``vt_registers.store_o``.
+
   Why one softmax, not one per consumer: the softmax reduces Sᵀ down its rows, i.e. across the 4 warps, and Mosaic
   GPU's cross-warp reductions all use one SMEM scratch at a fixed offset, shared by every warpgroup. Two consumers
   reducing at the same time corrupt each other's partial maxima / sums: on the H200 the first version (both
@@ -634,6 +656,7 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_g
   blocks_per_chunk = SW_CHUNK // TILE
   alpha_row = items.n_qbuf                      # head_smem rows alpha_row + pb: alpha; alpha_row + 2: kv_scale / l
   n_steps = items.count() * n_tiles
+  v_regs = cfg.v_regs and not interpret   # interpret mode has no inline_mgpu: it keeps the SMEM upcast
 
   def blocks(w):     # consumer w's 64-wide blocks of d
     return [c * blocks_per_chunk + i for c in owners[w] for i in range(blocks_per_chunk)]
@@ -668,6 +691,9 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_g
 
   def store(accs, inv, w, j):   # Oᵀ block [64 d, n] -> O[:out_heads, 64 d] (a transposed GMEM view; the WGMMA
     tile_q, split = items.position(j)   # layout cannot be stored transposed, its vector-length-1 twin can)
+    if v_regs and w == 1:    # block b holds the latent columns b, b + 8, ..., b + 504: 16-byte row stores
+      vt_registers.store_o([a * lax.broadcast_in_dim(inv, a.shape, [1]) for a in accs], o_gmem.at[tile_q, split])
+      return
     for b, a in zip(blocks(w), accs):
       out = plgpu.layout_cast(a * lax.broadcast_in_dim(inv, a.shape, [1]), plgpu.Layout._WGMMA_ACC_32BIT)
       o_gmem.at[tile_q, split, :, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
@@ -737,6 +763,21 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_g
       grouped = groups(w)
 
       def item(j, _):
+        def step_regs(t, accs):   # v_regs: Vᵀ straight from the K tile into registers (vt_registers)
+          g = j * n_tiles + t
+          kb = lax.rem(g, cfg.k_buffers)
+          pb = lax.rem(g, 2)
+          plgpu.barrier_wait(k_full.at[kb])
+          words = vt_registers.load_v_words(k_sw.at[kb])
+          plgpu.barrier_arrive(k_empty.at[kb])
+          plgpu.barrier_wait(p_full.at[pb])
+          alpha = plgpu.load(head_smem.at[alpha_row + pb, pl.ds(0, n)], layout=head_layout, optimized=False)
+          accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs)
+          if 'pv' not in cfg.ablate:
+            accs = vt_registers.pv_wgmmas(words, p_sw.at[pb], accs, 2 * n)
+          plgpu.barrier_arrive(p_empty.at[pb])
+          return accs
+
         def step(t, accs):
           g = j * n_tiles + t
           kb = lax.rem(g, cfg.k_buffers)
@@ -757,7 +798,7 @@ def _consumer_heads_on_n(cfg, num_slots, out_dtype, interpret, items, wg, scal_g
           plgpu.barrier_arrive(p_empty.at[pb])
           return accs
 
-        accs = lax.fori_loop(0, n_tiles, step, acc0(w))
+        accs = lax.fori_loop(0, n_tiles, step_regs if v_regs else step, acc0(w))
         plgpu.barrier_wait(p_full.at[2])
         store(accs, plgpu.load(head_smem.at[alpha_row + 2, pl.ds(0, n)], layout=head_layout, optimized=False),
               w, j)
@@ -857,7 +898,9 @@ def _q_lin_k_scratch(cfg, interpret):
           plgpu.SMEM((cfg.k_buffers, N_CHUNKS, TILE, CHUNK), FP8, transforms=swizzled(FP8, 64))]   # K
 
 
-def _v_scratch(cfg):
+def _v_scratch(cfg, interpret):
+  if cfg.v_regs and not interpret:
+    return plgpu.SMEM((128,), jnp.uint8)     # unused placeholder: Vᵀ goes from the K tile to registers
   if cfg.pv_dtype == "fp8":
     return plgpu.SMEM((D_V, TILE), FP8, transforms=swizzled(FP8, 64))
   # head_axis="n": Vᵀ is the A operand of a wgmma whose B (Pᵀ, N f16 = 2N-byte rows) fixes the swizzle at 2N.
@@ -923,7 +966,7 @@ def build(num_q_tiles: int, num_tokens: int, num_slots: int, num_splits: int, ti
       grid_names=("cta",) if cfg.persistent else ("q", "split"),
       num_threads=cfg.consumers + 1, thread_name="wg",
       scratch_types=_q_lin_k_scratch(cfg, bool(interpret)) + [
-          _v_scratch(cfg),                                                               # V^T (fp8) / V (f16)
+          _v_scratch(cfg, bool(interpret)),                                              # V^T (fp8) / V (f16)
           _p_scratch(cfg, bool(interpret)),                                              # P
           plgpu.SMEM((n_tiles, TILE), jnp.int32),                                        # indices
           plgpu.SMEM((_q_rows(cfg),), jnp.float32),                                      # lse

@@ -140,24 +140,28 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
 # (head_axis="n") -> 351.3 us (+ k_buffers=3); H = 16 224.1 -> 190.7 -> 183.0 us. At H = 32 (N = 32) head_axis="n"
 # measured 131.4 against 129.7 us, so H = 32 keeps head_axis="m". v7 (run 17): consumer 1 owns all of V
 # (v_owners), staging half of it under its P.V wgmmas (v_overlap), and lazy softmax sums (l_partial):
-# (b) 329.6 -> 316.7 -> 310.1 us with the leaner pre-pass of the same run.
+# (b) 329.6 -> 316.7 -> 310.1 us with the leaner pre-pass of the same run. v8 (run 19): consumer 1 takes Vᵀ from
+# the K tile into registers (v_regs) and the freed 64 KB hold a fourth K buffer: (b) 307.6 -> 285.6 us.
 HEADS_ON_N_MAX = 16
 
 
 def _default_tuning(arch: str, h: int, tuning=()) -> dict:
   """Kernel TuningConfig overrides: ``tuning`` plus the op's shape-dependent defaults. sm_90, H <= HEADS_ON_N_MAX
-  (unless ``tuning`` names head_axis or k_gather="linear"): head_axis="n" with 3 K buffers (k_buffers, unless
-  named): the 16-row Q leaves SMEM for a third 40 KB K tile, so the loader runs two tiles ahead; consumer 0 runs
-  only QKᵀ and the softmax while consumer 1 upcasts all of V, half of it under its P.V wgmmas (v_owners,
-  v_overlap; v_owners only when ``tuning`` does not name consumers), and the softmax sums are kept per element
-  (l_partial). Each unless named in ``tuning``."""
+  (unless ``tuning`` names head_axis or k_gather="linear"): head_axis="n"; consumer 0 runs only QKᵀ and the
+  softmax while consumer 1 does all of P.V (v_owners, only when ``tuning`` does not name consumers) with Vᵀ read
+  from the K tile straight into registers (v_regs), which frees the f16 V tile's 64 KB for a fourth K buffer
+  (k_buffers=4; 3 without v_regs: the 16-row Q leaves room for a third); the softmax sums are kept per element
+  (l_partial); v_overlap for the SMEM-staged V (v_regs=False, and interpret mode). Each unless named in
+  ``tuning``."""
   kw = dict(tuning)
   if (arch == "sm90" and "head_axis" not in kw and h <= HEADS_ON_N_MAX
       and kw.get("k_gather", "swizzled") == "swizzled"):
     kw["head_axis"] = "n"
-    kw.setdefault("k_buffers", 3)
-    if "consumers" not in kw:     # consumer 0: QKᵀ + softmax only; consumer 1: the whole V upcast and P.V
+    if "consumers" not in kw:     # consumer 0: QKᵀ + softmax only; consumer 1: all of V and P.V
       kw.setdefault("v_owners", ((), (0, 1, 2, 3)))
+      if kw["v_owners"] == ((), (0, 1, 2, 3)):
+        kw.setdefault("v_regs", True)
+    kw.setdefault("k_buffers", 4 if kw.get("v_regs") else 3)
     kw.setdefault("l_partial", True)
     kw.setdefault("v_overlap", True)
   return kw
@@ -184,6 +188,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   n_tok = b * s_q
   splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
   kw = _default_tuning(arch, h, tuning)
+  if kw.get("persistent") and "k_buffers" not in dict(tuning):   # its index prefetch needs tps >= 2 k_buffers + 2
+    kw["k_buffers"] = min(kw.get("k_buffers", 2), max(1, (tps - 2) // 2))
   heads_on_n = kw.get("head_axis") == "n"
   if heads_on_n:        # the heads are the MMAs' N: H padded to the smallest of kmod.HEADS_ON_N that holds it
     fits = [n for n in kmod.HEADS_ON_N if n >= h]

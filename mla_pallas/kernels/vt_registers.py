@@ -1,0 +1,208 @@
+"""Vᵀ as a register A operand of the f16 P·V wgmmas, read straight from a gathered fp8 K tile (sm_90).
+
+The sm_90 sparse decode kernel with the heads on the MMAs' N side computes Oᵀ [512, N] += Vᵀ [512, 64 keys] ·
+Pᵀ [64 keys, N]. Vᵀ is the A operand. From SMEM it has to be an f16 copy of the tile (fp8 wgmma takes only
+K-major operands, and the gathered tile is [keys, latent], MN-major for Vᵀ), which costs an upcast pass with
+64 KB of bank-conflicted SMEM stores per tile and a 64 KB buffer. A register A operand has no major-ness: each
+thread only has to hold its elements of the WGMMA fragment. So the consumer loads its bytes of the tile with
+64-bit SMEM loads, pairs the bytes of two keys with one ``prmt`` and converts them with one
+``cvt.rn.f16x2.e4m3x2`` per f16 pair (exact: every e4m3 value is an f16 value).
+
+Row permutation (why the loads are wide): the A fragment gives thread (warp w, lane 4q + t) rows
+16w + q and 16w + 8 + q of each 64-row M block, with keys 8c + 2t and 8c + 2t + 1 (c = 0..7) as K. A row of Vᵀ is
+a latent column, and which latent column a row holds is ours to choose as long as the output is stored the same
+way. Here **row r of M block g holds latent column 8r + g** (g = 0..7): thread (w, q) then needs, for each of its
+keys, the 8 consecutive bytes 128w + 8q + [0, 8) (h = 0) and 128w + 64 + 8q + [0, 8) (h = 1) of the key's row,
+two 64-bit loads (conflict-free: the four keys of one load instruction pair up on the two halves of the banks,
+2 wavefronts for 256 bytes). The same permutation makes the output store wide: over the 8 M blocks a thread holds
+8 consecutive latent columns of each of its heads, one 16-byte row store each (:func:`store_rows`).
+
+Per thread and 64 x 512 tile: 32 ``ld.shared.v2.b32``, 64 ``prmt``, 128 ``cvt.rn.f16x2.e4m3x2`` and the 32
+m64nNk16 wgmmas (8 M blocks x 4 k16 steps). H200, benchmarks/RESULTS.md run 19: the GLM-5 TP-8 shape (b) went
+from 305.5 to 278.2 us with it (the 64 KB freed hold a fourth K buffer).
+
+Everything here is raw Mosaic GPU (``plgpu.inline_mgpu``, inline PTX). Interpret mode has no ``inline_mgpu``: the
+kernel keeps the SMEM upcast there (same products, natural row order), so this module is checked by lowering on
+the CPU and numerically on the GPU (tests/test_vt_registers.py, tests/test_sparse_decode_gpu.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas.kernels import common
+
+D_V = 512            # latent columns of V
+TILE = 64            # keys per tile; rows per M block
+M_BLOCKS = 8         # 512 latent columns = 8 M blocks of 64 rows
+KEYS_PER_THREAD = 16  # 8 key pairs (c = 0..7) x 2
+ROW_BYTES = 128      # bytes per row of a 128-byte-swizzled K chunk
+CHUNK_BYTES = TILE * ROW_BYTES   # one [64, 128] K chunk
+
+
+def latent_of_row(g: int, r):
+  """The latent column held by row ``r`` of M block ``g`` of Vᵀ (and of Oᵀ)."""
+  return 8 * r + g
+
+
+def _i32(x):
+  return arith.constant(ir.IntegerType.get_signless(32), x)
+
+
+def _asm(ret, args, text, constraints, side_effects=False):
+  return llvm.inline_asm(ret, args, text, constraints, has_side_effects=side_effects)
+
+
+def _thread():
+  """(w, q, t) of this thread in its warpgroup: warp, lane // 4, lane % 4 (i32 values)."""
+  i32 = ir.IntegerType.get_signless(32)
+  tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+  tid = arith.remui(tid, _i32(128))
+  lane = arith.remui(tid, _i32(32))
+  return arith.divui(tid, _i32(32)), arith.divui(lane, _i32(4)), arith.remui(lane, _i32(4))
+
+
+def load_words(k_tile):
+  """This thread's bytes of V from the K tile ``k_tile`` (Mosaic memref [5, 8, 1, 8, 128] fp8: chunks 0-3 hold
+  latent columns 0-511, 128-byte rows, 128-byte swizzle), as an int32 (64, 128) array in WGMMA layout used as a
+  plain container: register (i, h) (i = 0..15, h = 0..1) holds the 8 bytes of key 8 (i // 2) + 2t + i % 2 at
+  latent columns 128w + 64h + 8q + [0, 8) (two 32-bit words). The loads are side-effecting inline asm so that
+  LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that follows them)."""
+  i32 = ir.IntegerType.get_signless(32)
+  w, q, t = _thread()
+  base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
+  v2 = ir.VectorType.get((2,), i32)
+  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, 2 * TILE))
+  regs = np.empty(regs_shape, dtype=object)
+  # byte address = base + w * CHUNK_BYTES + key * 128 + ((4h + q // 2) ^ (key % 8)) * 16 + (q % 2) * 8
+  row0 = arith.addi(base, arith.muli(w, _i32(CHUNK_BYTES)))
+  half = arith.muli(arith.remui(q, _i32(2)), _i32(8))
+  unit = arith.divui(q, _i32(2))
+  for i in range(KEYS_PER_THREAD):
+    key = arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
+    key8 = arith.remui(key, _i32(8))
+    row = arith.addi(arith.addi(row0, arith.muli(key, _i32(ROW_BYTES))), half)
+    for h in range(2):
+      u = arith.xori(arith.addi(unit, _i32(4 * h)), key8)
+      addr = arith.addi(row, arith.muli(u, _i32(16)))
+      pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr],
+                  "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", side_effects=True)
+      lo = llvm.extractvalue(i32, pair, [0])
+      hi = llvm.extractvalue(i32, pair, [1])
+      vec = vector.from_elements(v2, [lo, hi])
+      idx = [0] * len(regs_shape)
+      idx[1], idx[4] = i, h
+      regs[tuple(idx)] = vec
+  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
+
+
+def block_operands(words):
+  """The 8 A operands Vᵀ[M block g] (f16 (64, 64) arrays, WGMMA layout) from ``load_words``' container."""
+  i32 = ir.IntegerType.get_signless(32)
+  f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
+  out = [np.empty(regs_shape, dtype=object) for _ in range(M_BLOCKS)]
+  wreg = words.registers
+  for c in range(8):
+    for h in range(2):
+      wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
+      wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
+      for g in range(0, M_BLOCKS, 2):
+        b = g % 4
+        word = g // 4
+        a_w = vector.extract(wa, [], [word])
+        b_w = vector.extract(wb, [], [word])
+        sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
+        both = _asm(llvm.StructType.get_literal([i32, i32]), [a_w, b_w],
+                    "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
+                    f"prmt.b32 p, $2, $3, {sel:#x};\nmov.b32 {{lo, hi}}, p;\n"
+                    "cvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
+                    "=r,=r,r,r")
+        for j in range(2):
+          val = llvm.extractvalue(i32, both, [j])
+          idx = [0] * len(regs_shape)
+          idx[1], idx[4] = c, h
+          out[g + j][tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
+  return [fa.FragmentedArray(_registers=r, _layout=fa.WGMMA_LAYOUT, _is_signed=None) for r in out]
+
+
+def store_rows(accs, o):
+  """Stores Oᵀ: accs[g] (f32 (64, N) WGMMA-layout arrays, row r = latent column 8r + g) to ``o`` (GMEM memref
+  [out_heads, 512], bf16 or f32; out_heads a multiple of 8, <= N). Across the 8 blocks a thread holds, for each of
+  its heads 8j + 2t + v and halves h, the 8 consecutive latent columns 128w + 64h + 8q + [0, 8): one 16-byte (bf16)
+  or two (f32) vector stores each, instead of 64 single-element stores of a transposed view."""
+  out_heads = ir.MemRefType(o.type).shape[0]
+  dtype = ir.MemRefType(o.type).element_type
+  nbytes = mgpu_utils.bytewidth(dtype)
+  i64 = ir.IntegerType.get_signless(64)
+  w, q, t = _thread()
+  base = mgpu_utils.memref_ptr(o)
+  col = arith.addi(arith.muli(w, _i32(128)), arith.muli(q, _i32(8)))
+  for j in range(out_heads // 8):
+    for v in range(2):
+      head = arith.addi(arith.muli(t, _i32(2)), _i32(8 * j + v))
+      for h in range(2):
+        vals = [vector.extract(a.registers[0, j, 0, 0, h, 0, 0, 0, 0], [], [v]) for a in accs]
+        vec = vector.from_elements(ir.VectorType.get((M_BLOCKS,), ir.F32Type.get()), vals)
+        if dtype != ir.F32Type.get():
+          vec = arith.truncf(ir.VectorType.get((M_BLOCKS,), dtype), vec)
+        elem = arith.addi(arith.muli(head, _i32(D_V)), arith.addi(col, _i32(64 * h)))
+        off = arith.extui(i64, arith.muli(elem, _i32(nbytes)))
+        ptr = mgpu_utils.getelementptr(base, [off], ir.IntegerType.get_signless(8))
+        llvm.store(vec, ptr, alignment=16)
+
+
+def store_o(accs, o_ref):
+  """Pallas-level :func:`store_rows`: ``accs`` (8 f32 (64, N) arrays, WGMMA layout, already normalised) to
+  ``o_ref`` (GMEM [out_heads, 512])."""
+  @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs), plgpu.RefType()))
+  def f(ctx, accs, o):
+    del ctx
+    store_rows(accs, o)
+  f(tuple(accs), o_ref)
+
+
+def load_v_words(k_tile_ref):
+  """Pallas-level :func:`load_words` of the K tile ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)),),
+                     return_type=plgpu.ShapeDtypeStruct((TILE, 2 * TILE), jnp.int32, layout=plgpu.Layout.WGMMA))
+  def f(ctx, k_tile):
+    del ctx
+    return load_words(k_tile)
+  return f(k_tile_ref)
+
+
+def pv_wgmmas(words, pt_ref, accs, swizzle: int):
+  """accs[g] (f32 (64, N), WGMMA layout) += Vᵀ[M block g] · Pᵀ for g = 0..7, A from ``words`` in registers,
+  B = ``pt_ref`` (Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes); waited for. Returns the new
+  accumulators. Each block's operand is built (``prmt`` + ``cvt``) just before its wgmma is issued, so the
+  conversions of block g + 1 run under the wgmma of block g.
+
+  The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
+  wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
+  LLVM cannot move their uses above the wait."""
+  acc_ty = tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(jnp.float16, swizzle)),
+                                tuple(plgpu.Layout.WGMMA for _ in accs)),
+                     return_type=acc_ty)
+  def f(ctx, words, pt, accs):
+    del ctx
+    a_ops = block_operands(words)
+    out = []
+    for a, acc in zip(a_ops, accs):
+      acc = mgpu.WGMMAAccumulator.from_registers(acc)
+      out.append(mgpu.wgmma(acc, a, pt, swizzle=swizzle))
+      llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "",
+                      has_side_effects=True)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.wait_group.sync.aligned 0;", "",
+                    has_side_effects=True)
+    return tuple(fa.optimization_barrier(a.value) for a in out)
+  return f(words, pt_ref, tuple(accs))
