@@ -188,11 +188,12 @@ class TuningConfig(common.TuningConfigBase):
   l_partial: bool = False
   # head_axis="n": a consumer owning 2+ chunks of V stages the first half, waits for Pᵀ, then stages the second
   # half while the P.V wgmmas of the first half run (the upcast overlaps the MMAs instead of preceding them).
+  # No effect with v_regs (nothing is staged), except in interpret mode, which stages V even then.
   v_overlap: bool = False
   # head_axis="n": one CTA per SM (``num_ctas`` of build, the op passes the SM count) working through the items
   # (query tile, split) c, c + num_ctas, ... in one pipeline: the next item's Q and indices are prefetched and its
   # first gathers overlap this item's last tiles (see _loader_heads_on_n). Opt-in: on the H200 it measured no
-  # faster at (b), H = 16 or s_q = 1 (benchmarks/RESULTS.md run 17), although fewer, longer CTAs are faster
+  # faster at (b), H = 16 or s_q = 1 (benchmarks/RESULTS.md runs 17 and 19), although fewer, longer CTAs are faster
   # (benchmarks/sparse_split_length_probe_gpu.py): what a CTA costs per item is not its start-up.
   persistent: bool = False
   # head_axis="n" with consumer 1 owning all of V (v_owners=((), (0, 1, 2, 3))): Vᵀ is the P.V wgmmas' A operand
@@ -254,7 +255,8 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError("TuningConfig.v_regs needs head_axis='n', consumers=2 and v_owners=((), (0, 1, 2, 3)); got "
                        f"head_axis={self.head_axis!r}, consumers={self.consumers}, v_owners={self.v_owners}")
     if self.k_buffers >= 3 and self.head_axis != "n":
-      raise ValueError("TuningConfig.k_buffers=3 needs head_axis='n' (the 64-row Q leaves no SMEM for it)")
+      raise ValueError(f"TuningConfig.k_buffers={self.k_buffers} needs head_axis='n' (the 64-row Q leaves no SMEM "
+                       "for it)")
     self.check_split()
     self.check_smem(smem_budget(self))
 
