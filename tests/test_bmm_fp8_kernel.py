@@ -134,10 +134,11 @@ def test_in_kernel_quantization_default_rule():
   assert cfg(512, t=1, k=128, fusable=False).quantize_k is None               # per-tensor or float32 a
   assert cfg(512, t=8, k=192, fusable=True).quantize_k == 192
   assert cfg(256, t=8, k=512, fusable=True).quantize_k == 512                 # one bf16 A buffer
-  assert cfg(128, t=8, k=512, fusable=True).quantize_k is None                # wg_split "m": does not fit
+  assert cfg(128, t=8, k=512, fusable=True).quantize_k == 512   # wg_split "m": fits with the fp8 rows in registers
+  assert cfg(128, (("a_registers", False),), t=8, k=512, fusable=True).quantize_k is None   # fp8 tiles: no room
   assert cfg(256, (("quantize_k", 512),), t=8, k=512).quantize_k == 512        # explicit override
   with pytest.raises(ValueError, match="SMEM"):                                # bf16 A tile too big for SMEM
-    cfg(128, (("quantize_k", 512),), t=8, k=512)
+    cfg(128, (("quantize_k", 512), ("a_registers", False)), t=8, k=512)
   with pytest.raises(ValueError, match="quantize_k"):
     kbmm.TuningConfig(quantize_k=100)
   with pytest.raises(ValueError, match="quantize_k=128 must equal K=192"):
@@ -244,15 +245,98 @@ def test_default_sub_n_where_it_saves_a_wave():
   assert cfg(512, 8, 512, 128).sub_n == 1       # K / 64 = 8 chunks > 4 ring slots
   fused = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h,
                                                                fusable=True)
-  assert (fused(512, 256, 192, 64).sub_n, fused(512, 256, 192, 64).a_buffers) == (2, 1)   # 2 bf16 A tiles: no room
-  # an explicit a_buffers=2 does not fit beside 64 x 512 tiles at K = 192: 64 x 256 tiles, no error
-  assert fused(512, 70, 192, 3, (("max_ctas", 2), ("a_buffers", 2))).sub_n == 1
+  # with the fp8 rows in registers (the default) two bf16 A tiles fit beside 64 x 512 tiles at K = 192; with the
+  # fp8 SMEM tiles only one does
+  assert (fused(512, 256, 192, 64).sub_n, fused(512, 256, 192, 64).a_buffers) == (2, 2)
+  smem_a = (("a_registers", False),)
+  assert (fused(512, 256, 192, 64, smem_a).sub_n, fused(512, 256, 192, 64, smem_a).a_buffers) == (2, 1)
+  # an explicit a_buffers=2 does not fit beside 64 x 512 SMEM-operand tiles at K = 192: 64 x 256 tiles, no error
+  assert fused(512, 70, 192, 3, (("max_ctas", 2), ("a_buffers", 2)) + smem_a).sub_n == 1
+
+
+@pytest.mark.parametrize("t,h,k,n,tuning", [
+    (3, 2, 512, 128, (("tile_n", 64), ("a_registers", True))),        # DeepSeek W_UV's default tile at decode
+    (9, 3, 192, 256, (("tile_n", 64), ("share_quant", True), ("max_ctas", 2))),   # shared fp8 tile, 3 tiles/CTA
+    (70, 3, 128, 256, (("share_quant", True), ("max_ctas", 2), ("quant_passes", 2))),
+    (5, 2, 192, 512, (("quant_passes", 1), ("a_registers", False))),
+])
+def test_quantization_variants_are_bitwise_the_prepass(rng, t, h, k, n, tuning):
+  """64-column consumer tiles, the quantization split over the consumers (a barrier, one fp8 tile per tile
+  parity), one or two SMEM passes: same fp8 operands and wgmma chains as the pre-pass path, so the same bits;
+  races checked. ``a_registers`` runs the SMEM tile path here (interpret mode has no register-A wgmma; see the
+  lowering test below and tests/test_bmm_fp8_kernel_gpu.py)."""
+  a, w8, ws = make_inputs(rng, t, h, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
+  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+  testing.reset_interpreter()
+  got = jax.block_until_ready(run(interpret=params, tuning=tuning + (("quantize_k", k),)))
+  assert not testing.races_found(), "the interpreter found a data race in the kernel"
+  pre = run(interpret=True, tuning=(("quantize_k", None),))
+  assert np.array_equal(np.asarray(got, np.float32), np.asarray(pre, np.float32))
+  assert_matches_reference(got, a, w8, ws, "per_token")
+
+
+@pytest.mark.parametrize("k,n,t,h", [(512, 128, 2, 128), (512, 256, 1, 64), (128, 512, 1, 128)])
+def test_register_a_operand_lowers_for_sm90(k, n, t, h):
+  """The op's decode defaults keep the quantized rows in registers: every fp8 wgmma takes its A operand from
+  registers (four 32-bit registers, not an SMEM descriptor) and the fp8 values are made by e4m3x2 conversions
+  in registers."""
+  S = jax.ShapeDtypeStruct
+  fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False)
+  low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
+                               S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
+  cfg = bmm_mod._kernel_config(n, t=t, k=k, h=h, fusable=True)
+  assert cfg.a_registers
+  shape = f"m64n{cfg.tile_n}k32"
+  per_consumer = cfg.sub_n * k // 32
+  assert low.count(rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{\$\d+,\$\d+,\$\d+,\$\d+\}}") == per_consumer
+  assert low.count(r"wgmma\.mma_async") == per_consumer
+  # 32 values of each 64 x 64 chunk per thread -> 16 paired conversions per chunk (one code path per consumer)
+  assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 16 * (k // 64)
+
+
+def test_quantization_knobs_and_narrow_tile_rule():
+  """tile_n / a_registers / quant_passes / share_quant validation, and the op's defaults: the fp8 rows in
+  registers wherever quantize_k <= 512 with wg_split "n"; 64 x 128 CTA tiles where they make one wave."""
+  with pytest.raises(ValueError, match="tile_n"):
+    kbmm.TuningConfig(tile_n=32)
+  with pytest.raises(ValueError, match="quant_passes"):
+    kbmm.TuningConfig(quant_passes=3)
+  with pytest.raises(ValueError, match="quant_passes=1"):
+    kbmm.TuningConfig(quant_passes=1, quantize_k=1024, a_buffers=1, stages=2)
+  with pytest.raises(ValueError, match="share_quant"):
+    kbmm.TuningConfig(share_quant=True)                       # no in-kernel quantization
+  with pytest.raises(ValueError, match="share_quant"):
+    kbmm.TuningConfig(share_quant=True, quantize_k=128, wg_split="m")
+  with pytest.raises(ValueError, match="a_registers"):
+    kbmm.TuningConfig(a_registers=True)                       # no in-kernel quantization
+  with pytest.raises(ValueError, match="a_registers"):
+    kbmm.TuningConfig(a_registers=True, quantize_k=128, share_quant=True)
+  assert kbmm.TuningConfig(quantize_k=512, a_buffers=1).register_quant
+  assert not kbmm.TuningConfig(quantize_k=512, a_buffers=1, quant_passes=2).register_quant
+  cfg = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h,
+                                                             fusable=True)
+  uv = cfg(128, 8, 512, 128)                                  # DeepSeek W_UV: 128 tiles of 64 x 128
+  assert (uv.tile_n, uv.wg_split, uv.quantize_k, uv.a_registers) == (64, "n", 512, True)
+  assert cfg(256, 64, 512, 64).tile_n == 64                   # GLM-5 W_UV T = 64: 128 tiles
+  assert cfg(256, 65, 512, 64).tile_n == 128                  # 256 tiles: two waves
+  uv128 = cfg(128, 128, 512, 128)          # two waves of 64 x 128: 128 x 128, in-kernel quantization in registers
+  assert (uv128.tile_n, uv128.wg_split, uv128.quantize_k, uv128.a_registers, uv128.a_buffers) == (128, "m", 512,
+                                                                                                  True, 1)
+  assert cfg(128, 128, 512, 128, (("a_registers", False),)).quantize_k is None   # fp8 SMEM tiles: no room
+  uk = cfg(512, 1, 128, 128)                                  # DeepSeek W_UK: 512 narrow tiles; 64 x 512 stays
+  assert (uk.tile_n, uk.sub_n, uk.a_registers) == (128, 2, True)
+  assert cfg(128, 8, 512, 128, (("wg_split", "m"),)).tile_n == 128      # an explicit tile shape wins
+  assert not cfg(512, 8, 128, 128, (("share_quant", True),)).a_registers
 
 
 def test_in_kernel_quantization_buffers():
-  """Two bf16 A buffers where they fit (K <= 192), one at K = 512; a_buffers is checked."""
+  """Two bf16 A buffers where they fit (K <= 192; K = 512 with the fp8 rows in registers), one at K = 512 with the
+  fp8 SMEM tiles; a_buffers is checked."""
   cfg = bmm_mod._kernel_config
   assert cfg(512, t=8, k=128, fusable=True).a_buffers == 2
-  assert cfg(256, (("quantize_k", 512),), t=8, k=512).a_buffers == 1
+  assert cfg(256, (("quantize_k", 512),), t=8, k=512).a_buffers == 2
+  assert cfg(256, (("quantize_k", 512), ("a_registers", False)), t=8, k=512).a_buffers == 1
   with pytest.raises(ValueError, match="a_buffers"):
     kbmm.TuningConfig(a_buffers=3)

@@ -132,3 +132,39 @@ def test_two_sub_tiles_per_consumer_is_bitwise_the_default(rng, k, t):
   np.testing.assert_array_equal(np.asarray(two).view(np.uint16), np.asarray(one).view(np.uint16))
   want = reference.quantize_and_bmm_fp8(a, w8, ws, act_scale="per_token")
   testing.assert_close_fp8(two, want, rel_l2=_tolerance(), what="sub_n=2 vs reference")
+
+
+# In-kernel quantization variants (TuningConfig): 64-column consumer tiles, the quantized rows kept in registers
+# as the wgmma's register A operand (interpret mode cannot run that path: only here and in sm_90 lowering), the
+# bf16 rows read once or twice, and the quantization split over the two consumers.
+QUANT_VARIANTS = [
+    (("tile_n", 64), ("a_registers", True)),
+    (("wg_split", "m"), ("a_registers", True)),
+    (("a_registers", True),),
+    (("quant_passes", 2), ("a_registers", False)),
+    (("share_quant", True),),
+]
+
+
+@pytest.mark.parametrize("k,n", PAIRS)
+@pytest.mark.parametrize("t", [1, 70])
+def test_quantization_variants_are_bitwise_the_prepass(rng, k, n, t):
+  """Every variant computes the same fp8 operands (the float32 operations of quant.quantize_rows_fp8) and the same
+  wgmma chains and promotions per 128-wide K block as the pre-pass path, so the outputs are equal bit for bit (a
+  64-column tile's products are a subset of a 128-column tile's; a register A operand holds the same bytes as the
+  SMEM tile). Variants that do not fit this shape (SMEM, N % cta_n) are skipped in the loop."""
+  a, w8, ws = make_inputs(rng, t, 64, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
+  pre = np.asarray(run(tuning=(("quantize_k", None),))).view(np.uint16)
+  ran = 0
+  for v in QUANT_VARIANTS:
+    tuning = v + (("quantize_k", k),)
+    try:
+      bmm_mod._kernel_config(n, tuning, t=t, k=k, h=64, fusable=True)
+    except ValueError:
+      continue
+    got = np.asarray(run(tuning=tuning)).view(np.uint16)
+    np.testing.assert_array_equal(got, pre, err_msg=f"variant {v}")
+    ran += 1
+  assert ran >= 3

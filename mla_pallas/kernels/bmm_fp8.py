@@ -2,12 +2,14 @@
 
 What one CTA computes
 ---------------------
-The output is cut into tiles of one head ``h``, ``64 · wm`` tokens and ``128 · wn`` columns (``wm · wn = 2``: two
-consumer warpgroups, each owning a 64 x 128 sub-tile; ``TuningConfig.wg_split`` picks "n" (64 x 256, for
-N % 256 == 0) or "m" (128 x 128)). The grid is persistent (``max_ctas`` CTAs, the SM count): CTA ``pid`` walks
+The output is cut into tiles of one head ``h``, ``64 · wm`` tokens and ``tile_n · wn · sub_n`` columns
+(``wm · wn = 2``: two consumer warpgroups, each owning 64 x ``tile_n`` sub-tiles; ``TuningConfig.wg_split`` picks
+"n" (64 x 256, for N % 256 == 0) or "m" (128 x 128); ``tile_n=64`` makes the "n" tile 64 x 128, both consumers'
+sub-tiles then lying in one weight scale block; ``sub_n=2`` makes it 64 x 512). The grid is persistent (``max_ctas`` CTAs, the SM count): CTA ``pid`` walks
 the tiles pid, pid + grid, ... (M tiles fastest, so concurrently running CTAs share one head's weight tile in
 L2), and its K-chunk ring runs on across tiles, so the next tile's loads overlap the current tile's epilogue.
-A 128-column sub-tile is exactly one weight scale block, so its block scale is a scalar per K block:
+A sub-tile (128 or 64 columns) lies in exactly one weight scale block, so its block scale is a scalar per K
+block:
 
     for each 128-wide K block kb (the last one may be partial):
       part  = a8[rows, h, kb] · w8[h, cols, kb]ᵀ     fp8 wgmma into a fresh f32 accumulator (64 x 128)
@@ -52,6 +54,18 @@ two register passes bank-conflicted and the in-kernel path slower than the pre-p
 ``a_buffers · cta_m · K · 2 + 2 · 64 · K`` bytes (K = 512 needs ``a_buffers=1``; with ``wg_split="m"`` it does not
 fit).
 
+**Register A operand** (``a_registers=True``, the op's default for K <= 512; 2026-11-30): each consumer loads its
+64 rows of all of K once from the bf16 tile in ``Layout.WGMMA_8BIT`` (16 registers per 64-wide chunk per thread),
+takes the row amax (elementwise over the chunks, then one cross-lane reduction per row), quantizes in registers
+(``cvt.rn.satfinite.e4m3x2``) and passes the fp8 chunks to the wgmmas as their *register* A operand (an 8-bit
+register operand of the WGMMA_8BIT layout is K-major by construction). No fp8 SMEM tile, no SMEM stores, no proxy
+fence; the bf16 tile is released as soon as it is in registers; the SMEM saved (``2 · 64 · K``) lets K = 512 use
+two bf16 buffers, or in-kernel quantization at all with ``wg_split="m"``. The fp8 bytes and wgmma products are
+those of the SMEM path, so the outputs are bitwise equal (H200: tests/test_bmm_fp8_kernel_gpu.py). Interpret mode
+has no register-A wgmma; there the kernel runs the SMEM tile path. Measured (benchmarks/RESULTS.md, 2026-11-30g):
+0.1-0.2 us faster at K = 128 / 192, 0.6-0.9 us at K = 512 (T <= 64), and 13.4 / 22.1 against 25.4 / 46.0 us for
+DeepSeek W_UV at T = 128 / 256 (in-kernel quantization instead of the XLA pre-pass).
+
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
 * WG2 — producer (40 registers): for every tile and K chunk (ring position g), waits for slot ``g % stages`` to
@@ -66,19 +80,19 @@ Warpgroup roles (``num_threads=3``, Lane semantics)
 SMEM budget (bytes, default stages=4)
 -------------------------------------
     ring (stages x (64 wm + 128 wn) x 64 fp8)    wg_split "n": 4 x 20 480 = 81 920; "m": 4 x 16 384 = 65 536
-    output staging (2 x 64 x 128 bf16)           32 768
+    output staging (2 x 64 x tile_n bf16)        32 768 (tile_n = 128)
     barriers, Mosaic reduction scratch           ~2 100
     total                                        ~117 KB ("n") / ~100 KB ("m")
 One CTA per SM (the 232/40 register split takes the whole register file); latency is hidden by the persistent
 ring instead of by co-resident CTAs.
 
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
-tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles). Against XLA's FP8
-dot_general in the same run: 1.7-3.6x at T = 4096 (117-232 TFLOP/s), 1.7-5.2x at T = 64-256, 1.4-1.9x at T = 8,
-1.28-1.62x at T = 2-4, 0.92-1.43x at T = 1 (unpadded ``a`` and swizzled output staging for T < 8; 64 x 512 CTA
-tiles, ``sub_n=2``, where they save a wave: DeepSeek W_UK), where XLA computes the T = 1 product as one reduction
-fusion while this kernel is a latency chain of 5-9 us (launch, TMA, quantization, wgmma, epilogue);
-``impl="auto"`` takes XLA at T = 1 only.
+tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles, every in-kernel
+quantization variant bitwise against the pre-pass path). Against XLA's FP8 dot_general in the same run, with the
+op's defaults (2026-11-30g): 1.7-3.6x at T = 4096 (117-232 TFLOP/s, earlier run), 3.1-5.6x at T = 64-256,
+1.53-2.04x at T = 2-8, 1.19-1.52x at T = 1, where XLA computes the product as one reduction fusion and this kernel
+is a latency chain of 4.6-6.9 us (launch, TMA, quantization, wgmma blocks, epilogue). ``impl="auto"`` takes the
+kernel at every T.
 """
 from __future__ import annotations
 
@@ -96,12 +110,13 @@ from mla_pallas.kernels.common import FP8, swizzled
 from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
 TILE_M = 64        # token rows per consumer warpgroup (wgmma M)
-TILE_N = 128       # output columns per consumer warpgroup = one weight scale block
+TILE_N = 128       # default output columns per consumer warpgroup = one weight scale block (TuningConfig.tile_n)
 SCALE_BLOCK = 128  # weight block-scale granularity along K and N
 CHUNK = 64         # K elements per TMA box / wgmma operand tile (64-byte swizzle)
 B_BOX_ROWS = 256   # a TMA box spans at most 256 elements per dimension: wider B chunks take several boxes
 MAX_K = 2048       # K blocks are unrolled in Python; beyond this the op falls back to XLA
 CONSUMER_REGS = 232
+MAX_REGISTER_K = 512   # quant_passes=1: 8 chunks x 16 registers of bf16 pairs per thread
 PRODUCER_REGS = 40
 
 
@@ -120,11 +135,25 @@ class TuningConfig(common.TuningConfigBase):
     quantization" in the module docstring). The value is K, so that the SMEM budget can be checked here.
   a_buffers: bf16 A tiles in flight with ``quantize_k`` (2: the next tile's rows load while this one is
     multiplied; 1 where two do not fit in SMEM, e.g. K = 512). Ignored without ``quantize_k``.
-  sub_n: 64 x 128 sub-tiles per consumer along N (wg_split "n" only): 2 makes the CTA tile 64 x 512, so at decode
-    sizes a CTA covers one head's N = 512 with one A load / quantization and one tile hand-off instead of two
-    tiles (the slots of the tile's K chunks stay in the ring until the last sub-tile: needs K / 64 <= stages).
+  sub_n: 64 x ``tile_n`` sub-tiles per consumer along N (wg_split "n" only): 2 makes the CTA tile 64 x 512, so at
+    decode sizes a CTA covers one head's N = 512 with one A load / quantization and one tile hand-off instead of
+    two tiles (the slots of the tile's K chunks stay in the ring until the last sub-tile: needs K / 64 <= stages).
     The op's default where halving the tile count saves a wave of CTAs at T <= 256 (ops/bmm_fp8.py,
     ``SUB_N_MAX_TOKENS``; H200: DeepSeek W_UK T = 8 4.8 against 6.5 us).
+  tile_n: columns of a consumer's sub-tile (its wgmma N): 128 (one weight scale block) or 64 (the two consumers'
+    sub-tiles of wg_split "n" then share one scale block: CTA tile 64 x 128). 64 doubles the CTAs at decode sizes
+    where 64 x 256 tiles leave SMs idle (GLM-5 W_UV: 64 -> 128 CTAs) and, with one 64-row A tile per CTA, leaves
+    SMEM for in-kernel quantization at N = 128 (DeepSeek W_UV, where wg_split "m" does not fit it).
+  quant_passes: in-kernel quantization reads the bf16 rows from SMEM once (1: they stay in registers, 16 per
+    64-wide chunk per thread, between the row amax and the quantization; K <= 512) or twice (2: amax pass, then a
+    quantization pass). None: 1 where K <= 512.
+  share_quant: with wg_split "n" both consumers multiply the same 64 rows; True splits their quantization (each
+    takes every row amax but writes only every other fp8 chunk, into one tile per tile parity) and syncs the two
+    on a barrier before the wgmmas, instead of each quantizing all of K into its own tile.
+  a_registers: in-kernel quantization leaves the fp8 rows in registers (``Layout.WGMMA_8BIT``) as the wgmmas'
+    register A operand: no fp8 SMEM tile, no stores, no proxy fence (K <= 512). Interpret mode has no register-A
+    wgmma; there the kernel runs the SMEM tile path (same products; the register path is checked by sm_90
+    lowering and on the GPU).
   """
   stages: int = 4
   wg_split: str = "n"
@@ -132,6 +161,10 @@ class TuningConfig(common.TuningConfigBase):
   quantize_k: int | None = None
   a_buffers: int = 2
   sub_n: int = 1
+  tile_n: int = 128
+  quant_passes: int | None = None
+  share_quant: bool = False
+  a_registers: bool = False
 
   def validate(self):
     if self.wg_split not in ("n", "m"):
@@ -144,10 +177,30 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.sub_n must be 1 or 2; got {self.sub_n}")
     if self.sub_n > 1 and self.wg_split != "n":
       raise ValueError("TuningConfig.sub_n=2 needs wg_split='n'")
+    if self.tile_n not in (64, 128):
+      raise ValueError(f"TuningConfig.tile_n must be 64 or 128; got {self.tile_n}")
     if self.quantize_k is not None and (self.quantize_k <= 0 or self.quantize_k % CHUNK):
       raise ValueError(f"TuningConfig.quantize_k must be None or a positive multiple of {CHUNK}; "
                        f"got {self.quantize_k!r}")
+    if self.quant_passes not in (None, 1, 2):
+      raise ValueError(f"TuningConfig.quant_passes must be None, 1 or 2; got {self.quant_passes!r}")
+    if self.quant_passes == 1 and self.quantize_k is not None and self.quantize_k > MAX_REGISTER_K:
+      raise ValueError(f"TuningConfig.quant_passes=1 keeps the bf16 rows in registers: needs quantize_k <= "
+                       f"{MAX_REGISTER_K}; got {self.quantize_k}")
+    if self.share_quant and (self.wg_split != "n" or self.quantize_k is None):
+      raise ValueError("TuningConfig.share_quant=True needs wg_split='n' and in-kernel quantization (quantize_k)")
+    if self.a_registers and (self.quantize_k is None or self.quantize_k > MAX_REGISTER_K or self.share_quant):
+      raise ValueError(f"TuningConfig.a_registers=True needs in-kernel quantization with quantize_k <= "
+                       f"{MAX_REGISTER_K} and share_quant=False; got quantize_k={self.quantize_k}, "
+                       f"share_quant={self.share_quant}")
     self.check_smem(smem_budget(self))
+
+  @property
+  def register_quant(self) -> bool:
+    """In-kernel quantization keeps the bf16 rows in registers (one SMEM pass)."""
+    if self.quant_passes is None:
+      return self.quantize_k is not None and self.quantize_k <= MAX_REGISTER_K
+    return self.quant_passes == 1
 
   @property
   def wm(self) -> int:
@@ -163,7 +216,7 @@ class TuningConfig(common.TuningConfigBase):
 
   @property
   def cta_n(self) -> int:
-    return TILE_N * self.wn * self.sub_n
+    return self.tile_n * self.wn * self.sub_n
 
 
 def smem_budget(cfg: TuningConfig) -> int:
@@ -171,12 +224,13 @@ def smem_budget(cfg: TuningConfig) -> int:
     a_bufs = (((cfg.stages, cfg.cta_m, CHUNK), FP8),)                         # A ring (fp8 chunks)
   else:
     k_chunks = cfg.quantize_k // CHUNK
-    a_bufs = (((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),    # bf16 A tiles (whole K)
-              ((2, k_chunks, TILE_M, CHUNK), FP8))                            # fp8 A per consumer
+    a_bufs = (((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),)   # bf16 A tiles (whole K)
+    if not cfg.a_registers:
+      a_bufs += (((2, k_chunks, TILE_M, CHUNK), FP8),)                        # fp8 A per consumer
   return common.smem_bytes(
       *a_bufs,
       ((cfg.stages, cfg.cta_n, CHUNK), FP8),            # B ring
-      ((2, TILE_M, TILE_N), jnp.bfloat16),              # output staging
+      ((2, TILE_M, cfg.tile_n), jnp.bfloat16),          # output staging
   ) + 2 * 16 * 8 + 2 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
@@ -191,7 +245,8 @@ def check_shapes(t: int, h: int, k: int, n: int, cfg: TuningConfig) -> None:
                               f"(needs K % {CHUNK} == 0 and K <= {MAX_K})")
   if n % cfg.cta_n:
     raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for N={n} "
-                              f"(needs N % {cfg.cta_n} == 0 with wg_split={cfg.wg_split!r}, sub_n={cfg.sub_n})")
+                              f"(needs N % {cfg.cta_n} == 0 with wg_split={cfg.wg_split!r}, sub_n={cfg.sub_n}, "
+                              f"tile_n={cfg.tile_n})")
   if cfg.sub_n > 1 and k // CHUNK > cfg.stages:
     raise ValueError(f"TuningConfig.sub_n={cfg.sub_n} keeps all K / 64 = {k // CHUNK} chunks of a tile in the ring: "
                      f"needs stages >= {k // CHUNK}; got stages={cfg.stages}")
@@ -206,39 +261,73 @@ def _tile_coords(cfg: TuningConfig, lin, m_tiles: int, n_tiles: int):
   return m_idx * cfg.cta_m, lax.rem(rest, n_tiles), lax.div(rest, n_tiles)
 
 
-def _quantize_rows(a_bf, a8, rows):
+def _quantize_rows(a_bf, a8, rows, *, half_of=None, in_registers=False):
   """In-kernel per-row quantization of one consumer's 64 rows (``rows``) of the bf16 tile ``a_bf``
   ([K/64, cta_m, 64], linear) into its fp8 tile ``a8`` ([K/64, 64, 64], 64-byte swizzle), with exactly the
   float32 operations of :func:`mla_pallas.quant.quantize_rows_fp8`: amax = max |x| over the row,
   scale = amax * f32(1/448) (1 for an all-zero row), x8 = fp8(clip(x * (1 / scale), ±448)).
 
+  ``half_of``: None (quantize and store every 64-wide chunk) or this consumer's index w (traced): store only the
+  chunks c with c % 2 == w (the amax always covers all of K).
+  ``in_registers``: keep the bf16 chunks in registers between the amax and the quantization (16 registers per
+  chunk per thread, one SMEM pass); otherwise two passes over SMEM keep the registers at one 64 x 64 f32 tile.
+
   Returns the row scales, [64] f32 in the row layout of the wgmma accumulator (``Layout.WGMMA.reduce(1)``).
-  Two passes over SMEM (amax, then quantize) keep the registers at one 64 x 64 f32 tile.
   """
   k_chunks = a_bf.shape[0]
 
   def load(c):
-    return plgpu.load(a_bf.at[c, rows], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    return plgpu.load(a_bf.at[c, rows], layout=plgpu.Layout.WGMMA)
 
+  held = [load(c) for c in range(k_chunks)] if in_registers else None
   amax = None
   for c in range(k_chunks):
-    m = jnp.max(jnp.abs(load(c)), axis=1)
+    m = jnp.max(jnp.abs((held[c] if in_registers else load(c)).astype(jnp.float32)), axis=1)
     amax = m if amax is None else jnp.maximum(amax, m)
   scale = amax * _INV_FP8_MAX
   scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
   inv = jnp.float32(1.0) / scale
-  for c in range(k_chunks):
-    x = load(c)
-    q = x * lax.broadcast_in_dim(inv, x.shape, [0])
-    a8.at[c][...] = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8)
+  def store(chunks):
+    for c in chunks:
+      x = (held[c] if in_registers else load(c)).astype(jnp.float32)
+      q = x * lax.broadcast_in_dim(inv, x.shape, [0])
+      a8.at[c][...] = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8)
+  if half_of is None:
+    store(range(k_chunks))
+  else:
+    for w in (0, 1):
+      pl.when(half_of == w)(functools.partial(store, range(w, k_chunks, 2)))
   return scale
 
 
+def _quantize_rows_to_registers(a_bf, rows):
+  """:func:`_quantize_rows` (same float32 operations, so the same fp8 values) into registers: returns the K/64
+  quantized chunks, [64, 64] float8_e4m3fn each in ``Layout.WGMMA_8BIT`` (an fp8 wgmma's register A operand),
+  and the row scales ([64] f32). The bf16 chunks are held in registers (16 per chunk per thread) while the row
+  amax is taken, elementwise over the chunks first and then once across each row (max is exact, so the order
+  does not change the result)."""
+  k_chunks = a_bf.shape[0]
+  held = [plgpu.load(a_bf.at[c, rows], layout=plgpu.Layout.WGMMA_8BIT) for c in range(k_chunks)]
+  amax_el = jnp.abs(held[0])
+  for x in held[1:]:
+    amax_el = jnp.maximum(amax_el, jnp.abs(x))
+  amax = jnp.max(amax_el.astype(jnp.float32), axis=1)
+  scale = amax * _INV_FP8_MAX
+  scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
+  inv = plgpu.layout_cast(lax.broadcast_in_dim(jnp.float32(1.0) / scale, (TILE_M, CHUNK), [0]),
+                          plgpu.Layout.WGMMA_8BIT)
+  chunks = [jnp.clip(x.astype(jnp.float32) * inv, -FP8_MAX, FP8_MAX).astype(FP8) for x in held]
+  return chunks, scale
+
+
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          *refs):
+          regs: bool, *refs):
   fuse = cfg.quantize_k is not None
-  if fuse:   # a is bf16 [T, H, K]; no scale input
-    (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, a8, b_ring, o_smem, full, empty, a_full, a_empty) = refs
+  if fuse and regs:   # a is bf16 [T, H, K]; no scale input; the fp8 rows stay in registers
+    (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, b_ring, o_smem, full, empty, a_full, a_empty) = refs
+    a8 = None
+  elif fuse:
+    (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, a8, b_ring, o_smem, full, empty, a_full, a_empty, *q_ready) = refs
     as_gmem = a_ring = None
   else:
     (a_gmem, as_gmem, w_gmem, ws_gmem, o_gmem, a_ring, b_ring, o_smem, full, empty) = refs
@@ -314,22 +403,40 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
       # This consumer's 128-column sub-tiles (indices within the CTA tile; written so that sub_n = 1 traces the
       # same operations as before the knob existed).
       subs = [wi_n] if cfg.sub_n == 1 else [wi_n * cfg.sub_n + s for s in range(cfg.sub_n)]
-      # Scales first: their GMEM latency then overlaps the waits for the operands.
-      w_scales = [[ws_gmem[h, kb, n_idx * (cfg.wn * cfg.sub_n) + sub] for kb in range(n_blocks)] for sub in subs]
+      # Scales first: their GMEM latency then overlaps the waits for the operands. Sub-tile ``sub`` starts at
+      # column n_idx * cta_n + sub * tile_n, inside scale block (that column) // 128.
+      if cfg.tile_n == SCALE_BLOCK:
+        nbs = [n_idx * (cfg.wn * cfg.sub_n) + sub for sub in subs]
+      else:
+        nbs = [lax.div(n_idx * cfg.cta_n + sub * cfg.tile_n, SCALE_BLOCK) for sub in subs]
+      w_scales = [[ws_gmem[h, kb, nb] for kb in range(n_blocks)] for nb in nbs]
       if fuse:
         ab = lax.rem(i, cfg.a_buffers)
         plgpu.barrier_wait(a_full.at[ab])
-        a_scale = _quantize_rows(a_bf.at[ab], a8.at[wg], rows)
-        plgpu.commit_smem()                 # the fp8 stores are visible to the wgmma (async proxy)
+        if regs:
+          a_chunks, a_scale = _quantize_rows_to_registers(a_bf.at[ab], rows)
+          plgpu.barrier_arrive(a_empty.at[ab])   # the bf16 tile is in registers: it may be overwritten
+        elif cfg.share_quant:   # this consumer writes every other chunk of the tile parity's shared fp8 tile
+          a8_tile = a8.at[lax.rem(i, 2)]
+          a_scale = _quantize_rows(a_bf.at[ab], a8_tile, rows, half_of=wg, in_registers=cfg.register_quant)
+        else:
+          a8_tile = a8.at[wg]
+          a_scale = _quantize_rows(a_bf.at[ab], a8_tile, rows, in_registers=cfg.register_quant)
+        if not regs:
+          plgpu.commit_smem()               # the fp8 stores are visible to the wgmma (async proxy)
+        if cfg.share_quant:   # both halves written. The parity's tile is rewritten two tiles on, after both
+          # consumers passed this barrier for the tile in between, i.e. after their wgmmas on this tile completed.
+          plgpu.barrier_arrive(q_ready[0])
+          plgpu.barrier_wait(q_ready[0])
       elif per_token:
         a_scale = plgpu.load(as_gmem.at[h, pl.ds(m0 + wi_m * TILE_M, TILE_M)], layout=row_layout,
                              optimized=False)
       else:
         a_scale = as_gmem[0]
       for si, sub in enumerate(subs):
-        cols = pl.ds(sub * TILE_N, TILE_N)
+        cols = pl.ds(sub * cfg.tile_n, cfg.tile_n)
         last_sub = si == len(subs) - 1
-        total = plgpu.layout_cast(jnp.zeros((TILE_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
+        total = plgpu.layout_cast(jnp.zeros((TILE_M, cfg.tile_n), jnp.float32), plgpu.Layout.WGMMA)
         for kb in range(n_blocks):
           chunks = range(kb * per_block, min((kb + 1) * per_block, n_chunks))
 
@@ -338,14 +445,14 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
               slot = lax.rem(i * n_chunks + c, stages)
               if si == 0:   # a slot's phase is waited once; later sub-tiles reuse the resident chunk
                 plgpu.barrier_wait(full.at[slot])
-              a_op = a8.at[wg, c] if fuse else a_ring.at[slot, rows]
+              a_op = (a_chunks[c] if regs else a8_tile.at[c]) if fuse else a_ring.at[slot, rows]
               plgpu.wgmma(acc_ref, a_op, b_ring.at[slot, cols].T)
             return acc_ref[...]   # waits for the wgmmas
-          part = pl.run_scoped(block, plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+          part = pl.run_scoped(block, plgpu.ACC((TILE_M, cfg.tile_n), jnp.float32))
           if last_sub:      # every sub-tile has read these chunks: release their slots
             for c in chunks:
               plgpu.barrier_arrive(empty.at[lax.rem(i * n_chunks + c, stages)])
-          if fuse and kb == 0 and si == 0:
+          if fuse and not regs and kb == 0 and si == 0:
             # The bf16 tile may be overwritten. Released after the first block's wgmmas have completed rather than
             # right after the quantization: interpret mode does not order this arrive after the SMEM loads
             # without a data dependence (it reported a race); on the GPU the two places are equivalent.
@@ -353,15 +460,15 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           total = total + part * w_scales[si][kb]
 
         if fuse or per_token:
-          out = total * lax.broadcast_in_dim(a_scale, total.shape, [0])
+          out = total * plgpu.layout_cast(lax.broadcast_in_dim(a_scale, total.shape, [0]), plgpu.Layout.WGMMA)
         else:
           out = total * a_scale
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has read the staging tile
         o_smem.at[wg][...] = out.astype(jnp.bfloat16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            o_smem.at[wg], o_gmem.at[pl.ds(m0 + wi_m * TILE_M, TILE_M), h, pl.ds(n_idx * cfg.cta_n + sub * TILE_N,
-                                                                                   TILE_N)])
+            o_smem.at[wg], o_gmem.at[pl.ds(m0 + wi_m * TILE_M, TILE_M), h,
+                                     pl.ds(n_idx * cfg.cta_n + sub * cfg.tile_n, cfg.tile_n)])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -390,7 +497,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
   num_tiles = m_tiles * n_tiles * h
   grid = min(num_tiles, cfg.max_ctas)
-  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid)
+  regs = fuse and cfg.a_registers and not interpret   # interpret mode has no register-A wgmma: the SMEM path
+  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, regs)
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()
@@ -399,8 +507,9 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
     a_scratch = [
         plgpu.SMEM((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16,
                    transforms=swizzled(jnp.bfloat16, 128)),                                      # bf16 A tiles
-        plgpu.SMEM((2, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),          # fp8 A
     ]
+    if not regs:
+      a_scratch += [plgpu.SMEM((2, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK))]   # fp8 A
   else:
     a_scratch = [plgpu.SMEM((cfg.stages, cfg.cta_m, CHUNK), FP8, transforms=swizzled(FP8, CHUNK))]   # A ring
   barriers = [
@@ -411,6 +520,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   if fuse:
     barriers += [plgpu.Barrier(num_arrivals=k_chunks, num_barriers=cfg.a_buffers),   # a_full: the A tile's TMAs
                  plgpu.Barrier(num_arrivals=2, num_barriers=cfg.a_buffers)]          # a_empty: both consumers
+    if cfg.share_quant and not regs:
+      barriers += [plgpu.Barrier(num_arrivals=2, num_barriers=1)]                     # q_ready: both halves
   return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((t, h, n), jnp.bfloat16),
@@ -418,7 +529,7 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
       num_threads=3, thread_name="wg",
       scratch_types=a_scratch + [
           plgpu.SMEM((cfg.stages, cfg.cta_n, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # B ring
-          plgpu.SMEM((2, TILE_M, TILE_N), jnp.bfloat16, transforms=out_transforms),               # out
+          plgpu.SMEM((2, TILE_M, cfg.tile_n), jnp.bfloat16, transforms=out_transforms),           # out
       ] + barriers,
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **kwargs,

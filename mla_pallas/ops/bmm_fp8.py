@@ -19,8 +19,9 @@ XLA path (real FP8 operands):
 
 Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`.
   * For bf16 ``a`` with per-token scales at decode sizes (T <= FUSED_QUANT_MAX_TOKENS, where the bf16 tile fits
-    in SMEM: all MLA shapes but K 512 -> N 128) the kernel quantizes ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no
-    pre-pass runs. Otherwise:
+    in SMEM: every MLA shape since the quantized rows stay in registers, ``a_registers``) the kernel quantizes
+    ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no pre-pass runs.
+    Otherwise:
   * Activation quantization is a fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as above, so ``a8``
     and its scales are bitwise those of the reference), not in-kernel. Why: it is exact by construction;
     ``"per_tensor"`` needs a global amax before any tile can be quantized (a pre-pass in any design); and
@@ -156,19 +157,41 @@ def _wide_tiles_save_a_wave(t, h, k, n, kw) -> bool:
   return -(-tiles // sms) > -(-(tiles // 2) // sms)
 
 
+def _narrow_tiles_make_one_wave(t, h, n, kw) -> bool:
+  """True where 64 x 128 CTA tiles (two 64 x 64 consumer tiles, ``tile_n=64``) are the better default: at most one
+  wave of them over the SMs at T <= SUB_N_MAX_TOKENS. Only output projections qualify at the MLA shapes (N = 128:
+  DeepSeek W_UV, 128 tiles instead of 128 x 128 tiles with half their rows empty and no room for in-kernel
+  quantization; N = 256: GLM-5 W_UV, 128 CTAs instead of 64). H200 (benchmarks/RESULTS.md, run 2 of
+  2026-11-30g): 6.6-7.1 against 7.7-9.7 us at T = 1-8, 7.1 against 17.3 us (DeepSeek W_UV) at T = 64."""
+  if t is None or h is None or t > SUB_N_MAX_TOKENS or n % 128 or any(
+      key in kw for key in ("tile_n", "wg_split", "sub_n")):
+    return False
+  return -(-t // 64) * h * (n // 128) <= kw["max_ctas"]
+
+
 def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
                    fusable: bool = False):
   """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
   (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
-  its SMEM fits (two bf16 A buffers, else one, else the pre-pass); 64 x 512 CTA tiles (``sub_n=2``) where
-  :func:`_wide_tiles_save_a_wave` says so and they fit in SMEM with the same quantization choice."""
+  its SMEM fits (two bf16 A buffers, else one, else the pre-pass), with the fp8 rows kept in registers
+  (``a_registers``) for K <= 512; 64 x 128 CTA tiles (``tile_n=64``) where :func:`_narrow_tiles_make_one_wave`,
+  else 64 x 512 (``sub_n=2``) where :func:`_wide_tiles_save_a_wave` says so and they fit in SMEM with the same
+  quantization choice."""
   from mla_pallas.kernels import bmm_fp8 as kbmm
-  kw = dict(wg_split="n" if n % 256 == 0 else "m", max_ctas=_num_sms())
+  kw = dict(max_ctas=_num_sms())
   kw.update(dict(tuning))
+  if _narrow_tiles_make_one_wave(t, h, n, kw):
+    kw["tile_n"] = 64
+  kw.setdefault("wg_split", "n" if n % (2 * kw.get("tile_n", kbmm.TILE_N)) == 0 else "m")
   explicit = "quantize_k" in kw
   if not explicit and fusable and t <= FUSED_QUANT_MAX_TOKENS:
     kw["quantize_k"] = k
-  if "sub_n" not in kw and _wide_tiles_save_a_wave(t, h, k, n, kw):
+  if (kw.get("quantize_k") is not None and kw["quantize_k"] <= kbmm.MAX_REGISTER_K
+      and not any(key in kw for key in ("a_registers", "share_quant", "quant_passes"))):
+    # H200 (2026-11-30g): faster or equal at every measured shape; with wg_split "m" (DeepSeek W_UV, T = 128 /
+    # 256) it frees the SMEM for in-kernel quantization: 13.4 / 22.1 against 25.4 / 46.0 us with the pre-pass.
+    kw["a_registers"] = True
+  if "sub_n" not in kw and kw.get("tile_n", kbmm.TILE_N) == kbmm.TILE_N and _wide_tiles_save_a_wave(t, h, k, n, kw):
     try:
       return _fit_a_buffers(kbmm, dict(kw, sub_n=2), drop_quantize=False)
     except ValueError:
@@ -190,11 +213,10 @@ def _fit_a_buffers(kbmm, kw: dict, *, drop_quantize: bool):
   return kbmm.TuningConfig(**kw)
 
 
-# Below this many tokens "auto" takes XLA: on an H200 (benchmarks/RESULTS.md run 14, the four MLA shapes, kernel
-# defaults with 64 x 512 tiles where they save a wave) the kernel was at parity or slower at T = 1 for the two W_UV
-# shapes (1.01x, 0.92x; XLA turns the T = 1 product into one reduction fusion; 1.28x / 1.43x for W_UK) and faster
-# at T = 2 (1.28-1.50x), 4 (1.42-1.62x), 8 (1.42-1.89x) and above.
-AUTO_MIN_TOKENS = 2
+# Below this many tokens "auto" takes XLA. Since the register A operand and the 64 x 128 tiles (H200,
+# benchmarks/RESULTS.md, 2026-11-30g) the kernel is faster at every measured T of the four MLA shapes, T = 1
+# included (1.15-1.53x); before, it was at parity or slower at T = 1 for the two W_UV shapes (1.01x, 0.92x).
+AUTO_MIN_TOKENS = 1
 
 
 def _slower_than_xla(tokens: int):
