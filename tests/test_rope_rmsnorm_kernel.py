@@ -488,3 +488,43 @@ def test_unique_slots_promise_skips_the_scan_and_changes_nothing(rng, impl):
     mla_pallas.fused_rope_rmsnorm_quantization(
         jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
         kv_scale=case.kv_scale, slots=case.slots, unique_slots=1, impl=impl, interpret=True)
+
+
+@pytest.mark.parametrize("t,h,fused,interleaved,unique", [
+    (1, 128, True, True, False), (70, 16, True, False, False), (4096, 128, True, True, True),
+    (128, 128, False, True, False), (8192, 16, True, False, False), (1, 16, False, False, False),
+])
+def test_gather_tables_lowers_for_sm90(t, h, fused, interleaved, unique):
+  """TuningConfig.gather_tables (kernels/rope_tables.py, raw Mosaic GPU: not runnable in interpret mode) lowers
+  for sm_90, with the table rows loaded as 16-byte vectors from GMEM in the kernel and no XLA table pre-pass: with
+  one writer per slot (T = 1, unique_slots) or without the cache write the op is the kernel alone. The SMEM it
+  allocates is within the budget. Its numbers are checked on the GPU (tests/test_rope_rmsnorm_kernel_gpu.py,
+  bitwise against the pre-pass path)."""
+  import re
+  s = jax.ShapeDtypeStruct
+  tuning = (("gather_tables", True),)
+  common_args = [s((t, 576), jnp.bfloat16), s((t, h, 64), jnp.bfloat16), s((t,), jnp.int32),
+                 s((4096, 32), jnp.float32), s((4096, 32), jnp.float32), s((512,), jnp.bfloat16),
+                 s((), jnp.float32)]
+  if fused:
+    fn = lambda pages, *a: op._fused_mosaic(pages, *a, interleaved=interleaved, interpret=False, tuning=tuning,
+                                            unique_slots=unique)
+    low = testing.lower_for_cuda(fn, s((1000, 64, 576), FP8), *common_args, s((), jnp.float32),
+                                 s((t,), jnp.int32), arch=(9, 0))
+  else:
+    fn = lambda *a: op._rope_rmsnorm_mosaic(*a, interleaved=interleaved, interpret=False, tuning=tuning)
+    low = testing.lower_for_cuda(fn, *common_args, arch=(9, 0))
+  assert low.hlo.count("stablehlo.custom_call") == 1
+  cfg = op._kernel_config(t, h, fused, tuning)
+  tpc, _ = rk.grid_for(cfg, t, h, fused)
+  # 8 items (4 table entries each) per table row, 128 threads, one cos and one sin load per item
+  assert low.count(r"llvm\.load .* -> vector<4xf32>") == 2 * -(-rk._tab_rows(tpc) * 8 // 128)
+  no_prepass = not fused or unique or t == 1
+  assert (re.search(r"stablehlo\.(concatenate|gather|scatter|compare)", low.hlo) is None) == no_prepass
+  smem = int(re.search(r"dynamic_shared_memory_size %c(\d+)_i32", low.mosaic[0]).group(1))
+  assert 0 <= rk.smem_budget(cfg, fused, tpc) - smem <= 3072    # the budget's reserve for barriers and alignment
+
+
+def test_gather_tables_is_not_available_in_interpret_mode():
+  with pytest.raises(NotImplementedError, match="gather_tables"):
+    rk.build(8, 128, 0, False, rk.TuningConfig(gather_tables=True), interpret=True)

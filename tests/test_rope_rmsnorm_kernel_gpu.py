@@ -138,3 +138,34 @@ def test_bandwidth_report(rng, t, h):
   rows[0] = ("copy", t_copy)
   for name, sec in rows:
     print(f"T={t} H={h} {name:7s} {sec * 1e6:8.1f} us  {useful / sec / 1e12:6.2f} TB/s")
+
+
+# TuningConfig.gather_tables (kernels/rope_tables.py): the kernel gathers and expands the cos/sin rows itself. Same
+# f32 table values as the XLA pre-pass, so the outputs must equal the default path's bit for bit.
+@pytest.mark.parametrize("t,h,interleaved,unique", [
+    (1, 128, True, False), (1, 16, False, False), (70, 16, False, False), (128, 128, True, True),
+    (4096, 128, True, False), (4096, 128, False, True), (8192, 16, True, True), (125, 64, True, False),
+])
+def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique):
+  import numpy as np
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
+  pos = np.asarray(case.positions).copy()
+  pos[0], pos[-1] = -5, 10 ** 6      # clamped to [0, max_pos) by both paths
+  case.positions = jnp.asarray(pos)
+
+  def run(gather):
+    tuning = (("gather_tables", True),) if gather else ()
+    return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
+                            case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
+                            interleaved=interleaved, interpret=False, tuning=tuning, unique_slots=unique)
+  pages_g, q_g = run(True)
+  pages_d, q_d = run(False)
+  np.testing.assert_array_equal(np.asarray(q_g).view(np.uint16), np.asarray(q_d).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(pages_g).view(np.uint8), np.asarray(pages_d).view(np.uint8))
+  kv_g, qu_g = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
+                                       jnp.float32(case.eps), interleaved=interleaved, interpret=False,
+                                       tuning=(("gather_tables", True),))
+  kv_d, qu_d = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
+                                       jnp.float32(case.eps), interleaved=interleaved, interpret=False)
+  np.testing.assert_array_equal(np.asarray(kv_g).view(np.uint16), np.asarray(kv_d).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(qu_g).view(np.uint16), np.asarray(qu_d).view(np.uint16))

@@ -122,7 +122,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common
+from mla_pallas.kernels import common, rope_tables
 from mla_pallas.kernels.common import CHUNK, FP8, N_CHUNKS, swizzled
 from mla_pallas.quant import FP8_MAX
 
@@ -177,12 +177,18 @@ class TuningConfig(common.TuningConfigBase):
     that fits); one None: derived from the other.
   kv_share: warpgroup 0's share of the CTA's q tiles in quarters of another warpgroup's (1-4): warpgroup 0 also
     does the k_rope tile and its row stores.
+  gather_tables: the kernel builds its C ‖ S table rows itself from ``positions`` and the [max_pos, 32] cos / sin
+    tables (:mod:`mla_pallas.kernels.rope_tables`: a TMA of the CTA's positions, then warpgroup 0 gathers and
+    expands the rows), and with the cache write takes the slots as a separate [T] int32 array, instead of the
+    op's XLA pre-pass [T, 128 (+4)] table array. Not in interpret mode (no ``inline_mgpu``; the op keeps the
+    pre-pass there). Opt-in: written 2026-11-30 (seventh session), lowered for sm_90, not yet run on a GPU.
   """
   stages: int = 3
   warpgroups: int = 4
   tokens_per_cta: int | None = None
   ctas: int | None = None
   kv_share: int = 3
+  gather_tables: bool = False
 
   def validate(self):
     if not 2 <= self.stages <= 8:
@@ -204,8 +210,10 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _tab_cols(fused: bool) -> int:
-  return TAB_COLS_FUSED if fused else 2 * D_ROPE
+def _tab_cols(fused: bool, gather: bool = False) -> int:
+  """Columns of the SMEM tables: C ‖ S, and with the cache write the slot column (unless the slots come as their
+  own array, ``gather_tables``)."""
+  return TAB_COLS_FUSED if fused and not gather else 2 * D_ROPE
 
 
 def _lat_rows(tpc: int) -> int:
@@ -224,6 +232,12 @@ def _tab_rows(tpc: int) -> int:
   return max(_kr_span(tpc), TILE)
 
 
+def _idx_len(tpc: int) -> int:
+  """Entries of the SMEM positions / slots of the table window (gather_tables): the window's rows rounded up to 32
+  (a Lane-semantics TMA moves a multiple of 128 bytes)."""
+  return _round_up(_tab_rows(tpc), 32)
+
+
 def _lat_group(tpc: int) -> int:
   """Latent rows per group (one group = one warpgroup's unit of work; group j goes to warpgroup j % NW)."""
   return 8 if _lat_rows(tpc) % 8 == 0 else 4
@@ -234,7 +248,7 @@ def smem_budget(cfg: TuningConfig, fused: bool, tokens_per_cta: int | None = Non
   tpc = tokens_per_cta or cfg.tokens_per_cta or MAX_TPC
   lat = _lat_rows(tpc)
   bufs = [((D_ROPE, D_ROPE), BF16),                                  # P
-          ((_tab_rows(tpc), _tab_cols(fused)), jnp.int32),           # tables C | S (| slot), int32 bits
+          ((_tab_rows(tpc), _tab_cols(fused, cfg.gather_tables)), jnp.int32),   # tables C | S (| slot), int32 bits
           ((cfg.warpgroups * cfg.stages, TILE, D_ROPE), BF16),       # q rings
           ((TILE, D_ROPE), BF16),                                    # k_rope tile
           ((TILE, 2 * D_ROPE), FP8) if fused else ((TILE, D_ROPE), BF16),   # k_rope out
@@ -242,6 +256,8 @@ def smem_budget(cfg: TuningConfig, fused: bool, tokens_per_cta: int | None = Non
           ((LAT_CHUNKS, CHUNK), jnp.float32)]                        # norm weight
   if fused:
     bufs += [((lat, LAT_CHUNKS, CHUNK), FP8)]
+  if cfg.gather_tables:                                              # positions (and slots) of the window
+    bufs += [((_idx_len(tpc),), jnp.int32)] * (2 if fused else 1)
   return common.smem_bytes(*bufs) + 3072      # barriers, a 1 KB reserved block, alignment (checked by lowering)
 
 
@@ -333,12 +349,15 @@ def _swap(x_sw, p_sw):
   return pl.run_scoped(mma, plgpu.ACC((TILE, D_ROPE), jnp.float32))
 
 
-def _unpack(fused: bool, refs) -> types.SimpleNamespace:
+def _unpack(fused: bool, gather: bool, refs) -> types.SimpleNamespace:
   """Name the kernel's refs: inputs, outputs, scratch (see :func:`build`)."""
-  gmem = (("kv", "q", "cs", "w", "p", "eps", "ks", "pages", "qo") if fused else
-          ("kv", "q", "cs", "w", "p", "eps", "qo", "kvo"))
+  tables = (("pos", "cos", "sin") + (("slots",) if fused else ())) if gather else ("cs",)
+  gmem = (("kv", "q") + tables + (("w", "p", "eps", "ks", "pages", "qo") if fused else
+                                  ("w", "p", "eps", "qo", "kvo")))
   scratch = ("p_sw", "tab", "q_sw", "kr_sw", "kr_out", "lat", "w_smem") + (("rows",) if fused else ())
-  names = gmem + scratch + ("sh_bar", "kv_bar", "kr_bar", "q_full")
+  if gather:
+    scratch += ("pos_smem",) + (("slot_smem",) if fused else ())
+  names = gmem + scratch + ("sh_bar", "kv_bar", "kr_bar", "q_full") + (("idx_bar", "tab_bar") if gather else ())
   return types.SimpleNamespace(**dict(zip(names, refs, strict=True)))
 
 
@@ -365,8 +384,9 @@ def _token_range(c, num_tokens: int, heads: int, ctas: int):
   return t0, jnp.minimum(n_units * g, num_tokens - t0)
 
 
-def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningConfig, *refs):
-  r = _unpack(fused, refs)
+def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningConfig, interleaved: bool, *refs):
+  gather = cfg.gather_tables
+  r = _unpack(fused, gather, refs)
   nw, stages, tpc = cfg.warpgroups, cfg.stages, cfg.tokens_per_cta
   wg = lax.axis_index("wg") if nw > 1 else 0
   t0, n_valid = _token_range(lax.axis_index("c"), num_tokens, heads, cfg.ctas)
@@ -396,7 +416,13 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
   @on_wg(0)
   def _():
     plgpu.copy_gmem_to_smem(r.p, r.p_sw, r.sh_bar)
-    plgpu.copy_gmem_to_smem(r.cs.at[pl.ds(a0, span)], r.tab.at[pl.ds(0, span)], r.sh_bar)
+    if gather:   # the window's positions (and slots); warpgroup 0 builds the tables from them below
+      idx = _idx_len(tpc)   # Lane semantics copies whole 128-byte multiples; entries past T read as zeros
+      plgpu.copy_gmem_to_smem(r.pos.at[pl.ds(a0, idx)], r.pos_smem, r.idx_bar)
+      if fused:
+        plgpu.copy_gmem_to_smem(r.slots.at[pl.ds(a0, idx)], r.slot_smem, r.idx_bar)
+    else:
+      plgpu.copy_gmem_to_smem(r.cs.at[pl.ds(a0, span)], r.tab.at[pl.ds(0, span)], r.sh_bar)
     plgpu.copy_gmem_to_smem(r.kv.at[pl.ds(t0, _lat_rows(tpc)), pl.ds(0, LAT_CHUNKS)], r.lat, r.kv_bar)
     plgpu.copy_gmem_to_smem(r.w, r.w_smem, r.kv_bar)
     kr = min(span, TILE)
@@ -407,7 +433,16 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
     def _():
       issue_q(s, s)
 
-  plgpu.barrier_wait(r.sh_bar)     # P and the tables (every warpgroup once)
+  if gather:
+    @on_wg(0)
+    def _():   # rows past the window gather position 0 (zero-filled by the TMA): valid reads, never used
+      plgpu.barrier_wait(r.idx_bar)
+      rope_tables.gather_tables(r.pos_smem, r.cos, r.sin, r.tab, interleaved)
+      plgpu.commit_smem()            # warpgroup barrier: every thread's table stores are done
+      plgpu.barrier_arrive(r.tab_bar)
+  plgpu.barrier_wait(r.sh_bar)     # P and (without gather_tables) the tables (every warpgroup once)
+  if gather:
+    plgpu.barrier_wait(r.tab_bar)
   n_groups = (n_valid + _lat_group(tpc) - 1) // _lat_group(tpc)
 
   @pl.when(wg < n_groups)          # latent rows and norm weight (the warpgroups with latent rows, once)
@@ -429,7 +464,10 @@ def _kv_rows(fused, num_slots, tpc, r, wg, nw, on_wg, t0, n_valid, d, a0):
     return jnp.clip(y * inv_scale, -FP8_MAX, FP8_MAX).astype(FP8)
 
   def valid_slot(row):                  # row: the CTA's row (token t0 + row) = table row row + d
-    slot = r.tab[row + d, 2 * D_ROPE]   # the slot column of the tables (int32; warp code cannot bitcast)
+    if hasattr(r, "slot_smem"):         # gather_tables: the slots' own SMEM array
+      slot = r.slot_smem[row + d]
+    else:
+      slot = r.tab[row + d, 2 * D_ROPE]   # the slot column of the tables (int32; warp code cannot bitcast)
     return slot, (slot >= 0) & (slot < num_slots)
 
   # ---- RoPE of the key's rope part (warpgroup 0): 64-row tiles of the 8-aligned window from a0 (see _body) ----
@@ -586,7 +624,7 @@ def q_rows_for(num_tokens: int, heads: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningConfig | None = None,
-          interpret=False, w_dtype=jnp.float32, num_sms: int = DEFAULT_SMS):
+          interpret=False, w_dtype=jnp.float32, num_sms: int = DEFAULT_SMS, interleaved: bool = True):
   """Build the kernel for T = num_tokens tokens of H = heads query heads (H % 64 == 0 or 64 % H == 0).
 
   Kernel arguments:
@@ -596,6 +634,10 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
     cs    [T, 128] (unfused) / [T, 132] (fused) int32: the f32 bits of the per-token RoPE tables C ‖ S arranged
           per column (module docstring); fused: column 128 holds the token's sanitised slot (−1 = skip; no two kept
           tokens share a slot), columns 129-131 are unused.
+          With ``cfg.gather_tables`` instead: ``positions`` [T] int32 (clamped in the kernel), ``cos``, ``sin``
+          [max_pos, 32] f32 (``interleaved`` picks the column arrangement), and (fused) ``slots`` [T] int32 (the
+          sanitised slots as above, or raw slots where no two tokens can share one: out-of-range ones are skipped
+          by the kernel's range check).
     w     [8, 64] ``w_dtype`` (bf16 or f32): norm weight.
     P     [64, 64] bf16: the pair-swap permutation.
     eps   [1] f32.
@@ -611,7 +653,9 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
     cfg = default_config(num_tokens, heads, fused, num_sms)
   tpc, ctas = grid_for(cfg, num_tokens, heads, fused, num_sms)
   cfg = dataclasses.replace(cfg, tokens_per_cta=tpc, ctas=ctas)
-  body = functools.partial(_body, fused, num_tokens, heads, num_slots, cfg)
+  if cfg.gather_tables and interpret:
+    raise NotImplementedError("TuningConfig.gather_tables needs plgpu.inline_mgpu, which interpret mode lacks")
+  body = functools.partial(_body, fused, num_tokens, heads, num_slots, cfg, bool(interleaved))
   kwargs = common.interpret_kwargs(interpret)
   lat = _lat_rows(tpc)
   out_type = [jax.ShapeDtypeStruct((q_rows_for(num_tokens, heads), D_ROPE), BF16)]
@@ -619,7 +663,7 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
     out_type.append(jax.ShapeDtypeStruct((num_tokens, N_CHUNKS, CHUNK), BF16))
   scratch = [
       plgpu.SMEM((D_ROPE, D_ROPE), BF16, transforms=swizzled(BF16, 128)),                       # P
-      plgpu.SMEM((_tab_rows(tpc), _tab_cols(fused)), jnp.int32),                                # C | S (| slot)
+      plgpu.SMEM((_tab_rows(tpc), _tab_cols(fused, cfg.gather_tables)), jnp.int32),            # C | S (| slot)
       plgpu.SMEM((cfg.warpgroups * cfg.stages, TILE, D_ROPE), BF16, transforms=swizzled(BF16, 128)),  # q rings
       plgpu.SMEM((TILE, D_ROPE), BF16, transforms=swizzled(BF16, 128)),                         # k_rope tile
       plgpu.SMEM((TILE, 2 * D_ROPE), FP8) if fused else plgpu.SMEM((TILE, D_ROPE), BF16),       # k_rope out
@@ -628,10 +672,15 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   ]
   if fused:
     scratch += [plgpu.SMEM((lat, LAT_CHUNKS, CHUNK), FP8)]                                      # fp8 latent
-  scratch += [plgpu.Barrier(num_arrivals=2),                                                    # sh_bar
+  if cfg.gather_tables:
+    scratch += [plgpu.SMEM((_idx_len(tpc),), jnp.int32)] * (2 if fused else 1)                 # positions (slots)
+  scratch += [plgpu.Barrier(num_arrivals=1 if cfg.gather_tables else 2),                        # sh_bar
               plgpu.Barrier(num_arrivals=2),                                                    # kv_bar
               plgpu.Barrier(num_arrivals=1),                                                    # kr_bar
               plgpu.Barrier(num_barriers=cfg.warpgroups * cfg.stages)]                          # q_full
+  if cfg.gather_tables:
+    scratch += [plgpu.Barrier(num_arrivals=2 if fused else 1),                                  # idx_bar
+                plgpu.Barrier(num_arrivals=1)]                                                  # tab_bar
   extra = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
   return plgpu.kernel(
       body,

@@ -189,23 +189,27 @@ def _kernel_config(t, h, fused, tuning=(), interpret=False):
   return cfg
 
 
-def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest=None):
+def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest=None, gather=False):
   """The kernel's inputs: views of kv / q_rope (copies only where a row count needs padding to a multiple of 8:
-  odd T > 8, and H < 8) and the tables C | S as int32 bits, [T, 128], with (fused) the sanitised slots ``dest`` in
-  column 128 of [T, 132] (one fused XLA gather + concatenate: one kernel, not two)."""
+  odd T > 8, and H < 8), then the tables: C | S as int32 bits, [T, 128], with (fused) the sanitised slots ``dest``
+  in column 128 of [T, 132] (one fused XLA gather + concatenate: one kernel, not two); with ``gather``
+  (TuningConfig.gather_tables) the raw positions, cos, sin (and ``dest``) instead, no XLA work."""
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  c_tab, s_tab = _kernel_tables(positions, cos, sin, interleaved)
-  cols = [jax.lax.bitcast_convert_type(c_tab, jnp.int32), jax.lax.bitcast_convert_type(s_tab, jnp.int32)]
-  if dest is not None:
-    cols += [dest[:, None], jnp.zeros((t, rk.TAB_COLS_FUSED - 2 * D_ROPE - 1), jnp.int32)]
-  cs = jnp.concatenate(cols, axis=1)
+  if gather:
+    tables = (positions, cos, sin) + ((dest,) if dest is not None else ())
+  else:
+    c_tab, s_tab = _kernel_tables(positions, cos, sin, interleaved)
+    cols = [jax.lax.bitcast_convert_type(c_tab, jnp.int32), jax.lax.bitcast_convert_type(s_tab, jnp.int32)]
+    if dest is not None:
+      cols += [dest[:, None], jnp.zeros((t, rk.TAB_COLS_FUSED - 2 * D_ROPE - 1), jnp.int32)]
+    tables = (jnp.concatenate(cols, axis=1),)
   w = norm_weight.reshape(D_V // 64, 64)
   kv_rows, q_rows = rk.kv_rows_for(t), rk.q_rows_for(t, h)
   kv_in = jnp.pad(kv, ((0, kv_rows - t), (0, 0))) if kv_rows != t else kv
   q2 = q_rope.reshape(t * h, D_ROPE)
   q_in = jnp.pad(q2, ((0, q_rows - t * h), (0, 0))) if q_rows != t * h else q2
-  return kv_in.reshape(kv_rows, D_QK // 64, 64), q_in, cs, w, _swap_matrix(interleaved)
+  return (kv_in.reshape(kv_rows, D_QK // 64, 64), q_in, *tables, w, _swap_matrix(interleaved))
 
 
 def _q_out(q_out, t, h):
@@ -216,9 +220,10 @@ def _q_out(q_out, t, h):
 def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, interpret, tuning=()):
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved)
   cfg = _kernel_config(t, h, False, tuning, interpret)
-  kern = rk.build(t, h, 0, False, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms())
+  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, gather=cfg.gather_tables)
+  kern = rk.build(t, h, 0, False, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms(),
+                  interleaved=interleaved)
   q_out, kv_out = kern(*args, eps.astype(jnp.float32).reshape(1))
   return kv_out.reshape(t, D_QK), _q_out(q_out, t, h)
 
@@ -237,10 +242,14 @@ def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_s
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
   num_slots = pages.size // D_QK
-  dest = _dest_slots(slots, num_slots, unique_slots, -1)
-  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest)
   cfg = _kernel_config(t, h, True, tuning, interpret)
-  kern = rk.build(t, h, num_slots, True, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms())
+  if cfg.gather_tables and (unique_slots or t == 1):
+    dest = slots    # no two tokens share a slot: the kernel's range check is all the sanitising (no XLA work)
+  else:
+    dest = _dest_slots(slots, num_slots, unique_slots, -1)
+  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest, gather=cfg.gather_tables)
+  kern = rk.build(t, h, num_slots, True, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms(),
+                  interleaved=interleaved)
   cache = jax.new_ref(pages.reshape(num_slots, D_QK // 64, 64))   # mutable ref: aliased in place by the kernel
   (q_out,) = kern(*args, eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), cache)
   return jax.freeze(cache).reshape(pages.shape), _q_out(q_out, t, h)

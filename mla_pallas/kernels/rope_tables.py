@@ -1,0 +1,106 @@
+"""In-kernel gather of the per-token RoPE tables for :mod:`mla_pallas.kernels.rope_rmsnorm` (sm_90, raw Mosaic GPU).
+
+The rope kernel rotates a 64-wide row as ``y = x · C + swap(x) · S`` with per-token tables arranged per column
+(interleaved / DeepSeek pairs: ``C = [c0 c0 c1 c1 ..]``, ``S = [−s0 s0 −s1 s1 ..]``; NeoX halves: ``C = [c ‖ c]``,
+``S = [−s ‖ s]``), where ``c = cos[pos]``, ``s = sin[pos]`` are rows of the [max_pos, 32] f32 tables. By default
+the op builds those rows in an XLA pre-pass (a [T, 128] gather + expansion written to and re-read from HBM, one
+extra kernel launch). With ``TuningConfig.gather_tables`` the kernel builds them itself: after a TMA of the CTA's
+positions into SMEM, each of warpgroup 0's 128 threads takes (row, part) items, part = 4 consecutive table
+entries: it reads the row's position from SMEM, clamps it to [0, max_pos), loads 16 bytes of ``cos`` and of
+``sin`` from GMEM (``ld.global``, vectorised) and writes the expanded, signed values as 16-byte SMEM stores into
+the row of the kernel's table tile ([rows, 128] int32 = the f32 bits of C ‖ S). The values are the same f32 values
+as the pre-pass's (a gather, a duplication and a negation are exact), so the kernel's output is bitwise the same.
+
+Interpret mode has no ``plgpu.inline_mgpu``: the op keeps the XLA pre-pass there; this module is checked by sm_90
+lowering on the CPU (tests/test_rope_rmsnorm_kernel.py) and numerically on the GPU
+(tests/test_rope_rmsnorm_kernel_gpu.py).
+"""
+from __future__ import annotations
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, scf, vector
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+D_ROPE = 64
+HALF = D_ROPE // 2
+PART = 4                      # table entries per item (one 16-byte load per table)
+PARTS = HALF // PART          # items per row
+THREADS = 128                 # one warpgroup
+
+
+def _c32(x):
+  return arith.constant(ir.IntegerType.get_signless(32), x)
+
+
+def _ptr(base, byte_offset):
+  i64 = ir.IntegerType.get_signless(64)
+  return mgpu_utils.getelementptr(base, [arith.extui(i64, byte_offset)], ir.IntegerType.get_signless(8))
+
+
+def _expand(c4, s4, part, interleaved: bool):
+  """[(column, 4 f32 values)] of the row's C ‖ S (128 columns) made from cos/sin entries 4·part .. 4·part + 3."""
+  f32 = ir.F32Type.get()
+  v4 = ir.VectorType.get((PART,), f32)
+  c = [vector.extract(c4, [], [j]) for j in range(PART)]
+  s = [vector.extract(s4, [], [j]) for j in range(PART)]
+  neg = [arith.negf(x) for x in s]
+  col = arith.muli(part, _c32(2 * PART if interleaved else PART))
+  if interleaved:   # entry i -> columns 2i, 2i + 1
+    out = [(col, [c[0], c[0], c[1], c[1]]), (arith.addi(col, _c32(PART)), [c[2], c[2], c[3], c[3]]),
+           (arith.addi(col, _c32(D_ROPE)), [neg[0], s[0], neg[1], s[1]]),
+           (arith.addi(col, _c32(D_ROPE + PART)), [neg[2], s[2], neg[3], s[3]])]
+  else:             # entry i -> columns i and i + 32
+    out = [(col, c), (arith.addi(col, _c32(HALF)), c),
+           (arith.addi(col, _c32(D_ROPE)), neg), (arith.addi(col, _c32(D_ROPE + HALF)), s)]
+  return [(k, vector.from_elements(v4, vals)) for k, vals in out]
+
+
+def gather_rows(pos, cos, sin, tab, interleaved: bool):
+  """Raw Mosaic GPU body: fill ``tab`` (SMEM memref [rows, 128] int32) with C ‖ S of the positions ``pos`` (SMEM
+  memref [>= rows] int32, unclamped) from ``cos`` / ``sin`` (GMEM memrefs [max_pos, 32] f32). Every thread of the
+  warpgroup takes items tid, tid + 128, ..; the caller makes the stores visible (a warpgroup barrier) before any
+  thread reads ``tab``."""
+  i32 = ir.IntegerType.get_signless(32)
+  f32 = ir.F32Type.get()
+  rows = ir.MemRefType(tab.type).shape[0]
+  max_pos = ir.MemRefType(cos.type).shape[0]
+  cols = ir.MemRefType(tab.type).shape[1]
+  assert cols == 2 * D_ROPE and ir.MemRefType(cos.type).shape[1] == HALF, (tab.type, cos.type)
+  tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), _c32(THREADS))
+  pos_base, cos_base = mgpu_utils.memref_ptr(pos), mgpu_utils.memref_ptr(cos)
+  sin_base, tab_base = mgpu_utils.memref_ptr(sin), mgpu_utils.memref_ptr(tab)
+  v4 = ir.VectorType.get((PART,), f32)
+  items = rows * PARTS
+  for it in range(-(-items // THREADS)):
+    item = arith.addi(tid, _c32(it * THREADS))
+
+    def body(item=item):
+      row = arith.divui(item, _c32(PARTS))
+      part = arith.remui(item, _c32(PARTS))
+      p = llvm.load(i32, _ptr(pos_base, arith.muli(row, _c32(4))))
+      p = arith.maxsi(arith.minsi(p, _c32(max_pos - 1)), _c32(0))
+      off = arith.muli(arith.addi(arith.muli(p, _c32(HALF)), arith.muli(part, _c32(PART))), _c32(4))
+      c4 = llvm.load(v4, _ptr(cos_base, off), alignment=16)
+      s4 = llvm.load(v4, _ptr(sin_base, off), alignment=16)
+      row_off = arith.muli(row, _c32(cols * 4))
+      for col, vals in _expand(c4, s4, part, interleaved):
+        llvm.store(vals, _ptr(tab_base, arith.addi(row_off, arith.muli(col, _c32(4)))), alignment=16)
+
+    if (it + 1) * THREADS <= items:
+      body()
+    else:                                   # the last round covers only part of the warpgroup
+      guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, item, _c32(items)))
+      with ir.InsertionPoint(guard.then_block):
+        body()
+        scf.yield_([])
+
+
+def gather_tables(pos_ref, cos_ref, sin_ref, tab_ref, interleaved: bool):
+  """Pallas-level :func:`gather_rows` (run by one warpgroup): ``pos_ref`` SMEM [>= rows] int32, ``cos_ref`` /
+  ``sin_ref`` GMEM [max_pos, 32] f32, ``tab_ref`` SMEM [rows, 128] int32 (written)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+  def f(ctx, pos, cos, sin, tab):
+    del ctx
+    gather_rows(pos, cos, sin, tab, interleaved)
+  f(pos_ref, cos_ref, sin_ref, tab_ref)
