@@ -290,7 +290,9 @@ def test_register_a_operand_lowers_for_sm90(k, n, t, h):
   assert cfg.a_registers
   shape = f"m64n{cfg.tile_n}k32"
   per_consumer = cfg.sub_n * k // 32
-  assert low.count(rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{\$\d+,\$\d+,\$\d+,\$\d+\}}") == per_consumer
+  register_a = r"\{\$\d+,\$\d+,\$\d+,\$\d+\}"        # four 32-bit registers, not an SMEM descriptor
+  wgmma = rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, "
+  assert low.count(wgmma + register_a) == per_consumer
   assert low.count(r"wgmma\.mma_async") == per_consumer
   # 32 values of each 64 x 64 chunk per thread -> 16 paired conversions per chunk (one code path per consumer)
   assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 16 * (k // 64)

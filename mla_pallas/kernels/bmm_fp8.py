@@ -5,9 +5,10 @@ What one CTA computes
 The output is cut into tiles of one head ``h``, ``64 · wm`` tokens and ``tile_n · wn · sub_n`` columns
 (``wm · wn = 2``: two consumer warpgroups, each owning 64 x ``tile_n`` sub-tiles; ``TuningConfig.wg_split`` picks
 "n" (64 x 256, for N % 256 == 0) or "m" (128 x 128); ``tile_n=64`` makes the "n" tile 64 x 128, both consumers'
-sub-tiles then lying in one weight scale block; ``sub_n=2`` makes it 64 x 512). The grid is persistent (``max_ctas`` CTAs, the SM count): CTA ``pid`` walks
-the tiles pid, pid + grid, ... (M tiles fastest, so concurrently running CTAs share one head's weight tile in
-L2), and its K-chunk ring runs on across tiles, so the next tile's loads overlap the current tile's epilogue.
+sub-tiles then lying in one weight scale block; ``sub_n=2`` makes it 64 x 512). The grid is persistent
+(``max_ctas`` CTAs, the SM count): CTA ``pid`` walks the tiles pid, pid + grid, ... (M tiles fastest, so
+concurrently running CTAs share one head's weight tile in L2), and its K-chunk ring runs on across tiles, so the
+next tile's loads overlap the current tile's epilogue.
 A sub-tile (128 or 64 columns) lies in exactly one weight scale block, so its block scale is a scalar per K
 block:
 
@@ -287,11 +288,13 @@ def _quantize_rows(a_bf, a8, rows, *, half_of=None, in_registers=False):
   scale = amax * _INV_FP8_MAX
   scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
   inv = jnp.float32(1.0) / scale
+
   def store(chunks):
     for c in chunks:
       x = (held[c] if in_registers else load(c)).astype(jnp.float32)
       q = x * lax.broadcast_in_dim(inv, x.shape, [0])
       a8.at[c][...] = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8)
+
   if half_of is None:
     store(range(k_chunks))
   else:

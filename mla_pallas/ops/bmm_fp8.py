@@ -214,8 +214,8 @@ def _fit_a_buffers(kbmm, kw: dict, *, drop_quantize: bool):
 
 
 # Below this many tokens "auto" takes XLA. Since the register A operand and the 64 x 128 tiles (H200,
-# benchmarks/RESULTS.md, 2026-11-30g) the kernel is faster at every measured T of the four MLA shapes, T = 1
-# included (1.19-1.52x, run 4 of 2026-11-30g); before, it was at parity or slower at T = 1 for the two W_UV shapes (1.01x, 0.92x).
+# benchmarks/RESULTS.md, run 4 of 2026-11-30g) the kernel is faster at every measured T of the four MLA shapes,
+# T = 1 included (1.19-1.52x); before, it was at parity or slower at T = 1 for the two W_UV shapes (1.01x, 0.92x).
 AUTO_MIN_TOKENS = 1
 
 
