@@ -493,12 +493,13 @@ def test_unique_slots_promise_skips_the_scan_and_changes_nothing(rng, impl):
 @pytest.mark.parametrize("t,h,fused,interleaved,unique", [
     (1, 128, True, True, False), (70, 16, True, False, False), (4096, 128, True, True, True),
     (128, 128, False, True, False), (8192, 16, True, False, False), (1, 16, False, False, False),
+    (256, 128, True, True, False), (257, 16, True, False, False),
 ])
 def test_gather_tables_lowers_for_sm90(t, h, fused, interleaved, unique):
   """TuningConfig.gather_tables (kernels/rope_tables.py, raw Mosaic GPU: not runnable in interpret mode) lowers
   for sm_90, with the table rows loaded as 16-byte vectors from GMEM in the kernel and no XLA table pre-pass: with
-  one writer per slot (T = 1, unique_slots) or without the cache write the op is the kernel alone. The SMEM it
-  allocates is within the budget. Its numbers are checked on the GPU (tests/test_rope_rmsnorm_kernel_gpu.py,
+  one writer per slot (T = 1, unique_slots), with the in-kernel duplicate check (T <= 256) or without the cache
+  write the op is the kernel alone. The SMEM it allocates is within the budget. Its numbers are checked on the GPU (tests/test_rope_rmsnorm_kernel_gpu.py,
   bitwise against the pre-pass path)."""
   import re
   s = jax.ShapeDtypeStruct
@@ -519,7 +520,12 @@ def test_gather_tables_lowers_for_sm90(t, h, fused, interleaved, unique):
   tpc, _ = rk.grid_for(cfg, t, h, fused)
   # 8 items (4 table entries each) per table row, 128 threads, one cos and one sin load per item
   assert low.count(r"llvm\.load .* -> vector<4xf32>") == 2 * -(-rk._tab_rows(tpc) * 8 // 128)
-  no_prepass = not fused or unique or t == 1
+  from mla_pallas.kernels import rope_tables
+  small = t <= rope_tables.DEDUPE_MAX_TOKENS
+  # the in-kernel duplicate check: every token's slot read as 16-byte vectors (unrolled over T)
+  dedupe = fused and not unique and 1 < t and small
+  assert low.count(r"llvm\.load .* -> vector<4xi32>") == (-(-t // 4) if dedupe else 0)
+  no_prepass = not fused or unique or small
   assert (re.search(r"stablehlo\.(concatenate|gather|scatter|compare)", low.hlo) is None) == no_prepass
   smem = int(re.search(r"dynamic_shared_memory_size %c(\d+)_i32", low.mosaic[0]).group(1))
   assert 0 <= rk.smem_budget(cfg, fused, tpc) - smem <= 3072    # the budget's reserve for barriers and alignment

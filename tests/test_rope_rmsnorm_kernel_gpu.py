@@ -169,3 +169,28 @@ def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique):
                                        jnp.float32(case.eps), interleaved=interleaved, interpret=False)
   np.testing.assert_array_equal(np.asarray(kv_g).view(np.uint16), np.asarray(kv_d).view(np.uint16))
   np.testing.assert_array_equal(np.asarray(qu_g).view(np.uint16), np.asarray(qu_d).view(np.uint16))
+
+
+@pytest.mark.parametrize("t,h", [(200, 128), (256, 16), (7, 64)])
+def test_gather_tables_in_kernel_dedupe_is_bitwise_the_prepass(rng, t, h):
+  """T <= 256 with gather_tables: the kernel finds each slot's last writer itself (rope_tables.drop_overwritten)
+  instead of the XLA scan. Duplicates inside one CTA's window and across CTAs, skipped and out-of-range slots."""
+  import numpy as np
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64, skip=False)
+  slots = np.asarray(case.slots).copy()
+  slots[[0, t // 2, t - 1]] = slots[1]
+  slots[[2, 3]] = slots[4]
+  slots[5 % t] = -1
+  slots[6 % t] = 10 ** 7
+  case.slots = jnp.asarray(slots)
+
+  def run(gather):
+    tuning = (("gather_tables", True),) if gather else ()
+    return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
+                            case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
+                            interleaved=True, interpret=False, tuning=tuning)
+  pages_g, q_g = run(True)
+  pages_d, q_d = run(False)
+  np.testing.assert_array_equal(np.asarray(pages_g).view(np.uint8), np.asarray(pages_d).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(q_g).view(np.uint16), np.asarray(q_d).view(np.uint16))
+  check_fused(case, pages_g, q_g, True)

@@ -238,6 +238,11 @@ def _idx_len(tpc: int) -> int:
   return _round_up(_tab_rows(tpc), 32)
 
 
+def _all_len(num_tokens: int) -> int:
+  """Entries of every token's slot loaded for the in-kernel duplicate check: T rounded up to 32 (128 bytes)."""
+  return _round_up(num_tokens, 32)
+
+
 def _lat_group(tpc: int) -> int:
   """Latent rows per group (one group = one warpgroup's unit of work; group j goes to warpgroup j % NW)."""
   return 8 if _lat_rows(tpc) % 8 == 0 else 4
@@ -258,6 +263,8 @@ def smem_budget(cfg: TuningConfig, fused: bool, tokens_per_cta: int | None = Non
     bufs += [((lat, LAT_CHUNKS, CHUNK), FP8)]
   if cfg.gather_tables:                                              # positions (and slots) of the window
     bufs += [((_idx_len(tpc),), jnp.int32)] * (2 if fused else 1)
+    if fused:                                                        # all slots, for the in-kernel dedupe
+      bufs += [((rope_tables.DEDUPE_MAX_TOKENS,), jnp.int32)]
   return common.smem_bytes(*bufs) + 3072      # barriers, a 1 KB reserved block, alignment (checked by lowering)
 
 
@@ -349,14 +356,14 @@ def _swap(x_sw, p_sw):
   return pl.run_scoped(mma, plgpu.ACC((TILE, D_ROPE), jnp.float32))
 
 
-def _unpack(fused: bool, gather: bool, refs) -> types.SimpleNamespace:
+def _unpack(fused: bool, gather: bool, dedupe: bool, refs) -> types.SimpleNamespace:
   """Name the kernel's refs: inputs, outputs, scratch (see :func:`build`)."""
   tables = (("pos", "cos", "sin") + (("slots",) if fused else ())) if gather else ("cs",)
   gmem = (("kv", "q") + tables + (("w", "p", "eps", "ks", "pages", "qo") if fused else
                                   ("w", "p", "eps", "qo", "kvo")))
   scratch = ("p_sw", "tab", "q_sw", "kr_sw", "kr_out", "lat", "w_smem") + (("rows",) if fused else ())
   if gather:
-    scratch += ("pos_smem",) + (("slot_smem",) if fused else ())
+    scratch += ("pos_smem",) + (("slot_smem",) if fused else ()) + (("all_smem",) if dedupe else ())
   names = gmem + scratch + ("sh_bar", "kv_bar", "kr_bar", "q_full") + (("idx_bar", "tab_bar") if gather else ())
   return types.SimpleNamespace(**dict(zip(names, refs, strict=True)))
 
@@ -384,9 +391,10 @@ def _token_range(c, num_tokens: int, heads: int, ctas: int):
   return t0, jnp.minimum(n_units * g, num_tokens - t0)
 
 
-def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningConfig, interleaved: bool, *refs):
+def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningConfig, interleaved: bool,
+          dedupe: bool, *refs):
   gather = cfg.gather_tables
-  r = _unpack(fused, gather, refs)
+  r = _unpack(fused, gather, dedupe, refs)
   nw, stages, tpc = cfg.warpgroups, cfg.stages, cfg.tokens_per_cta
   wg = lax.axis_index("wg") if nw > 1 else 0
   t0, n_valid = _token_range(lax.axis_index("c"), num_tokens, heads, cfg.ctas)
@@ -421,6 +429,9 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
       plgpu.copy_gmem_to_smem(r.pos.at[pl.ds(a0, idx)], r.pos_smem, r.idx_bar)
       if fused:
         plgpu.copy_gmem_to_smem(r.slots.at[pl.ds(a0, idx)], r.slot_smem, r.idx_bar)
+      if dedupe:   # every token's slot (raw): the duplicate check runs below
+        plgpu.copy_gmem_to_smem(r.slots.at[pl.ds(0, _all_len(num_tokens))],
+                                r.all_smem.at[pl.ds(0, _all_len(num_tokens))], r.idx_bar)
     else:
       plgpu.copy_gmem_to_smem(r.cs.at[pl.ds(a0, span)], r.tab.at[pl.ds(0, span)], r.sh_bar)
     plgpu.copy_gmem_to_smem(r.kv.at[pl.ds(t0, _lat_rows(tpc)), pl.ds(0, LAT_CHUNKS)], r.lat, r.kv_bar)
@@ -438,7 +449,9 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
     def _():   # rows past the window gather position 0 (zero-filled by the TMA): valid reads, never used
       plgpu.barrier_wait(r.idx_bar)
       rope_tables.gather_tables(r.pos_smem, r.cos, r.sin, r.tab, interleaved)
-      plgpu.commit_smem()            # warpgroup barrier: every thread's table stores are done
+      if dedupe:   # -1 for every window row that a later token overwrites (the last writer of a slot stays)
+        rope_tables.drop_overwritten(r.slot_smem, r.all_smem, a0, num_tokens)
+      plgpu.commit_smem()            # warpgroup barrier: every thread's table (and slot) stores are done
       plgpu.barrier_arrive(r.tab_bar)
   plgpu.barrier_wait(r.sh_bar)     # P and (without gather_tables) the tables (every warpgroup once)
   if gather:
@@ -624,7 +637,8 @@ def q_rows_for(num_tokens: int, heads: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningConfig | None = None,
-          interpret=False, w_dtype=jnp.float32, num_sms: int = DEFAULT_SMS, interleaved: bool = True):
+          interpret=False, w_dtype=jnp.float32, num_sms: int = DEFAULT_SMS, interleaved: bool = True,
+          dedupe: bool = False):
   """Build the kernel for T = num_tokens tokens of H = heads query heads (H % 64 == 0 or 64 % H == 0).
 
   Kernel arguments:
@@ -637,7 +651,8 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
           With ``cfg.gather_tables`` instead: ``positions`` [T] int32 (clamped in the kernel), ``cos``, ``sin``
           [max_pos, 32] f32 (``interleaved`` picks the column arrangement), and (fused) ``slots`` [T] int32 (the
           sanitised slots as above, or raw slots where no two tokens can share one: out-of-range ones are skipped
-          by the kernel's range check).
+          by the kernel's range check, or, with ``dedupe`` (T <= rope_tables.DEDUPE_MAX_TOKENS), raw slots that
+          the kernel itself reduces to the last writer of each slot).
     w     [8, 64] ``w_dtype`` (bf16 or f32): norm weight.
     P     [64, 64] bf16: the pair-swap permutation.
     eps   [1] f32.
@@ -655,7 +670,10 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   cfg = dataclasses.replace(cfg, tokens_per_cta=tpc, ctas=ctas)
   if cfg.gather_tables and interpret:
     raise NotImplementedError("TuningConfig.gather_tables needs plgpu.inline_mgpu, which interpret mode lacks")
-  body = functools.partial(_body, fused, num_tokens, heads, num_slots, cfg, bool(interleaved))
+  if dedupe and not (fused and cfg.gather_tables and num_tokens <= rope_tables.DEDUPE_MAX_TOKENS):
+    raise ValueError(f"dedupe needs the cache write, gather_tables and T <= {rope_tables.DEDUPE_MAX_TOKENS}; got "
+                     f"fused={fused}, gather_tables={cfg.gather_tables}, T={num_tokens}")
+  body = functools.partial(_body, fused, num_tokens, heads, num_slots, cfg, bool(interleaved), bool(dedupe))
   kwargs = common.interpret_kwargs(interpret)
   lat = _lat_rows(tpc)
   out_type = [jax.ShapeDtypeStruct((q_rows_for(num_tokens, heads), D_ROPE), BF16)]
@@ -674,12 +692,14 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
     scratch += [plgpu.SMEM((lat, LAT_CHUNKS, CHUNK), FP8)]                                      # fp8 latent
   if cfg.gather_tables:
     scratch += [plgpu.SMEM((_idx_len(tpc),), jnp.int32)] * (2 if fused else 1)                 # positions (slots)
+    if fused:
+      scratch += [plgpu.SMEM((rope_tables.DEDUPE_MAX_TOKENS,), jnp.int32)] if dedupe else []    # all slots
   scratch += [plgpu.Barrier(num_arrivals=1 if cfg.gather_tables else 2),                        # sh_bar
               plgpu.Barrier(num_arrivals=2),                                                    # kv_bar
               plgpu.Barrier(num_arrivals=1),                                                    # kr_bar
               plgpu.Barrier(num_barriers=cfg.warpgroups * cfg.stages)]                          # q_full
   if cfg.gather_tables:
-    scratch += [plgpu.Barrier(num_arrivals=2 if fused else 1),                                  # idx_bar
+    scratch += [plgpu.Barrier(num_arrivals=1 + fused + dedupe),                                 # idx_bar
                 plgpu.Barrier(num_arrivals=1)]                                                  # tab_bar
   extra = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
   return plgpu.kernel(

@@ -11,12 +11,17 @@ entries: it reads the row's position from SMEM, clamps it to [0, max_pos), loads
 the row of the kernel's table tile ([rows, 128] int32 = the f32 bits of C ‖ S). The values are the same f32 values
 as the pre-pass's (a gather, a duplication and a negation are exact), so the kernel's output is bitwise the same.
 
+With the cache write and T <= DEDUPE_MAX_TOKENS the op also leaves the duplicate-slot check to the kernel
+(:func:`drop_overwritten`: each window row's slot against every later token's, from a TMA of all T slots), so the
+op launches the kernel alone.
+
 Interpret mode has no ``plgpu.inline_mgpu``: the op keeps the XLA pre-pass there; this module is checked by sm_90
 lowering on the CPU (tests/test_rope_rmsnorm_kernel.py) and numerically on the GPU
 (tests/test_rope_rmsnorm_kernel_gpu.py).
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm, scf, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -104,3 +109,56 @@ def gather_tables(pos_ref, cos_ref, sin_ref, tab_ref, interleaved: bool):
     del ctx
     gather_rows(pos, cos, sin, tab, interleaved)
   f(pos_ref, cos_ref, sin_ref, tab_ref)
+
+
+# In-kernel duplicate-slot check (the op's ``_last_writer`` for small T): every token of the CTA's table window is
+# compared with every later token's slot; T is static and small, so the loop is unrolled (16-byte SMEM loads).
+DEDUPE_MAX_TOKENS = 256
+
+
+def drop_overwritten_rows(win, all_slots, first, num_tokens: int):
+  """Raw Mosaic GPU body: ``win`` (SMEM [L] int32) holds the slots of the window rows r (token first + r);
+  ``all_slots`` (SMEM [>= T rounded up to 4] int32; entries past T unspecified) the slots of all T tokens.
+  Thread r of the warpgroup (r < min(L, 128)) sets ``win[r] = -1`` when a later token j (first + r < j < T) has
+  the same slot, so that exactly the last writer of each slot stays. ``first``: i32 value (the window's first
+  token). The caller makes the stores visible (a warpgroup barrier) before they are read."""
+  i32 = ir.IntegerType.get_signless(32)
+  i1 = ir.IntegerType.get_signless(1)
+  rows = min(ir.MemRefType(win.type).shape[0], THREADS)
+  assert num_tokens <= DEDUPE_MAX_TOKENS and ir.MemRefType(all_slots.type).shape[0] >= -(-num_tokens // 4) * 4
+  r = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), _c32(THREADS))
+  win_base, all_base = mgpu_utils.memref_ptr(win), mgpu_utils.memref_ptr(all_slots)
+  v4 = ir.VectorType.get((4,), i32)
+  guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, r, _c32(rows)))
+  with ir.InsertionPoint(guard.then_block):
+    row_ptr = _ptr(win_base, arith.muli(r, _c32(4)))
+    mine = llvm.load(i32, row_ptr)
+    tok = arith.addi(first, r)
+    hit = arith.constant(i1, 0)
+    for k in range(-(-num_tokens // 4)):
+      vals = llvm.load(v4, _ptr(all_base, _c32(16 * k)), alignment=16)
+      for e in range(4):
+        j = 4 * k + e
+        if j >= num_tokens:
+          break
+        same = arith.cmpi(arith.CmpIPredicate.eq, vector.extract(vals, [], [e]), mine)
+        later = arith.cmpi(arith.CmpIPredicate.sgt, _c32(j), tok)
+        hit = arith.ori(hit, arith.andi(same, later))
+    drop = scf.IfOp(hit)
+    with ir.InsertionPoint(drop.then_block):
+      llvm.store(_c32(-1), row_ptr)
+      scf.yield_([])
+    scf.yield_([])
+
+
+def drop_overwritten(win_ref, all_ref, first, num_tokens: int):
+  """Pallas-level :func:`drop_overwritten_rows` (run by one warpgroup); ``first`` an int32 scalar (traced)."""
+  first_arr = plgpu.layout_cast(jnp.full((THREADS,), first, jnp.int32), plgpu.Layout.WG_STRIDED((THREADS,), 1))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_STRIDED((THREADS,), 1)))
+  def f(ctx, win, all_slots, first_fa):
+    del ctx
+    reg = first_fa.registers.flat[0]
+    first_i32 = vector.extract(reg, [], [0]) if str(reg.type).startswith("vector") else reg
+    drop_overwritten_rows(win, all_slots, first_i32, num_tokens)
+  f(win_ref, all_ref, first_arr)

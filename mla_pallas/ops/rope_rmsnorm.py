@@ -242,14 +242,18 @@ def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_s
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
   num_slots = pages.size // D_QK
+  from mla_pallas.kernels import rope_tables
   cfg = _kernel_config(t, h, True, tuning, interpret)
-  if cfg.gather_tables and (unique_slots or t == 1):
-    dest = slots    # no two tokens share a slot: the kernel's range check is all the sanitising (no XLA work)
+  dedupe = cfg.gather_tables and not unique_slots and 1 < t <= rope_tables.DEDUPE_MAX_TOKENS
+  if cfg.gather_tables and (unique_slots or t <= rope_tables.DEDUPE_MAX_TOKENS):
+    # raw slots, no XLA work: one writer per slot (the kernel's range check is all the sanitising), or the kernel
+    # finds each slot's last writer itself (dedupe)
+    dest = slots
   else:
     dest = _dest_slots(slots, num_slots, unique_slots, -1)
   args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest, gather=cfg.gather_tables)
   kern = rk.build(t, h, num_slots, True, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms(),
-                  interleaved=interleaved)
+                  interleaved=interleaved, dedupe=dedupe)
   cache = jax.new_ref(pages.reshape(num_slots, D_QK // 64, 64))   # mutable ref: aliased in place by the kernel
   (q_out,) = kern(*args, eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), cache)
   return jax.freeze(cache).reshape(pages.shape), _q_out(q_out, t, h)
