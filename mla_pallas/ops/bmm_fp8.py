@@ -133,7 +133,8 @@ def _num_sms() -> int:
 
 # In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default up to this many tokens, wherever its bf16 A
 # tiles fit in SMEM: on an H200 (2026-11-30, benchmarks/RESULTS.md, v2c) it beat the XLA pre-pass at every measured
-# T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us; XLA is faster there anyway). Larger T were not measured.
+# T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us, with 64 x 256 tiles and SMEM fp8 tiles; v3's register A
+# operand and 64 x 128 tiles: 6.7-6.9 us there). Larger T were not measured.
 FUSED_QUANT_MAX_TOKENS = 256
 
 
