@@ -163,7 +163,9 @@ def _narrow_tiles_make_one_wave(t, h, n, kw) -> bool:
   wave of them over the SMs at T <= SUB_N_MAX_TOKENS. Only output projections qualify at the MLA shapes (N = 128:
   DeepSeek W_UV, 128 tiles instead of 128 x 128 tiles with half their rows empty and no room for in-kernel
   quantization; N = 256: GLM-5 W_UV, 128 CTAs instead of 64). H200 (benchmarks/RESULTS.md, run 2 of
-  2026-11-30g): 6.6-7.1 against 7.7-9.7 us at T = 1-8, 7.1 against 17.3 us (DeepSeek W_UV) at T = 64."""
+  2026-11-30g): 6.6-7.1 against 7.7-9.7 us at T = 1-8, 7.1 against 17.3 us (DeepSeek W_UV) at T = 64, with
+  in-kernel quantization; the pre-pass path (per-tensor scales, float32 ``a``) takes the same tiles (bitwise
+  checked on the GPU, not timed)."""
   if t is None or h is None or t > SUB_N_MAX_TOKENS or n % 128 or any(
       key in kw for key in ("tile_n", "wg_split", "sub_n")):
     return False
