@@ -117,8 +117,8 @@ CHUNK = 64         # K elements per TMA box / wgmma operand tile (64-byte swizzl
 B_BOX_ROWS = 256   # a TMA box spans at most 256 elements per dimension: wider B chunks take several boxes
 MAX_K = 2048       # K blocks are unrolled in Python; beyond this the op falls back to XLA
 CONSUMER_REGS = 232
-MAX_REGISTER_K = 512   # quant_passes=1: 8 chunks x 16 registers of bf16 pairs per thread
 PRODUCER_REGS = 40
+MAX_REGISTER_K = 512   # quant_passes=1 / a_registers: 8 chunks x 16 registers of bf16 pairs per thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +262,14 @@ def _tile_coords(cfg: TuningConfig, lin, m_tiles: int, n_tiles: int):
   return m_idx * cfg.cta_m, lax.rem(rest, n_tiles), lax.div(rest, n_tiles)
 
 
+def _row_scales(amax):
+  """(scale, 1 / scale) per row from the row amax, as :func:`mla_pallas.quant.quantize_rows_fp8`: amax · f32(1/448),
+  1 for an all-zero row."""
+  scale = amax * _INV_FP8_MAX
+  scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
+  return scale, jnp.float32(1.0) / scale
+
+
 def _quantize_rows(a_bf, a8, rows, *, half_of=None, in_registers=False):
   """In-kernel per-row quantization of one consumer's 64 rows (``rows``) of the bf16 tile ``a_bf``
   ([K/64, cta_m, 64], linear) into its fp8 tile ``a8`` ([K/64, 64, 64], 64-byte swizzle), with exactly the
@@ -285,9 +293,7 @@ def _quantize_rows(a_bf, a8, rows, *, half_of=None, in_registers=False):
   for c in range(k_chunks):
     m = jnp.max(jnp.abs((held[c] if in_registers else load(c)).astype(jnp.float32)), axis=1)
     amax = m if amax is None else jnp.maximum(amax, m)
-  scale = amax * _INV_FP8_MAX
-  scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
-  inv = jnp.float32(1.0) / scale
+  scale, inv = _row_scales(amax)
 
   def store(chunks):
     for c in chunks:
@@ -314,11 +320,8 @@ def _quantize_rows_to_registers(a_bf, rows):
   amax_el = jnp.abs(held[0])
   for x in held[1:]:
     amax_el = jnp.maximum(amax_el, jnp.abs(x))
-  amax = jnp.max(amax_el.astype(jnp.float32), axis=1)
-  scale = amax * _INV_FP8_MAX
-  scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
-  inv = plgpu.layout_cast(lax.broadcast_in_dim(jnp.float32(1.0) / scale, (TILE_M, CHUNK), [0]),
-                          plgpu.Layout.WGMMA_8BIT)
+  scale, inv = _row_scales(jnp.max(amax_el.astype(jnp.float32), axis=1))
+  inv = plgpu.layout_cast(lax.broadcast_in_dim(inv, (TILE_M, CHUNK), [0]), plgpu.Layout.WGMMA_8BIT)
   chunks = [jnp.clip(x.astype(jnp.float32) * inv, -FP8_MAX, FP8_MAX).astype(FP8) for x in held]
   return chunks, scale
 
@@ -326,10 +329,9 @@ def _quantize_rows_to_registers(a_bf, rows):
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
           regs: bool, *refs):
   fuse = cfg.quantize_k is not None
-  if fuse and regs:   # a is bf16 [T, H, K]; no scale input; the fp8 rows stay in registers
-    (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, b_ring, o_smem, full, empty, a_full, a_empty) = refs
-    a8 = None
-  elif fuse:
+  if fuse:   # a is bf16 [T, H, K]; no scale input; no fp8 A tile when the fp8 rows stay in registers (regs)
+    if regs:
+      refs = refs[:5] + (None,) + refs[5:]
     (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, a8, b_ring, o_smem, full, empty, a_full, a_empty, *q_ready) = refs
     as_gmem = a_ring = None
   else:

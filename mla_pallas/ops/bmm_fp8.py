@@ -133,7 +133,8 @@ def _num_sms() -> int:
 
 # In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default up to this many tokens, wherever its bf16 A
 # tiles fit in SMEM: on an H200 (2026-11-30, benchmarks/RESULTS.md, v2c) it beat the XLA pre-pass at every measured
-# T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us; XLA is faster there anyway). Larger T were not measured.
+# T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us, with 64 x 256 tiles and SMEM fp8 tiles; v3's register A
+# operand and 64 x 128 tiles: 6.7-6.9 us there). Larger T were not measured.
 FUSED_QUANT_MAX_TOKENS = 256
 
 
@@ -162,7 +163,9 @@ def _narrow_tiles_make_one_wave(t, h, n, kw) -> bool:
   wave of them over the SMs at T <= SUB_N_MAX_TOKENS. Only output projections qualify at the MLA shapes (N = 128:
   DeepSeek W_UV, 128 tiles instead of 128 x 128 tiles with half their rows empty and no room for in-kernel
   quantization; N = 256: GLM-5 W_UV, 128 CTAs instead of 64). H200 (benchmarks/RESULTS.md, run 2 of
-  2026-11-30g): 6.6-7.1 against 7.7-9.7 us at T = 1-8, 7.1 against 17.3 us (DeepSeek W_UV) at T = 64."""
+  2026-11-30g): 6.6-7.1 against 7.7-9.7 us at T = 1-8, 7.1 against 17.3 us (DeepSeek W_UV) at T = 64, with
+  in-kernel quantization; the pre-pass path (per-tensor scales, float32 ``a``) takes the same tiles (bitwise
+  checked on the GPU, not timed)."""
   if t is None or h is None or t > SUB_N_MAX_TOKENS or n % 128 or any(
       key in kw for key in ("tile_n", "wg_split", "sub_n")):
     return False
