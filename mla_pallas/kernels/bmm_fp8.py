@@ -58,7 +58,7 @@ fit).
 **Register A operand** (``a_registers=True``, the op's default for K <= 512; 2026-11-30): each consumer loads its
 64 rows of all of K once from the bf16 tile in ``Layout.WGMMA_8BIT`` (16 registers per 64-wide chunk per thread),
 takes the row amax (elementwise over the chunks, then one cross-lane reduction per row), quantizes in registers
-(``cvt.rn.satfinite.e4m3x2``) and passes the fp8 chunks to the wgmmas as their *register* A operand (an 8-bit
+(``x · (1 / scale)`` then ``cvt.rn.satfinite.e4m3x2``, whose saturation is the clip) and passes the fp8 chunks to the wgmmas as their *register* A operand (an 8-bit
 register operand of the WGMMA_8BIT layout is K-major by construction). No fp8 SMEM tile, no SMEM stores, no proxy
 fence; the bf16 tile is released as soon as it is in registers; the SMEM saved (``2 · 64 · K``) lets K = 512 use
 two bf16 buffers, or in-kernel quantization at all with ``wg_split="m"``. The fp8 bytes and wgmma products are
@@ -90,9 +90,10 @@ ring instead of by co-resident CTAs.
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
 tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles, every in-kernel
 quantization variant bitwise against the pre-pass path). Against XLA's FP8 dot_general in the same run, with the
-op's defaults (2026-11-30g): 1.7-3.6x at T = 4096 (117-232 TFLOP/s, earlier run), 3.1-5.6x at T = 64-256,
-1.53-2.04x at T = 2-8, 1.19-1.52x at T = 1, where XLA computes the product as one reduction fusion and this kernel
-is a latency chain of 4.6-6.9 us (launch, TMA, quantization, wgmma blocks, epilogue). ``impl="auto"`` takes the
+op's defaults (2026-11-30g, and 2026-11-30h for the register quantization without the clip): 1.7-3.6x at
+T = 4096 (117-232 TFLOP/s, earlier run), 3.1-5.6x at T = 64-256, 1.61-2.30x at T = 2-8, 1.35-1.55x at T = 1,
+where XLA computes the product as one reduction fusion and this kernel is a latency chain of 4.5-6.1 us (launch,
+TMA, quantization, wgmma blocks, epilogue). ``impl="auto"`` takes the
 kernel at every T.
 """
 from __future__ import annotations
@@ -322,7 +323,12 @@ def _quantize_rows_to_registers(a_bf, rows):
     amax_el = jnp.maximum(amax_el, jnp.abs(x))
   scale, inv = _row_scales(jnp.max(amax_el.astype(jnp.float32), axis=1))
   inv = plgpu.layout_cast(lax.broadcast_in_dim(inv, (TILE_M, CHUNK), [0]), plgpu.Layout.WGMMA_8BIT)
-  chunks = [jnp.clip(x.astype(jnp.float32) * inv, -FP8_MAX, FP8_MAX).astype(FP8) for x in held]
+  # No clip: Mosaic GPU converts f32 -> e4m3 with cvt.rn.satfinite (finite values above 448 and +-inf go to
+  # +-448, NaN stays NaN), which is what clip(., +-448) followed by the conversion gives; |x * inv| <= 448 (1 + 2e-7)
+  # anyway for finite rows. The clip's two instructions per element were ~1 us of the K = 512 decode-size kernel
+  # (H200, 2026-11-30h: 7.0 -> 6.0 us). The SMEM path keeps the clip: interpret mode converts with XLA, where
+  # values past the e4m3 range become NaN.
+  chunks = [(x.astype(jnp.float32) * inv).astype(FP8) for x in held]
   return chunks, scale
 
 
