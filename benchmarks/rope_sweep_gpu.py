@@ -149,6 +149,9 @@ PLANS["defaults"] = [(F, dict(T=t, H=h), [()]) for t, h in ((1, 128), (8, 128), 
 # unique_slots=True (no duplicate-slot scan in the pre-pass) beside the default, at the issue-4 shapes.
 PLANS["unique"] = [(F, dict(T=t, H=h), [(), W(unique_slots=True)])
                    for t, h in ((4096, 128), (8192, 128), (8192, 16), (512, 128), (128, 128), (1, 128))]
+PLANS["gather_small"] = [(F, dict(T=t, H=h), [(), G]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128),
+                                                                   (256, 128), (128, 16), (4096, 128))
+                         ] + [(U, dict(T=8, H=128), [(), G])]
 PLAN = PLANS[plan_name]
 for op_name, shape, variants in PLAN:
   if time.time() > deadline:

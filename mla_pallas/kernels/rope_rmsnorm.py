@@ -233,7 +233,7 @@ def _tab_rows(tpc: int) -> int:
 
 
 def _idx_len(tpc: int) -> int:
-  """Entries of the SMEM positions / slots of the table window (gather_tables): the window's rows rounded up to 32
+  """Entries of the SMEM slots of the table window (gather_tables, fused): the window's rows rounded up to 32
   (a Lane-semantics TMA moves a multiple of 128 bytes)."""
   return _round_up(_tab_rows(tpc), 32)
 
@@ -261,10 +261,8 @@ def smem_budget(cfg: TuningConfig, fused: bool, tokens_per_cta: int | None = Non
           ((LAT_CHUNKS, CHUNK), jnp.float32)]                        # norm weight
   if fused:
     bufs += [((lat, LAT_CHUNKS, CHUNK), FP8)]
-  if cfg.gather_tables:                                              # positions (and slots) of the window
-    bufs += [((_idx_len(tpc),), jnp.int32)] * (2 if fused else 1)
-    if fused:                                                        # all slots, for the in-kernel dedupe
-      bufs += [((rope_tables.DEDUPE_MAX_TOKENS,), jnp.int32)]
+  if cfg.gather_tables and fused:                                    # slots of the window; all slots (dedupe)
+    bufs += [((_idx_len(tpc),), jnp.int32), ((rope_tables.DEDUPE_MAX_TOKENS,), jnp.int32)]
   return common.smem_bytes(*bufs) + 3072      # barriers, a 1 KB reserved block, alignment (checked by lowering)
 
 
@@ -363,8 +361,9 @@ def _unpack(fused: bool, gather: bool, dedupe: bool, refs) -> types.SimpleNamesp
                                   ("w", "p", "eps", "qo", "kvo")))
   scratch = ("p_sw", "tab", "q_sw", "kr_sw", "kr_out", "lat", "w_smem") + (("rows",) if fused else ())
   if gather:
-    scratch += ("pos_smem",) + (("slot_smem",) if fused else ()) + (("all_smem",) if dedupe else ())
-  names = gmem + scratch + ("sh_bar", "kv_bar", "kr_bar", "q_full") + (("idx_bar", "tab_bar") if gather else ())
+    scratch += (("slot_smem",) if fused else ()) + (("all_smem",) if dedupe else ())
+  names = gmem + scratch + ("sh_bar", "kv_bar", "kr_bar", "q_full") + (
+      (("idx_bar",) if fused else ()) + ("tab_bar",) if gather else ())
   return types.SimpleNamespace(**dict(zip(names, refs, strict=True)))
 
 
@@ -424,9 +423,8 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
   @on_wg(0)
   def _():
     plgpu.copy_gmem_to_smem(r.p, r.p_sw, r.sh_bar)
-    if gather:   # the window's positions (and slots); warpgroup 0 builds the tables from them below
+    if gather:   # the window's slots (warpgroup 0 builds the tables from the positions in GMEM below)
       idx = _idx_len(tpc)   # Lane semantics copies whole 128-byte multiples; entries past T read as zeros
-      plgpu.copy_gmem_to_smem(r.pos.at[pl.ds(a0, idx)], r.pos_smem, r.idx_bar)
       if fused:
         plgpu.copy_gmem_to_smem(r.slots.at[pl.ds(a0, idx)], r.slot_smem, r.idx_bar)
       if dedupe:   # every token's slot (raw): the duplicate check runs below
@@ -447,8 +445,9 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
   if gather:
     @on_wg(0)
     def _():   # rows past the window gather position 0 (zero-filled by the TMA): valid reads, never used
-      plgpu.barrier_wait(r.idx_bar)
-      rope_tables.gather_tables(r.pos_smem, r.cos, r.sin, r.tab, interleaved)
+      rope_tables.gather_tables(r.pos, a0, r.cos, r.sin, r.tab, interleaved)
+      if fused:
+        plgpu.barrier_wait(r.idx_bar)   # the window's slots (and all slots), read by the stores / the dedupe
       if dedupe:   # -1 for every window row that a later token overwrites (the last writer of a slot stays)
         rope_tables.drop_overwritten(r.slot_smem, r.all_smem, a0, num_tokens)
       plgpu.commit_smem()            # warpgroup barrier: every thread's table (and slot) stores are done
@@ -690,17 +689,16 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   ]
   if fused:
     scratch += [plgpu.SMEM((lat, LAT_CHUNKS, CHUNK), FP8)]                                      # fp8 latent
-  if cfg.gather_tables:
-    scratch += [plgpu.SMEM((_idx_len(tpc),), jnp.int32)] * (2 if fused else 1)                 # positions (slots)
-    if fused:
-      scratch += [plgpu.SMEM((rope_tables.DEDUPE_MAX_TOKENS,), jnp.int32)] if dedupe else []    # all slots
+  if cfg.gather_tables and fused:
+    scratch += [plgpu.SMEM((_idx_len(tpc),), jnp.int32)]                                       # window slots
+    scratch += [plgpu.SMEM((rope_tables.DEDUPE_MAX_TOKENS,), jnp.int32)] if dedupe else []      # all slots
   scratch += [plgpu.Barrier(num_arrivals=1 if cfg.gather_tables else 2),                        # sh_bar
               plgpu.Barrier(num_arrivals=2),                                                    # kv_bar
               plgpu.Barrier(num_arrivals=1),                                                    # kr_bar
               plgpu.Barrier(num_barriers=cfg.warpgroups * cfg.stages)]                          # q_full
   if cfg.gather_tables:
-    scratch += [plgpu.Barrier(num_arrivals=1 + fused + dedupe),                                 # idx_bar
-                plgpu.Barrier(num_arrivals=1)]                                                  # tab_bar
+    scratch += [plgpu.Barrier(num_arrivals=1 + dedupe)] if fused else []                      # idx_bar: slots
+    scratch += [plgpu.Barrier(num_arrivals=1)]                                                  # tab_bar
   extra = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
   return plgpu.kernel(
       body,

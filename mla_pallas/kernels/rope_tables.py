@@ -4,11 +4,13 @@ The rope kernel rotates a 64-wide row as ``y = x · C + swap(x) · S`` with per-
 (interleaved / DeepSeek pairs: ``C = [c0 c0 c1 c1 ..]``, ``S = [−s0 s0 −s1 s1 ..]``; NeoX halves: ``C = [c ‖ c]``,
 ``S = [−s ‖ s]``), where ``c = cos[pos]``, ``s = sin[pos]`` are rows of the [max_pos, 32] f32 tables. By default
 the op builds those rows in an XLA pre-pass (a [T, 128] gather + expansion written to and re-read from HBM, one
-extra kernel launch). With ``TuningConfig.gather_tables`` the kernel builds them itself: after a TMA of the CTA's
-positions into SMEM, each of warpgroup 0's 128 threads takes (row, part) items, part = 4 consecutive table
-entries: it reads the row's position from SMEM, clamps it to [0, max_pos), loads 16 bytes of ``cos`` and of
-``sin`` from GMEM (``ld.global``, vectorised) and writes the expanded, signed values as 16-byte SMEM stores into
-the row of the kernel's table tile ([rows, 128] int32 = the f32 bits of C ‖ S). The values are the same f32 values
+extra kernel launch). With ``TuningConfig.gather_tables`` the kernel builds them itself: each of warpgroup 0's
+128 threads takes (row, part) items, part = 4 consecutive table entries: it loads the row's position from GMEM
+(``ld.global``; rows past T read token T - 1's, never used), clamps it to [0, max_pos), loads 16 bytes of ``cos``
+and of ``sin`` (vectorised ``ld.global``) and writes the expanded, signed values as 16-byte SMEM stores into the
+row of the kernel's table tile ([rows, 128] int32 = the f32 bits of C ‖ S). (The first version loaded the
+positions by TMA into SMEM first: one more round trip before the table loads; H200 2026-11-30h: +1.1 us on the
+kernel at T = 1.) The values are the same f32 values
 as the pre-pass's (a gather, a duplication and a negation are exact), so the kernel's output is bitwise the same.
 
 With the cache write and T <= DEDUPE_MAX_TOKENS the op also leaves the duplicate-slot check to the kernel
@@ -61,15 +63,16 @@ def _expand(c4, s4, part, interleaved: bool):
   return [(k, vector.from_elements(v4, vals)) for k, vals in out]
 
 
-def gather_rows(pos, cos, sin, tab, interleaved: bool):
-  """Raw Mosaic GPU body: fill ``tab`` (SMEM memref [rows, 128] int32) with C ‖ S of the positions ``pos`` (SMEM
-  memref [>= rows] int32, unclamped) from ``cos`` / ``sin`` (GMEM memrefs [max_pos, 32] f32). Every thread of the
-  warpgroup takes items tid, tid + 128, ..; the caller makes the stores visible (a warpgroup barrier) before any
-  thread reads ``tab``."""
+def gather_rows(pos, first, cos, sin, tab, interleaved: bool):
+  """Raw Mosaic GPU body: fill row r of ``tab`` (SMEM memref [rows, 128] int32) with C ‖ S of token
+  min(first + r, T - 1)'s position, ``pos`` (GMEM memref [T] int32, unclamped), from ``cos`` / ``sin`` (GMEM
+  memrefs [max_pos, 32] f32); ``first``: i32 value. Every thread of the warpgroup takes items tid, tid + 128, ..;
+  the caller makes the stores visible (a warpgroup barrier) before any thread reads ``tab``."""
   i32 = ir.IntegerType.get_signless(32)
   f32 = ir.F32Type.get()
   rows = ir.MemRefType(tab.type).shape[0]
   max_pos = ir.MemRefType(cos.type).shape[0]
+  num_tokens = ir.MemRefType(pos.type).shape[0]
   cols = ir.MemRefType(tab.type).shape[1]
   assert cols == 2 * D_ROPE and ir.MemRefType(cos.type).shape[1] == HALF, (tab.type, cos.type)
   tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), _c32(THREADS))
@@ -83,7 +86,8 @@ def gather_rows(pos, cos, sin, tab, interleaved: bool):
     def body(item=item):
       row = arith.divui(item, _c32(PARTS))
       part = arith.remui(item, _c32(PARTS))
-      p = llvm.load(i32, _ptr(pos_base, arith.muli(row, _c32(4))))
+      tok = arith.minsi(arith.addi(first, row), _c32(num_tokens - 1))
+      p = llvm.load(i32, _ptr(pos_base, arith.muli(tok, _c32(4))))
       p = arith.maxsi(arith.minsi(p, _c32(max_pos - 1)), _c32(0))
       off = arith.muli(arith.addi(arith.muli(p, _c32(HALF)), arith.muli(part, _c32(PART))), _c32(4))
       c4 = llvm.load(v4, _ptr(cos_base, off), alignment=16)
@@ -101,14 +105,30 @@ def gather_rows(pos, cos, sin, tab, interleaved: bool):
         scf.yield_([])
 
 
-def gather_tables(pos_ref, cos_ref, sin_ref, tab_ref, interleaved: bool):
-  """Pallas-level :func:`gather_rows` (run by one warpgroup): ``pos_ref`` SMEM [>= rows] int32, ``cos_ref`` /
-  ``sin_ref`` GMEM [max_pos, 32] f32, ``tab_ref`` SMEM [rows, 128] int32 (written)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
-  def f(ctx, pos, cos, sin, tab):
+_SCALAR_LAYOUT = plgpu.Layout.WG_STRIDED((THREADS,), 1)
+
+
+def _scalar_array(x):
+  """An int32 scalar (traced) as a warpgroup array: ``inline_mgpu`` takes refs and register arrays only."""
+  return plgpu.layout_cast(jnp.full((THREADS,), x, jnp.int32), _SCALAR_LAYOUT)
+
+
+def _scalar_value(fa):
+  """The i32 value of a :func:`_scalar_array` inside an ``inline_mgpu`` body."""
+  reg = fa.registers.flat[0]
+  return vector.extract(reg, [], [0]) if str(reg.type).startswith("vector") else reg
+
+
+def gather_tables(pos_ref, first, cos_ref, sin_ref, tab_ref, interleaved: bool):
+  """Pallas-level :func:`gather_rows` (run by one warpgroup): ``pos_ref`` GMEM [T] int32, ``first`` the window's
+  first token (int32 scalar, traced), ``cos_ref`` / ``sin_ref`` GMEM [max_pos, 32] f32, ``tab_ref`` SMEM
+  [rows, 128] int32 (written)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR_LAYOUT, plgpu.RefType(), plgpu.RefType(),
+                                plgpu.RefType()))
+  def f(ctx, pos, first_fa, cos, sin, tab):
     del ctx
-    gather_rows(pos, cos, sin, tab, interleaved)
-  f(pos_ref, cos_ref, sin_ref, tab_ref)
+    gather_rows(pos, _scalar_value(first_fa), cos, sin, tab, interleaved)
+  f(pos_ref, _scalar_array(first), cos_ref, sin_ref, tab_ref)
 
 
 # In-kernel duplicate-slot check (the op's ``_last_writer`` for small T): every token of the CTA's table window is
@@ -153,12 +173,8 @@ def drop_overwritten_rows(win, all_slots, first, num_tokens: int):
 
 def drop_overwritten(win_ref, all_ref, first, num_tokens: int):
   """Pallas-level :func:`drop_overwritten_rows` (run by one warpgroup); ``first`` an int32 scalar (traced)."""
-  first_arr = plgpu.layout_cast(jnp.full((THREADS,), first, jnp.int32), plgpu.Layout.WG_STRIDED((THREADS,), 1))
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_STRIDED((THREADS,), 1)))
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SCALAR_LAYOUT))
   def f(ctx, win, all_slots, first_fa):
     del ctx
-    reg = first_fa.registers.flat[0]
-    first_i32 = vector.extract(reg, [], [0]) if str(reg.type).startswith("vector") else reg
-    drop_overwritten_rows(win, all_slots, first_i32, num_tokens)
-  f(win_ref, all_ref, first_arr)
+    drop_overwritten_rows(win, all_slots, _scalar_value(first_fa), num_tokens)
+  f(win_ref, all_ref, _scalar_array(first))
