@@ -2,7 +2,7 @@
 path and a device copy of the same bytes, then each variant's op time (pre-pass + kernel), kernel-only time and
 pre-pass time (CUPTI, cache donated as in the bench), each checked near-bitwise against the XLA path.
 
-  PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]     PLAN: v3 (default) | small_t | defaults | unique
+  PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]     PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small
 
 Stops at ROPE_V3_DEADLINE (epoch seconds) if set, printing what it measured so far; writes JSON to OUT_DIR.
 Called by benchmarks/rope_v3_gpu.sh.
@@ -149,6 +149,14 @@ PLANS["defaults"] = [(F, dict(T=t, H=h), [()]) for t, h in ((1, 128), (8, 128), 
 # unique_slots=True (no duplicate-slot scan in the pre-pass) beside the default, at the issue-4 shapes.
 PLANS["unique"] = [(F, dict(T=t, H=h), [(), W(unique_slots=True)])
                    for t, h in ((4096, 128), (8192, 128), (8192, 16), (512, 128), (128, 128), (1, 128))]
+# TuningConfig.gather_tables (the kernel builds its table rows itself; at T <= 256 also the duplicate-slot check)
+# beside the default, at the small-T grid and the issue-4 large shapes.
+G = W(gather_tables=True)
+PLANS["gather"] = [(F, dict(T=t, H=h), [(), G]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128), (256, 128),
+                                                             (4096, 128), (8192, 16), (1, 16), (128, 16), (512, 128),
+                                                             (8192, 128))
+                   ] + [(F, dict(T=4096, H=128), [W(unique_slots=True), G + W(unique_slots=True)]),
+                        (U, dict(T=4096, H=128), [(), G]), (U, dict(T=8, H=128), [(), G])]
 PLANS["gather_small"] = [(F, dict(T=t, H=h), [(), G]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128),
                                                                    (256, 128), (128, 16), (4096, 128))
                          ] + [(U, dict(T=8, H=128), [(), G])]
