@@ -432,6 +432,23 @@ def test_q_tiles_split_by_weight():
       (0, 0), (0, 0), (0, 1), (1, 2)]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_gather_tables_default_rule(fused):
+  """The op gathers the tables in the kernel at T <= GATHER_TABLES_MAX_TOKENS on a GPU (not in interpret mode,
+  which has no inline_mgpu; not above, where the pre-pass path measured faster); an explicit knob wins; the
+  config fits in SMEM at every such shape."""
+  cut = rk.GATHER_TABLES_MAX_TOKENS
+  for t in (1, 7, 64, cut):
+    for h in (16, 64, 128):
+      cfg = op._kernel_config(t, h, fused)
+      assert cfg.gather_tables, (t, h)
+      assert rk.smem_budget(cfg, fused) <= common.SMEM_LIMIT
+      assert not op._kernel_config(t, h, fused, interpret=True).gather_tables
+  assert not op._kernel_config(8, 128, fused, (("gather_tables", False),)).gather_tables
+  assert not op._kernel_config(cut + 1, 128, fused).gather_tables
+  assert op._kernel_config(4096, 128, fused, (("gather_tables", True),)).gather_tables
+
+
 def test_interpret_default_caps_warpgroups():
   assert op._kernel_config(4096, 128, True, (), interpret=True).warpgroups == op.INTERPRET_MAX_WARPGROUPS
   assert op._kernel_config(4096, 128, True, (("warpgroups", 4),), interpret=True).warpgroups == 4

@@ -178,10 +178,10 @@ class TuningConfig(common.TuningConfigBase):
   kv_share: warpgroup 0's share of the CTA's q tiles in quarters of another warpgroup's (1-4): warpgroup 0 also
     does the k_rope tile and its row stores.
   gather_tables: the kernel builds its C ‖ S table rows itself from ``positions`` and the [max_pos, 32] cos / sin
-    tables (:mod:`mla_pallas.kernels.rope_tables`: a TMA of the CTA's positions, then warpgroup 0 gathers and
-    expands the rows), and with the cache write takes the slots as a separate [T] int32 array, instead of the
-    op's XLA pre-pass [T, 128 (+4)] table array. Not in interpret mode (no ``inline_mgpu``; the op keeps the
-    pre-pass there). Opt-in: written 2026-11-30 (seventh session), lowered for sm_90, not yet run on a GPU.
+    tables (:mod:`mla_pallas.kernels.rope_tables`: warpgroup 0 loads the positions, gathers and expands the
+    rows), and with the cache write takes the slots as a separate [T] int32 array, instead of the op's XLA
+    pre-pass [T, 128 (+4)] table array. Not in interpret mode (no ``inline_mgpu``; the op keeps the pre-pass
+    there). The op's default at T <= GATHER_TABLES_MAX_TOKENS (below).
   """
   stages: int = 3
   warpgroups: int = 4
@@ -307,7 +307,14 @@ def grid_for(cfg: TuningConfig, num_tokens: int, heads: int, fused: bool,
 #   4.6 us, T = 128: 6.4 vs 6.9 us) and at T = 1024, H = 16 (8.2 vs 8.8 us), equal at T = 512, H = 128;
 # * H >= DEEP_RING_MIN_HEADS and T >= DEEP_RING_MIN_TOKENS, stages = 4 with the tokens per CTA that fit (15-16,
 #   several waves): T = 4096 44.3 vs 46.4 us, T = 8192 85.8 vs 96.0 us (78-79 % of copy BW instead of 71-75 %).
+# * T <= GATHER_TABLES_MAX_TOKENS: gather_tables (no XLA pre-pass; with the in-kernel duplicate-slot check the
+#   fused op is one kernel launch). H200 (benchmarks/RESULTS.md, 2026-11-30h, op time against the pre-pass path,
+#   bitwise equal): fused H = 128 T = 1 4.2 vs 4.2 us, T = 8 4.3 vs 4.6, T = 64 4.9 vs 5.7, T = 128 5.4 vs 6.4,
+#   T = 256 7.1 vs 8.2; H = 16 T = 128 4.8 vs 6.0; unfused H = 128 T = 8 4.4 vs 4.9. Slower at T = 512 (11.5 vs
+#   10.2, the positions-TMA version) and T = 4096 (48.6 vs 45.2): every CTA's q and k_rope work waits for the
+#   in-kernel gather, where the pre-pass's table arrives by TMA.
 SMALL_TPC = 8
+GATHER_TABLES_MAX_TOKENS = 256
 DEEP_RING_MIN_HEADS = 128
 DEEP_RING_MIN_TOKENS = 4096
 

@@ -167,12 +167,15 @@ def _kernel_config(t, h, fused, tuning=(), interpret=False):
   """The kernel's TuningConfig: :func:`~mla_pallas.kernels.rope_rmsnorm.default_config` for the shape, then
   ``tuning`` ((name, value) pairs: tests, benchmarks) overrides; the grid (tokens_per_cta, ctas) is re-derived for
   the overridden config (:func:`~mla_pallas.kernels.rope_rmsnorm.grid_for`) unless given, and without an explicit
-  ``stages`` the deepest ring (default's, 3, 2) that fits the overridden grid is taken."""
+  ``stages`` the deepest ring (default's, 3, 2) that fits the overridden grid is taken. Outside interpret mode
+  ``gather_tables`` is on at T <= GATHER_TABLES_MAX_TOKENS (the kernel module's measured rule)."""
   from mla_pallas.kernels import rope_rmsnorm as rk
   kw = dict(tuning)
   if interpret and "warpgroups" not in kw:
     kw["warpgroups"] = min(rk.TuningConfig().warpgroups, INTERPRET_MAX_WARPGROUPS)
   cfg = rk.default_config(t, h, fused, _num_sms())
+  if not interpret and t <= rk.GATHER_TABLES_MAX_TOKENS:   # interpret mode has no inline_mgpu: the pre-pass
+    cfg = dataclasses.replace(cfg, gather_tables=True)
   if kw:
     kw.setdefault("tokens_per_cta", None)
     kw.setdefault("ctas", None)
