@@ -62,6 +62,11 @@ slices not implemented"); a [.., 32, 2] view needs a GMEM stride of 4 bytes (TMA
 lower only from i8, and XLA copies width-changing bitcasts. Caveat: a NaN/inf in one rope value poisons its whole
 64-wide row (NaN·0 in the permutation product) where the reference poisons only its pair.
 
+Tables at T <= GATHER_TABLES_MAX_TOKENS (the op's default outside interpret mode, ``TuningConfig.gather_tables``):
+the kernel builds the C ‖ S rows itself from the positions and the cos / sin tables, and with the cache write
+also keeps only the last writer of each slot (:mod:`mla_pallas.kernels.rope_tables`); the fused op is then this
+kernel alone. Otherwise:
+
 Inputs are prepared by :mod:`mla_pallas.ops.rope_rmsnorm`: one fused XLA gather + concatenate of the tables per
 token (positions clamped), C ‖ S as the int32 bits of their f32 values, ``[T, 128]``; the fused op appends the
 sanitised slot of each token (−1 for skipped tokens and for every token but the last of a duplicated slot, so no
