@@ -456,7 +456,7 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
 
   if gather:
     @on_wg(0)
-    def _():   # rows past the window gather position 0 (zero-filled by the TMA): valid reads, never used
+    def _():   # rows past T take token T - 1's position: valid reads, never used
       rope_tables.gather_tables(r.pos, a0, r.cos, r.sin, r.tab, interleaved)
       if fused:
         plgpu.barrier_wait(r.idx_bar)   # the window's slots (and all slots), read by the stores / the dedupe

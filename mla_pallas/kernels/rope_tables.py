@@ -2,16 +2,17 @@
 
 The rope kernel rotates a 64-wide row as ``y = x · C + swap(x) · S`` with per-token tables arranged per column
 (interleaved / DeepSeek pairs: ``C = [c0 c0 c1 c1 ..]``, ``S = [−s0 s0 −s1 s1 ..]``; NeoX halves: ``C = [c ‖ c]``,
-``S = [−s ‖ s]``), where ``c = cos[pos]``, ``s = sin[pos]`` are rows of the [max_pos, 32] f32 tables. By default
-the op builds those rows in an XLA pre-pass (a [T, 128] gather + expansion written to and re-read from HBM, one
-extra kernel launch). With ``TuningConfig.gather_tables`` the kernel builds them itself: each of warpgroup 0's
+``S = [−s ‖ s]``), where ``c = cos[pos]``, ``s = sin[pos]`` are rows of the [max_pos, 32] f32 tables. Above
+T = ``rope_rmsnorm.GATHER_TABLES_MAX_TOKENS`` and in interpret mode the op builds those rows in an XLA pre-pass (a
+[T, 128] gather + expansion written to and re-read from HBM, one extra kernel launch). With
+``TuningConfig.gather_tables`` (the default at smaller T) the kernel builds them itself: each of warpgroup 0's
 128 threads takes (row, part) items, part = 4 consecutive table entries: it loads the row's position from GMEM
 (``ld.global``; rows past T read token T - 1's, never used), clamps it to [0, max_pos), loads 16 bytes of ``cos``
 and of ``sin`` (vectorised ``ld.global``) and writes the expanded, signed values as 16-byte SMEM stores into the
 row of the kernel's table tile ([rows, 128] int32 = the f32 bits of C ‖ S). (The first version loaded the
 positions by TMA into SMEM first: one more round trip before the table loads; H200 2026-11-30h: +1.1 us on the
-kernel at T = 1.) The values are the same f32 values
-as the pre-pass's (a gather, a duplication and a negation are exact), so the kernel's output is bitwise the same.
+kernel at T = 1.) The values are the same f32 values as the pre-pass's (a gather, a duplication and a negation
+are exact), so the kernel's output is bitwise the same (H200: tests/test_rope_rmsnorm_kernel_gpu.py).
 
 With the cache write and T <= DEDUPE_MAX_TOKENS the op also leaves the duplicate-slot check to the kernel
 (:func:`drop_overwritten`: each window row's slot against every later token's, from a TMA of all T slots), so the
