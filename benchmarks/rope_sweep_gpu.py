@@ -2,7 +2,8 @@
 path and a device copy of the same bytes, then each variant's op time (pre-pass + kernel), kernel-only time and
 pre-pass time (CUPTI, cache donated as in the bench), each checked near-bitwise against the XLA path.
 
-  PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]     PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small
+  PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]
+      PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small
 
 Stops at ROPE_V3_DEADLINE (epoch seconds) if set, printing what it measured so far; writes JSON to OUT_DIR.
 Called by benchmarks/rope_v3_gpu.sh.

@@ -516,8 +516,8 @@ def test_gather_tables_lowers_for_sm90(t, h, fused, interleaved, unique):
   """TuningConfig.gather_tables (kernels/rope_tables.py, raw Mosaic GPU: not runnable in interpret mode) lowers
   for sm_90, with the table rows loaded as 16-byte vectors from GMEM in the kernel and no XLA table pre-pass: with
   one writer per slot (T = 1, unique_slots), with the in-kernel duplicate check (T <= 256) or without the cache
-  write the op is the kernel alone. The SMEM it allocates is within the budget. Its numbers are checked on the GPU (tests/test_rope_rmsnorm_kernel_gpu.py,
-  bitwise against the pre-pass path)."""
+  write the op is the kernel alone. The SMEM it allocates is within the budget. Its numbers are checked on the GPU
+  (tests/test_rope_rmsnorm_kernel_gpu.py, bitwise against the pre-pass path)."""
   import re
   s = jax.ShapeDtypeStruct
   tuning = (("gather_tables", True),)

@@ -58,8 +58,9 @@ fit).
 **Register A operand** (``a_registers=True``, the op's default for K <= 512; 2026-11-30): each consumer loads its
 64 rows of all of K once from the bf16 tile in ``Layout.WGMMA_8BIT`` (16 registers per 64-wide chunk per thread),
 takes the row amax (elementwise over the chunks, then one cross-lane reduction per row), quantizes in registers
-(``x · (1 / scale)`` then ``cvt.rn.satfinite.e4m3x2``, whose saturation is the clip) and passes the fp8 chunks to the wgmmas as their *register* A operand (an 8-bit
-register operand of the WGMMA_8BIT layout is K-major by construction). No fp8 SMEM tile, no SMEM stores, no proxy
+(``x · (1 / scale)`` then ``cvt.rn.satfinite.e4m3x2``, whose saturation is the clip) and passes the fp8 chunks
+to the wgmmas as their *register* A operand (an 8-bit register operand of the WGMMA_8BIT layout is K-major by
+construction). No fp8 SMEM tile, no SMEM stores, no proxy
 fence; the bf16 tile is released as soon as it is in registers; the SMEM saved (``2 · 64 · K``) lets K = 512 use
 two bf16 buffers, or in-kernel quantization at all with ``wg_split="m"``. The fp8 bytes and wgmma products are
 those of the SMEM path, so the outputs are bitwise equal (H200: tests/test_bmm_fp8_kernel_gpu.py). Interpret mode
@@ -93,8 +94,7 @@ quantization variant bitwise against the pre-pass path). Against XLA's FP8 dot_g
 op's defaults (2026-11-30g, and 2026-11-30h for the register quantization without the clip): 1.7-3.6x at
 T = 4096 (117-232 TFLOP/s, earlier run), 3.1-5.6x at T = 64-256, 1.61-2.30x at T = 2-8, 1.35-1.55x at T = 1,
 where XLA computes the product as one reduction fusion and this kernel is a latency chain of 4.5-6.1 us (launch,
-TMA, quantization, wgmma blocks, epilogue). ``impl="auto"`` takes the
-kernel at every T.
+TMA, quantization, wgmma blocks, epilogue). ``impl="auto"`` takes the kernel at every T.
 """
 from __future__ import annotations
 

@@ -134,7 +134,7 @@ def _num_sms() -> int:
 # In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default up to this many tokens, wherever its bf16 A
 # tiles fit in SMEM: on an H200 (2026-11-30, benchmarks/RESULTS.md, v2c) it beat the XLA pre-pass at every measured
 # T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us, with 64 x 256 tiles and SMEM fp8 tiles; v3's register A
-# operand and 64 x 128 tiles: 6.7-6.9 us there). Larger T were not measured.
+# operand and 64 x 128 tiles: 6.7-6.9 us there, 6.0-6.1 us without the clip, 2026-11-30h). Larger T were not measured.
 FUSED_QUANT_MAX_TOKENS = 256
 
 
@@ -218,7 +218,8 @@ def _fit_a_buffers(kbmm, kw: dict, *, drop_quantize: bool):
 
 # Below this many tokens "auto" takes XLA. Since the register A operand and the 64 x 128 tiles (H200,
 # benchmarks/RESULTS.md, run 4 of 2026-11-30g) the kernel is faster at every measured T of the four MLA shapes,
-# T = 1 included (1.19-1.52x); before, it was at parity or slower at T = 1 for the two W_UV shapes (1.01x, 0.92x).
+# T = 1 included (1.19-1.52x; 1.35-1.55x since the quantization dropped its redundant clip, 2026-11-30h); before,
+# it was at parity or slower at T = 1 for the two W_UV shapes (1.01x, 0.92x).
 AUTO_MIN_TOKENS = 1
 
 
