@@ -3,7 +3,7 @@ path and a device copy of the same bytes, then each variant's op time (pre-pass 
 pre-pass time (CUPTI, cache donated as in the bench), each checked near-bitwise against the XLA path.
 
   PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]
-      PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small
+      PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small | overlap
 
 Stops at ROPE_V3_DEADLINE (epoch seconds) if set, printing what it measured so far; writes JSON to OUT_DIR.
 Called by benchmarks/rope_v3_gpu.sh.
@@ -161,6 +161,12 @@ PLANS["gather"] = [(F, dict(T=t, H=h), [(), G]) for t, h in ((1, 128), (8, 128),
 PLANS["gather_small"] = [(F, dict(T=t, H=h), [(), G]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128),
                                                                    (256, 128), (128, 16), (4096, 128))
                          ] + [(U, dict(T=8, H=128), [(), G])]
+# TuningConfig.overlap_gather (default: the last warpgroup gathers the tables while the latent rows are normalised)
+# against the first arrangement (warpgroup 0 gathers before anything else), and 3 warpgroups, at T <= 256.
+O = W(overlap_gather=False)
+PLANS["overlap"] = [(F, dict(T=t, H=h), [(), O] + ([W(warpgroups=3)] if t <= 8 else []))
+                    for t, h in ((1, 128), (8, 128), (64, 128), (128, 128), (256, 128), (1, 16), (8, 16), (128, 16))
+                    ] + [(U, dict(T=t, H=128), [(), O]) for t in (1, 8)]
 PLAN = PLANS[plan_name]
 for op_name, shape, variants in PLAN:
   if time.time() > deadline:

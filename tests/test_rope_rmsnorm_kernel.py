@@ -507,20 +507,22 @@ def test_unique_slots_promise_skips_the_scan_and_changes_nothing(rng, impl):
         kv_scale=case.kv_scale, slots=case.slots, unique_slots=1, impl=impl, interpret=True)
 
 
-@pytest.mark.parametrize("t,h,fused,interleaved,unique", [
-    (1, 128, True, True, False), (70, 16, True, False, False), (4096, 128, True, True, True),
-    (128, 128, False, True, False), (8192, 16, True, False, False), (1, 16, False, False, False),
-    (256, 128, True, True, False), (257, 16, True, False, False),
+@pytest.mark.parametrize("t,h,fused,interleaved,unique,overlap", [
+    (1, 128, True, True, False, True), (70, 16, True, False, False, True), (4096, 128, True, True, True, True),
+    (128, 128, False, True, False, True), (8192, 16, True, False, False, True), (1, 16, False, False, False, True),
+    (256, 128, True, True, False, True), (257, 16, True, False, False, True),
+    (8, 128, True, True, False, False), (1, 128, True, False, False, False),   # the first arrangement
 ])
-def test_gather_tables_lowers_for_sm90(t, h, fused, interleaved, unique):
+def test_gather_tables_lowers_for_sm90(t, h, fused, interleaved, unique, overlap):
   """TuningConfig.gather_tables (kernels/rope_tables.py, raw Mosaic GPU: not runnable in interpret mode) lowers
   for sm_90, with the table rows loaded as 16-byte vectors from GMEM in the kernel and no XLA table pre-pass: with
   one writer per slot (T = 1, unique_slots), with the in-kernel duplicate check (T <= 256) or without the cache
-  write the op is the kernel alone. The SMEM it allocates is within the budget. Its numbers are checked on the GPU
+  write the op is the kernel alone; with the gather on the last warpgroup (overlap_gather, default) and on
+  warpgroup 0 before everything else (the first arrangement). The SMEM it allocates is within the budget. Its numbers are checked on the GPU
   (tests/test_rope_rmsnorm_kernel_gpu.py, bitwise against the pre-pass path)."""
   import re
   s = jax.ShapeDtypeStruct
-  tuning = (("gather_tables", True),)
+  tuning = (("gather_tables", True), ("overlap_gather", overlap))
   common_args = [s((t, 576), jnp.bfloat16), s((t, h, 64), jnp.bfloat16), s((t,), jnp.int32),
                  s((4096, 32), jnp.float32), s((4096, 32), jnp.float32), s((512,), jnp.bfloat16),
                  s((), jnp.float32)]

@@ -142,11 +142,16 @@ def test_bandwidth_report(rng, t, h):
 
 # TuningConfig.gather_tables (kernels/rope_tables.py): the kernel gathers and expands the cos/sin rows itself. Same
 # f32 table values as the XLA pre-pass, so the outputs must equal the pre-pass path's bit for bit.
-@pytest.mark.parametrize("t,h,interleaved,unique", [
-    (1, 128, True, False), (1, 16, False, False), (70, 16, False, False), (128, 128, True, True),
-    (4096, 128, True, False), (4096, 128, False, True), (8192, 16, True, True), (125, 64, True, False),
+# ``extra``: more TuningConfig overrides for both paths: the gather on warpgroup 0 before everything else (the first
+# arrangement, overlap_gather=False), one and three warpgroups (the gathering warpgroup is the last one).
+@pytest.mark.parametrize("t,h,interleaved,unique,extra", [
+    (1, 128, True, False, ()), (1, 16, False, False, ()), (70, 16, False, False, ()), (128, 128, True, True, ()),
+    (4096, 128, True, False, ()), (4096, 128, False, True, ()), (8192, 16, True, True, ()), (125, 64, True, False, ()),
+    (8, 128, True, False, (("overlap_gather", False),)),
+    (37, 64, False, False, (("warpgroups", 3), ("tokens_per_cta", 8))),
+    (9, 128, True, False, (("warpgroups", 1),)),
 ])
-def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique):
+def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique, extra):
   import numpy as np
   case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
   pos = np.asarray(case.positions).copy()
@@ -154,7 +159,7 @@ def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique):
   case.positions = jnp.asarray(pos)
 
   def run(gather):
-    tuning = (("gather_tables", gather),)   # explicit: the op's default is gather_tables at T <= 256
+    tuning = (("gather_tables", gather),) + extra   # explicit: the op's default is gather_tables at T <= 256
     return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
                             case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
                             interleaved=interleaved, interpret=False, tuning=tuning, unique_slots=unique)
@@ -164,10 +169,10 @@ def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique):
   np.testing.assert_array_equal(np.asarray(pages_g).view(np.uint8), np.asarray(pages_d).view(np.uint8))
   kv_g, qu_g = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
                                        jnp.float32(case.eps), interleaved=interleaved, interpret=False,
-                                       tuning=(("gather_tables", True),))
+                                       tuning=(("gather_tables", True),) + extra)
   kv_d, qu_d = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
                                        jnp.float32(case.eps), interleaved=interleaved, interpret=False,
-                                       tuning=(("gather_tables", False),))
+                                       tuning=(("gather_tables", False),) + extra)
   np.testing.assert_array_equal(np.asarray(kv_g).view(np.uint16), np.asarray(kv_d).view(np.uint16))
   np.testing.assert_array_equal(np.asarray(qu_g).view(np.uint16), np.asarray(qu_d).view(np.uint16))
 

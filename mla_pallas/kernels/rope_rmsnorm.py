@@ -187,6 +187,9 @@ class TuningConfig(common.TuningConfigBase):
     rows), and with the cache write takes the slots as a separate [T] int32 array, instead of the op's XLA
     pre-pass [T, 128 (+4)] table array. Not in interpret mode (no ``inline_mgpu``; the op keeps the pre-pass
     there). The op's default at T <= GATHER_TABLES_MAX_TOKENS (below).
+  overlap_gather: with gather_tables, the last warpgroup gathers the tables while warpgroup 0 checks the slots and
+    the latent rows (which need no tables) are normalised; k_rope and the q tiles wait for the tables. False:
+    warpgroup 0 gathers the tables and checks the slots before any warpgroup starts (the first version).
   """
   stages: int = 3
   warpgroups: int = 4
@@ -194,6 +197,7 @@ class TuningConfig(common.TuningConfigBase):
   ctas: int | None = None
   kv_share: int = 3
   gather_tables: bool = False
+  overlap_gather: bool = True
 
   def validate(self):
     if not 2 <= self.stages <= 8:
@@ -366,7 +370,7 @@ def _swap(x_sw, p_sw):
   return pl.run_scoped(mma, plgpu.ACC((TILE, D_ROPE), jnp.float32))
 
 
-def _unpack(fused: bool, gather: bool, dedupe: bool, refs) -> types.SimpleNamespace:
+def _unpack(fused: bool, gather: bool, dedupe: bool, refs, overlap: bool = False) -> types.SimpleNamespace:
   """Name the kernel's refs: inputs, outputs, scratch (see :func:`build`)."""
   tables = (("pos", "cos", "sin") + (("slots",) if fused else ())) if gather else ("cs",)
   gmem = (("kv", "q") + tables + (("w", "p", "eps", "ks", "pages", "qo") if fused else
@@ -375,7 +379,8 @@ def _unpack(fused: bool, gather: bool, dedupe: bool, refs) -> types.SimpleNamesp
   if gather:
     scratch += (("slot_smem",) if fused else ()) + (("all_smem",) if dedupe else ())
   names = gmem + scratch + ("sh_bar", "kv_bar", "kr_bar", "q_full") + (
-      (("idx_bar",) if fused else ()) + ("tab_bar",) if gather else ())
+      (("idx_bar",) if fused else ()) + ("tab_bar",) if gather else ()) + (
+      ("slot_bar",) if overlap and fused else ())
   return types.SimpleNamespace(**dict(zip(names, refs, strict=True)))
 
 
@@ -405,7 +410,7 @@ def _token_range(c, num_tokens: int, heads: int, ctas: int):
 def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningConfig, interleaved: bool,
           dedupe: bool, *refs):
   gather = cfg.gather_tables
-  r = _unpack(fused, gather, dedupe, refs)
+  r = _unpack(fused, gather, dedupe, refs, gather and cfg.overlap_gather)
   nw, stages, tpc = cfg.warpgroups, cfg.stages, cfg.tokens_per_cta
   wg = lax.axis_index("wg") if nw > 1 else 0
   t0, n_valid = _token_range(lax.axis_index("c"), num_tokens, heads, cfg.ctas)
@@ -454,7 +459,24 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
     def _():
       issue_q(s, s)
 
-  if gather:
+  overlap = gather and cfg.overlap_gather
+  if overlap:
+    # The table gather (two dependent global loads) on the last warpgroup, the slots (and the duplicate check) on
+    # warpgroup 0: the latent rows wait only for their rows and slots, k_rope and q for the tables.
+    @on_wg(nw - 1)
+    def _():   # rows past T take token T - 1's position: valid reads, never used
+      rope_tables.gather_tables(r.pos, a0, r.cos, r.sin, r.tab, interleaved)
+      plgpu.commit_smem()            # warpgroup barrier: every thread's table stores are done
+      plgpu.barrier_arrive(r.tab_bar)
+    if fused:
+      @on_wg(0)
+      def _():
+        plgpu.barrier_wait(r.idx_bar)   # the window's slots (and all slots), read by the stores / the dedupe
+        if dedupe:   # -1 for every window row that a later token overwrites (the last writer of a slot stays)
+          rope_tables.drop_overwritten(r.slot_smem, r.all_smem, a0, num_tokens)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(r.slot_bar)
+  elif gather:
     @on_wg(0)
     def _():   # rows past T take token T - 1's position: valid reads, never used
       rope_tables.gather_tables(r.pos, a0, r.cos, r.sin, r.tab, interleaved)
@@ -465,19 +487,25 @@ def _body(fused: bool, num_tokens: int, heads: int, num_slots: int, cfg: TuningC
       plgpu.commit_smem()            # warpgroup barrier: every thread's table (and slot) stores are done
       plgpu.barrier_arrive(r.tab_bar)
   plgpu.barrier_wait(r.sh_bar)     # P and (without gather_tables) the tables (every warpgroup once)
-  if gather:
+  if gather and not overlap:
     plgpu.barrier_wait(r.tab_bar)
   n_groups = (n_valid + _lat_group(tpc) - 1) // _lat_group(tpc)
 
   @pl.when(wg < n_groups)          # latent rows and norm weight (the warpgroups with latent rows, once)
   def _():
     plgpu.barrier_wait(r.kv_bar)
-  _kv_rows(fused, num_slots, tpc, r, wg, nw, on_wg, t0, n_valid, d, a0)
+    if overlap and fused:
+      plgpu.barrier_wait(r.slot_bar)
+  _kv_rows(fused, num_slots, tpc, r, wg, nw, on_wg, t0, n_valid, d, a0, overlap)
+  if overlap:   # warpgroup 0 waited for the tables before its k_rope rows
+    @pl.when((wg != 0) & (n_steps > 0))
+    def _():
+      plgpu.barrier_wait(r.tab_bar)
   _q_rope(heads, stages, r, q_start, n_steps, q_row, ring, issue_q, d)
   plgpu.wait_smem_to_gmem(0)       # every TMA store of this warpgroup (and of its warps) has completed
 
 
-def _kv_rows(fused, num_slots, tpc, r, wg, nw, on_wg, t0, n_valid, d, a0):
+def _kv_rows(fused, num_slots, tpc, r, wg, nw, on_wg, t0, n_valid, d, a0, overlap=False):
   """The CTA's kv rows: RMS norm of the latent (groups of 8 or 4 rows, round-robin over the warpgroups) and RoPE
   of the k_rope rows (one 64-row tile, warpgroup 0); fp8 rows to the cache or bf16 rows to kv_out, one TMA store
   per row and part (latent, k_rope), issued by the 4 warps in turn (a CTA's range need not fill a group)."""
@@ -528,30 +556,38 @@ def _kv_rows(fused, num_slots, tpc, r, wg, nw, on_wg, t0, n_valid, d, a0):
         else:
           plgpu.copy_smem_to_gmem(r.kr_out.at[pl.ds(src, 1)], r.kvo.at[pl.ds(t0 + row, 1), LAT_CHUNKS])
 
-  @on_wg(0)
-  def _():
-    if span <= TILE:        # d + n_valid <= span <= 64: one pass
-      kr_pass(0, 0, n_valid)
-      return
-    n0 = jnp.minimum(n_valid, TILE - d)
-    kr_pass(0, 0, n0)
-
-    @pl.when(n0 < n_valid)
+  def k_rope():
+    @on_wg(0)
     def _():
-      plgpu.copy_gmem_to_smem(r.kv.at[pl.ds(a0 + 8, TILE), LAT_CHUNKS], r.kr_sw, r.kr_bar)
+      if overlap:   # the tables come from the gathering warpgroup (warpgroup 0 waits for them here, once)
+        plgpu.barrier_wait(r.tab_bar)
+      if span <= TILE:        # d + n_valid <= span <= 64: one pass
+        kr_pass(0, 0, n_valid)
+        return
+      n0 = jnp.minimum(n_valid, TILE - d)
+      kr_pass(0, 0, n0)
 
-      @plgpu.warp_map
-      def _(warp):   # each warp's pass-0 row stores have read kr_out (the warps issued them: wait per warp) ...
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.commit_smem()   # ... and (warpgroup barrier) all four have, before pass 1 rewrites kr_out
-      kr_pass(1, n0, n_valid)
+      @pl.when(n0 < n_valid)
+      def _():
+        plgpu.copy_gmem_to_smem(r.kv.at[pl.ds(a0 + 8, TILE), LAT_CHUNKS], r.kr_sw, r.kr_bar)
+
+        @plgpu.warp_map
+        def _(warp):   # each warp's pass-0 row stores have read kr_out (the warps issued them: wait per warp) ...
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.commit_smem()   # ... and (warpgroup barrier) all four have, before pass 1 rewrites kr_out
+        kr_pass(1, n0, n_valid)
 
   # ---- RMS norm of the latent: group j of rows goes to warpgroup j % nw ----
   grp = _lat_group(tpc)
 
-  @pl.when(wg < (n_valid + grp - 1) // grp)     # this warpgroup has latent rows (it waited for kv_bar)
-  def _():
-    _latent_groups(fused, tpc, r, wg, nw, t0, n_valid, eps, fp8, valid_slot)
+  def latent():
+    @pl.when(wg < (n_valid + grp - 1) // grp)     # this warpgroup has latent rows (it waited for kv_bar)
+    def _():
+      _latent_groups(fused, tpc, r, wg, nw, t0, n_valid, eps, fp8, valid_slot)
+
+  # With ``overlap`` the latent rows (which need no tables) go first, while the tables are gathered.
+  for part in ((latent, k_rope) if overlap else (k_rope, latent)):
+    part()
 
 
 def _latent_groups(fused, tpc, r, wg, nw, t0, n_valid, eps, fp8, valid_slot):
@@ -711,6 +747,8 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   if cfg.gather_tables:
     scratch += [plgpu.Barrier(num_arrivals=1 + dedupe)] if fused else []                      # idx_bar: slots
     scratch += [plgpu.Barrier(num_arrivals=1)]                                                  # tab_bar
+    if cfg.overlap_gather and fused:
+      scratch += [plgpu.Barrier(num_arrivals=1)]                                                # slot_bar
   extra = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
   return plgpu.kernel(
       body,

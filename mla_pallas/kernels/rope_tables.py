@@ -24,26 +24,19 @@ lowering on the CPU (tests/test_rope_rmsnorm_kernel.py) and numerically on the G
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm, scf, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT as _SCALAR_LAYOUT, THREADS
+from mla_pallas.kernels.raw_mgpu import byte_ptr as _ptr, c32 as _c32, scalar_array as _scalar_array
+from mla_pallas.kernels.raw_mgpu import scalar_value as _scalar_value
+
 D_ROPE = 64
 HALF = D_ROPE // 2
 PART = 4                      # table entries per item (one 16-byte load per table)
 PARTS = HALF // PART          # items per row
-THREADS = 128                 # one warpgroup
-
-
-def _c32(x):
-  return arith.constant(ir.IntegerType.get_signless(32), x)
-
-
-def _ptr(base, byte_offset):
-  i64 = ir.IntegerType.get_signless(64)
-  return mgpu_utils.getelementptr(base, [arith.extui(i64, byte_offset)], ir.IntegerType.get_signless(8))
 
 
 def _expand(c4, s4, part, interleaved: bool):
@@ -104,20 +97,6 @@ def gather_rows(pos, first, cos, sin, tab, interleaved: bool):
       with ir.InsertionPoint(guard.then_block):
         body()
         scf.yield_([])
-
-
-_SCALAR_LAYOUT = plgpu.Layout.WG_STRIDED((THREADS,), 1)
-
-
-def _scalar_array(x):
-  """An int32 scalar (traced) as a warpgroup array: ``inline_mgpu`` takes refs and register arrays only."""
-  return plgpu.layout_cast(jnp.full((THREADS,), x, jnp.int32), _SCALAR_LAYOUT)
-
-
-def _scalar_value(fa):
-  """The i32 value of a :func:`_scalar_array` inside an ``inline_mgpu`` body."""
-  reg = fa.registers.flat[0]
-  return vector.extract(reg, [], [0]) if str(reg.type).startswith("vector") else reg
 
 
 def gather_tables(pos_ref, first, cos_ref, sin_ref, tab_ref, interleaved: bool):
