@@ -259,6 +259,8 @@ def test_default_sub_n_where_it_saves_a_wave():
     (9, 3, 192, 256, (("tile_n", 64), ("share_quant", True), ("max_ctas", 2))),   # shared fp8 tile, 3 tiles/CTA
     (70, 3, 128, 256, (("share_quant", True), ("max_ctas", 2), ("quant_passes", 2))),
     (5, 2, 192, 512, (("quant_passes", 1), ("a_registers", False))),
+    # runs the consumers' SMEM-tile quantization here (interpret mode has no inline_mgpu; see the lowering test)
+    (4, 2, 512, 256, (("producer_quant", True), ("a_registers", False), ("tile_n", 64))),
 ])
 def test_quantization_variants_are_bitwise_the_prepass(rng, t, h, k, n, tuning):
   """64-column consumer tiles, the quantization split over the consumers (a barrier, one fp8 tile per tile
@@ -277,9 +279,9 @@ def test_quantization_variants_are_bitwise_the_prepass(rng, t, h, k, n, tuning):
   assert_matches_reference(got, a, w8, ws, "per_token")
 
 
-@pytest.mark.parametrize("k,n,t,h", [(512, 128, 2, 128), (512, 256, 1, 64), (128, 512, 1, 128)])
+@pytest.mark.parametrize("k,n,t,h", [(512, 128, 24, 128), (512, 256, 17, 64), (128, 512, 9, 128)])
 def test_register_a_operand_lowers_for_sm90(k, n, t, h):
-  """The op's decode defaults keep the quantized rows in registers: every fp8 wgmma takes its A operand from
+  """The op's decode defaults past the producer_quant sizes keep the quantized rows in registers: every fp8 wgmma takes its A operand from
   registers (four 32-bit registers, not an SMEM descriptor) and the fp8 values are made by e4m3x2 conversions
   in registers."""
   S = jax.ShapeDtypeStruct
@@ -299,8 +301,9 @@ def test_register_a_operand_lowers_for_sm90(k, n, t, h):
 
 
 def test_quantization_knobs_and_narrow_tile_rule():
-  """tile_n / a_registers / quant_passes / share_quant validation, and the op's defaults: the fp8 rows in
-  registers wherever quantize_k <= 512 with wg_split "n"; 64 x 128 CTA tiles where they make one wave."""
+  """tile_n / a_registers / quant_passes / share_quant validation, and the op's defaults: the producer quantizes
+  the rows at T <= 8 (T <= 16 at K = 512), the fp8 rows in registers elsewhere wherever quantize_k <= 512 with
+  wg_split "n"; 64 x 128 CTA tiles where they make one wave."""
   with pytest.raises(ValueError, match="tile_n"):
     kbmm.TuningConfig(tile_n=32)
   with pytest.raises(ValueError, match="quant_passes"):
@@ -320,7 +323,13 @@ def test_quantization_knobs_and_narrow_tile_rule():
   cfg = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h,
                                                              fusable=True)
   uv = cfg(128, 8, 512, 128)                                  # DeepSeek W_UV: 128 tiles of 64 x 128
-  assert (uv.tile_n, uv.wg_split, uv.quantize_k, uv.a_registers) == (64, "n", 512, True)
+  assert (uv.tile_n, uv.wg_split, uv.quantize_k, uv.a_registers, uv.producer_quant) == (64, "n", 512, False, True)
+  for t, k, n, h, pq in [(16, 512, 128, 128, True), (17, 512, 128, 128, False), (8, 128, 512, 128, True),
+                         (9, 192, 512, 64, False), (1, 192, 512, 64, True), (64, 512, 256, 64, False)]:
+    c = cfg(n, t, k, h)
+    assert (c.producer_quant, c.a_registers) == (pq, not pq), (t, k, n, h)
+  assert not cfg(128, 8, 512, 128, (("a_registers", True),)).producer_quant   # an explicit quantization knob wins
+  assert cfg(128, 8, 512, 128, (("quantize_k", None),)).quantize_k is None
   assert cfg(256, 64, 512, 64).tile_n == 64                   # GLM-5 W_UV T = 64: 128 tiles
   assert cfg(256, 65, 512, 64).tile_n == 128                  # 256 tiles: two waves
   uv128 = cfg(128, 128, 512, 128)          # two waves of 64 x 128: 128 x 128, in-kernel quantization in registers
@@ -328,7 +337,7 @@ def test_quantization_knobs_and_narrow_tile_rule():
                                                                                                   True, 1)
   assert cfg(128, 128, 512, 128, (("a_registers", False),)).quantize_k is None   # fp8 SMEM tiles: no room
   uk = cfg(512, 1, 128, 128)                                  # DeepSeek W_UK: 512 narrow tiles; 64 x 512 stays
-  assert (uk.tile_n, uk.sub_n, uk.a_registers) == (128, 2, True)
+  assert (uk.tile_n, uk.sub_n, uk.producer_quant) == (128, 2, True)
   assert cfg(128, 8, 512, 128, (("wg_split", "m"),)).tile_n == 128      # an explicit tile shape wins
   assert not cfg(512, 8, 128, 128, (("share_quant", True),)).a_registers
 
@@ -342,3 +351,34 @@ def test_in_kernel_quantization_buffers():
   assert cfg(256, (("quantize_k", 512), ("a_registers", False)), t=8, k=512).a_buffers == 1
   with pytest.raises(ValueError, match="a_buffers"):
     kbmm.TuningConfig(a_buffers=3)
+
+
+@pytest.mark.parametrize("k,n,t,h", [(512, 128, 1, 128), (512, 256, 8, 64), (128, 512, 16, 128), (192, 512, 3, 64)])
+def test_producer_quant_lowers_for_sm90(k, n, t, h):
+  """TuningConfig.producer_quant (kernels/bmm_row_quant.py, raw Mosaic GPU): the producer quantizes the T rows, one
+  warp per row in rounds of 4 rows (unrolled: one 16-byte swizzled SMEM store and 8 paired e4m3 conversions per
+  round), and every fp8 wgmma reads A from SMEM (a descriptor operand, not registers). Its numbers are checked on
+  the GPU (tests/test_bmm_fp8_kernel_gpu.py, bitwise against the pre-pass path)."""
+  S = jax.ShapeDtypeStruct
+  tuning = (("producer_quant", True), ("a_registers", False))
+  fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False, tuning)
+  low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
+                               S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
+  cfg = bmm_mod._kernel_config(n, tuning, t=t, k=k, h=h, fusable=True)
+  assert cfg.producer_quant and cfg.quantize_k == k
+  rounds = -(-t // 4)
+  assert low.count(r"st\.shared\.v4\.b32") == rounds
+  assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 8 * rounds
+  wgmma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \$\d+, \$\d+, p"
+  assert low.count(wgmma) == low.count(r"wgmma\.mma_async") == cfg.sub_n * k // 32   # SMEM descriptors for A
+
+
+def test_producer_quant_config_checks():
+  with pytest.raises(ValueError, match="producer_quant"):
+    kbmm.TuningConfig(quantize_k=512, producer_quant=True, a_registers=True)
+  with pytest.raises(ValueError, match="producer_quant"):
+    kbmm.TuningConfig(quantize_k=512, producer_quant=True, wg_split="m", a_buffers=1)
+  with pytest.raises(ValueError, match="producer_quant"):
+    kbmm.TuningConfig(producer_quant=True)                       # needs in-kernel quantization
+  with pytest.raises(NotImplementedError, match="producer_quant"):
+    kbmm.check_shapes(17, 128, 512, 128, kbmm.TuningConfig(quantize_k=512, producer_quant=True, tile_n=64))

@@ -147,6 +147,23 @@ QUANT_VARIANTS = [
 
 
 @pytest.mark.parametrize("k,n", PAIRS)
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_producer_quant_is_bitwise_the_prepass(rng, k, n, t):
+  """TuningConfig.producer_quant (kernels/bmm_row_quant.py: the producer warpgroup quantizes the T real rows from
+  GMEM into a swizzled fp8 SMEM tile; raw Mosaic GPU, not runnable in interpret mode) computes the fp8 bytes and
+  scales of quant.quantize_rows_fp8 and the same wgmmas as the pre-pass path: equal bit for bit. T = 16: four
+  rows per warp; inputs with an all-zero row (scale 1) and rows of very different magnitudes (make_inputs)."""
+  a, w8, ws = make_inputs(rng, t, 64, k, n)
+  wt = bmm_mod.prepare_weight(w8)
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
+  pre = np.asarray(run(tuning=(("quantize_k", None),))).view(np.uint16)
+  got = run(tuning=(("quantize_k", k), ("producer_quant", True), ("a_registers", False)))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), pre)
+  again = run(tuning=(("quantize_k", k), ("producer_quant", True), ("a_registers", False)))
+  np.testing.assert_array_equal(np.asarray(again).view(np.uint16), pre)   # deterministic
+
+
+@pytest.mark.parametrize("k,n", PAIRS)
 @pytest.mark.parametrize("t", [1, 70])
 def test_quantization_variants_are_bitwise_the_prepass(rng, k, n, t):
   """Every variant computes the same fp8 operands (the float32 operations of quant.quantize_rows_fp8) and the same

@@ -68,6 +68,19 @@ has no register-A wgmma; there the kernel runs the SMEM tile path. Measured (ben
 0.1-0.2 us faster at K = 128 / 192, 0.6-0.9 us at K = 512 (T <= 64), and 13.4 / 22.1 against 25.4 / 46.0 us for
 DeepSeek W_UV at T = 128 / 256 (in-kernel quantization instead of the XLA pre-pass).
 
+**Producer quantization** (``producer_quant=True``, the op's default at T <= 8, and T <= 16 at K = 512;
+2026-11-30i): at decode sizes the register path quantizes all 64 rows of the tile twice (once per consumer), and a
+WGMMA_8BIT fragment spreads every 16-row group over one warp, so at T = 1 the 63 empty rows cost as much as the real
+one. Instead the producer warpgroup, after issuing the first ring-full of B chunks, quantizes only the T real rows
+straight from GMEM (:mod:`mla_pallas.kernels.bmm_row_quant`: one warp per row, the same float32 operations) into an
+fp8 SMEM tile (64-byte swizzle) plus a [64] f32 scale row, fences, and arrives on ``a_full``; both consumers' wgmmas
+read that tile as their SMEM A operand and release it (``a_empty``) after their last block. No bf16 A tile, no TMA
+for A. Tile rows past T are never written: the output rows they feed are past T and dropped by the TMA store.
+The producer then needs more than 40 registers: the split is 56 / 224 (a setmaxnreg split must satisfy
+p + 2 c <= 504 or the consumers' increase waits forever: 64 / 224 hung on the H200). Measured (H200, same-run XLA):
+T = 1 W_UV 6.2 -> 3.8 us (DeepSeek) and 5.9 -> 3.8 (GLM-5), W_UK 4.4 -> 4.1-4.2 / 4.4 -> 3.6; bitwise the register
+path.
+
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
 * WG2 — producer (40 registers): for every tile and K chunk (ring position g), waits for slot ``g % stages`` to
@@ -91,10 +104,10 @@ ring instead of by co-resident CTAs.
 Measured on an H200 (2026-11-30, benchmarks/RESULTS.md): the correctness tests of
 tests/test_bmm_fp8_kernel_gpu.py pass (T 1-4096, the four MLA (K, N) pairs, partial M tiles, every in-kernel
 quantization variant bitwise against the pre-pass path). Against XLA's FP8 dot_general in the same run, with the
-op's defaults (2026-11-30g, and 2026-11-30h for the register quantization without the clip): 1.7-3.6x at
-T = 4096 (117-232 TFLOP/s, earlier run), 3.1-5.6x at T = 64-256, 1.61-2.30x at T = 2-8, 1.35-1.55x at T = 1,
-where XLA computes the product as one reduction fusion and this kernel is a latency chain of 4.5-6.1 us (launch,
-TMA, quantization, wgmma blocks, epilogue). ``impl="auto"`` takes the kernel at every T.
+op's defaults (2026-11-30g, 2026-11-30h for the register quantization without the clip, 2026-11-30i for the
+producer quantization): 1.7-3.6x at T = 4096 (117-232 TFLOP/s, earlier run), 3.1-5.6x at T = 64-256, 2.5-3.6x at
+T = 16, 1.69-3.45x at T = 2-8, 1.53-2.13x at T = 1 (3.6-4.2 us; XLA computes the product as one reduction fusion
+of 6.4-8.1 us). ``impl="auto"`` takes the kernel at every T.
 """
 from __future__ import annotations
 
@@ -107,7 +120,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common
+from mla_pallas.kernels import bmm_row_quant, common
 from mla_pallas.kernels.common import FP8, swizzled
 from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
@@ -119,6 +132,13 @@ B_BOX_ROWS = 256   # a TMA box spans at most 256 elements per dimension: wider B
 MAX_K = 2048       # K blocks are unrolled in Python; beyond this the op falls back to XLA
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+# With producer_quant the producer runs the row quantization (bmm_row_quant) and the consumers hold no fp8 rows.
+# A setmaxnreg split of the 384 threads must give back at least what it takes: 128 (168 - p) >= 256 (c - 168),
+# i.e. p + 2 c <= 504 (168 = the launch's 65536 / 384 rounded down to 8); otherwise the consumers' increase waits
+# forever (H200, 2026-11-30i: 64 / 224 hung the kernel).
+PQ_CONSUMER_REGS = 224
+PQ_PRODUCER_REGS = 56
+assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 504 and PQ_PRODUCER_REGS + 2 * PQ_CONSUMER_REGS <= 504
 MAX_REGISTER_K = 512   # quant_passes=1 / a_registers: 8 chunks x 16 registers of bf16 pairs per thread
 
 
@@ -156,6 +176,12 @@ class TuningConfig(common.TuningConfigBase):
     register A operand: no fp8 SMEM tile, no stores, no proxy fence (K <= 512). Interpret mode has no register-A
     wgmma; there the kernel runs the SMEM tile path (same products; the register path is checked by sm_90
     lowering and on the GPU).
+  producer_quant: in-kernel quantization of the T <= bmm_row_quant.MAX_ROWS real rows of the (single) M tile by
+    the producer warpgroup, straight from GMEM (:mod:`mla_pallas.kernels.bmm_row_quant`: one warp per row, the
+    float32 operations of the register path) into an fp8 SMEM tile that both consumers' wgmmas read: no bf16
+    tile, and the empty rows of the tile are not quantized (at T = 1 the register path quantizes 64 rows twice).
+    Needs quantize_k <= 512, wg_split "n", a_registers=False, share_quant=False. Interpret mode has no
+    ``inline_mgpu``: there the consumers quantize (the SMEM tile path).
   """
   stages: int = 4
   wg_split: str = "n"
@@ -167,6 +193,7 @@ class TuningConfig(common.TuningConfigBase):
   quant_passes: int | None = None
   share_quant: bool = False
   a_registers: bool = False
+  producer_quant: bool = False
 
   def validate(self):
     if self.wg_split not in ("n", "m"):
@@ -194,6 +221,12 @@ class TuningConfig(common.TuningConfigBase):
     if self.a_registers and (self.quantize_k is None or self.quantize_k > MAX_REGISTER_K or self.share_quant):
       raise ValueError(f"TuningConfig.a_registers=True needs in-kernel quantization with quantize_k <= "
                        f"{MAX_REGISTER_K} and share_quant=False; got quantize_k={self.quantize_k}, "
+                       f"share_quant={self.share_quant}")
+    if self.producer_quant and (self.quantize_k is None or self.quantize_k > bmm_row_quant.MAX_K
+                                or self.wg_split != "n" or self.a_registers or self.share_quant):
+      raise ValueError(f"TuningConfig.producer_quant=True needs in-kernel quantization with quantize_k <= "
+                       f"{bmm_row_quant.MAX_K}, wg_split='n', a_registers=False and share_quant=False; got "
+                       f"quantize_k={self.quantize_k}, wg_split={self.wg_split!r}, a_registers={self.a_registers}, "
                        f"share_quant={self.share_quant}")
     self.check_smem(smem_budget(self))
 
@@ -224,6 +257,9 @@ class TuningConfig(common.TuningConfigBase):
 def smem_budget(cfg: TuningConfig) -> int:
   if cfg.quantize_k is None:
     a_bufs = (((cfg.stages, cfg.cta_m, CHUNK), FP8),)                         # A ring (fp8 chunks)
+  elif cfg.producer_quant:
+    a_bufs = (((cfg.a_buffers, cfg.quantize_k // CHUNK, TILE_M, CHUNK), FP8),  # fp8 A tiles (producer's rows)
+              ((cfg.a_buffers, TILE_M), jnp.float32))                          # their row scales
   else:
     k_chunks = cfg.quantize_k // CHUNK
     a_bufs = (((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16),)   # bf16 A tiles (whole K)
@@ -249,6 +285,9 @@ def check_shapes(t: int, h: int, k: int, n: int, cfg: TuningConfig) -> None:
     raise NotImplementedError(f"quantize_and_bmm_fp8: no Mosaic GPU kernel for N={n} "
                               f"(needs N % {cfg.cta_n} == 0 with wg_split={cfg.wg_split!r}, sub_n={cfg.sub_n}, "
                               f"tile_n={cfg.tile_n})")
+  if cfg.producer_quant and t > bmm_row_quant.MAX_ROWS:
+    raise NotImplementedError(f"TuningConfig.producer_quant quantizes at most {bmm_row_quant.MAX_ROWS} rows (one "
+                              f"M tile); got T={t}")
   if cfg.sub_n > 1 and k // CHUNK > cfg.stages:
     raise ValueError(f"TuningConfig.sub_n={cfg.sub_n} keeps all K / 64 = {k // CHUNK} chunks of a tile in the ring: "
                      f"needs stages >= {k // CHUNK}; got stages={cfg.stages}")
@@ -333,9 +372,13 @@ def _quantize_rows_to_registers(a_bf, rows):
 
 
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          regs: bool, *refs):
+          regs: bool, pq_rows: int, *refs):
   fuse = cfg.quantize_k is not None
-  if fuse:   # a is bf16 [T, H, K]; no scale input; no fp8 A tile when the fp8 rows stay in registers (regs)
+  pq = pq_rows > 0     # producer_quant (outside interpret mode): the producer quantizes the first pq_rows rows
+  if pq:   # a is bf16 [T, H, K]; fp8 A tiles and their row scales, written by the producer
+    (a_gmem, w_gmem, ws_gmem, o_gmem, a8, a_sc, b_ring, o_smem, full, empty, a_full, a_empty) = refs
+    as_gmem = a_ring = a_bf = None
+  elif fuse:   # a is bf16 [T, H, K]; no scale input; no fp8 A tile when the fp8 rows stay in registers (regs)
     if regs:
       refs = refs[:5] + (None,) + refs[5:]
     (a_gmem, w_gmem, ws_gmem, o_gmem, a_bf, a8, b_ring, o_smem, full, empty, a_full, a_empty, *q_ready) = refs
@@ -352,13 +395,26 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+    plgpu.set_max_registers(PQ_PRODUCER_REGS if pq else PRODUCER_REGS, action="decrease")
+
+    def quantize_a(i, m0, h):   # producer_quant: the tile's rows into the fp8 buffer, then a_full
+      ab = lax.rem(i, cfg.a_buffers)
+
+      @pl.when(i >= cfg.a_buffers)
+      def _():
+        plgpu.barrier_wait(a_empty.at[ab])
+      bmm_row_quant.quantize_rows(a_gmem, a8.at[ab], a_sc.at[ab], m0, h, pq_rows)
+      plgpu.commit_smem()        # every thread's SMEM stores, visible to the wgmmas (async proxy)
+      plgpu.barrier_arrive(a_full.at[ab])
 
     @pl.loop(0, my_tiles)
     def _(i):
       m0, n_idx, h = _tile_coords(cfg, pid + i * grid, m_tiles, n_tiles)
       n0 = n_idx * cfg.cta_n
-      if fuse:   # the whole bf16 A tile, once both consumers have used the buffer's previous tile
+      # producer_quant: after the first ring-full of B chunks (their loads then overlap the row loads; the later
+      # chunks wait for slots that the consumers free only once they have this tile's A)
+      pq_at = min(stages, n_chunks) if pq else None
+      if fuse and not pq:   # the whole bf16 A tile, once both consumers have used the buffer's previous tile
         ab = lax.rem(i, cfg.a_buffers)
 
         @pl.when(i >= cfg.a_buffers)
@@ -368,6 +424,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(m0, cfg.cta_m), h, pl.ds(c * CHUNK, CHUNK)], a_bf.at[ab, c],
                                   a_full.at[ab])
       for c in range(n_chunks):
+        if c == pq_at:
+          quantize_a(i, m0, h)
         g = i * n_chunks + c          # ring position, continuing across tiles
         slot = lax.rem(g, stages)
 
@@ -383,6 +441,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           for b0 in range(0, cfg.cta_n, B_BOX_ROWS):
             plgpu.copy_gmem_to_smem(w_gmem.at[h, pl.ds(n0 + b0, B_BOX_ROWS), ks],
                                     b_ring.at[slot, pl.ds(b0, B_BOX_ROWS)], full.at[slot])
+      if pq_at == n_chunks:
+        quantize_a(i, m0, h)
 
     # Drain: observe the consumers' last release of every slot (interpret-mode barrier rule; harmless on hardware).
     end = my_tiles * n_chunks
@@ -402,7 +462,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+    plgpu.set_max_registers(PQ_CONSUMER_REGS if pq else CONSUMER_REGS, action="increase")
     wi_m = wg if cfg.wg_split == "m" else 0
     wi_n = wg if cfg.wg_split == "n" else 0
     rows = pl.ds(wi_m * TILE_M, TILE_M)
@@ -424,7 +484,10 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
       if fuse:
         ab = lax.rem(i, cfg.a_buffers)
         plgpu.barrier_wait(a_full.at[ab])
-        if regs:
+        if pq:   # the producer's fp8 rows and their scales (rows past T: never written, their outputs dropped)
+          a8_tile = a8.at[ab]
+          a_scale = plgpu.load(a_sc.at[ab], layout=row_layout, optimized=False)
+        elif regs:
           a_chunks, a_scale = _quantize_rows_to_registers(a_bf.at[ab], rows)
           plgpu.barrier_arrive(a_empty.at[ab])   # the bf16 tile is in registers: it may be overwritten
         elif cfg.share_quant:   # this consumer writes every other chunk of the tile parity's shared fp8 tile
@@ -433,7 +496,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
         else:
           a8_tile = a8.at[wg]
           a_scale = _quantize_rows(a_bf.at[ab], a8_tile, rows, in_registers=cfg.register_quant)
-        if not regs:
+        if not regs and not pq:
           plgpu.commit_smem()               # the fp8 stores are visible to the wgmma (async proxy)
         if cfg.share_quant:   # both halves written. The parity's tile is rewritten two tiles on, after both
           # consumers passed this barrier for the tile in between, i.e. after their wgmmas on this tile completed.
@@ -463,7 +526,9 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           if last_sub:      # every sub-tile has read these chunks: release their slots
             for c in chunks:
               plgpu.barrier_arrive(empty.at[lax.rem(i * n_chunks + c, stages)])
-          if fuse and not regs and kb == 0 and si == 0:
+          if pq and last_sub and kb == n_blocks - 1:   # every wgmma of the tile has read the fp8 rows
+            plgpu.barrier_arrive(a_empty.at[ab])
+          if fuse and not regs and not pq and kb == 0 and si == 0:
             # The bf16 tile may be overwritten. Released after the first block's wgmmas have completed rather than
             # right after the quantization: interpret mode does not order this arrive after the SMEM loads
             # without a data dependence (it reported a race); on the GPU the two places are equivalent.
@@ -509,12 +574,19 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   num_tiles = m_tiles * n_tiles * h
   grid = min(num_tiles, cfg.max_ctas)
   regs = fuse and cfg.a_registers and not interpret   # interpret mode has no register-A wgmma: the SMEM path
-  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, regs)
+  # interpret mode has no inline_mgpu: producer_quant runs the consumers' SMEM-tile quantization there
+  pq_rows = t if cfg.producer_quant and not interpret else 0
+  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, regs, pq_rows)
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()
   k_chunks = k // CHUNK
-  if fuse:
+  if pq_rows:
+    a_scratch = [
+        plgpu.SMEM((cfg.a_buffers, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # fp8 A
+        plgpu.SMEM((cfg.a_buffers, TILE_M), jnp.float32),                                           # row scales
+    ]
+  elif fuse:
     a_scratch = [
         plgpu.SMEM((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16,
                    transforms=swizzled(jnp.bfloat16, 128)),                                      # bf16 A tiles
@@ -529,7 +601,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
       plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),   # empty: both consumers released it
   ]
   if fuse:
-    barriers += [plgpu.Barrier(num_arrivals=k_chunks, num_barriers=cfg.a_buffers),   # a_full: the A tile's TMAs
+    barriers += [plgpu.Barrier(num_arrivals=1 if pq_rows else k_chunks,               # a_full: the A tile's TMAs
+                               num_barriers=cfg.a_buffers),                          # (or the producer's rows)
                  plgpu.Barrier(num_arrivals=2, num_barriers=cfg.a_buffers)]          # a_empty: both consumers
     if cfg.share_quant and not regs:
       barriers += [plgpu.Barrier(num_arrivals=2, num_barriers=1)]                     # q_ready: both halves

@@ -20,7 +20,9 @@ XLA path (real FP8 operands):
 Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`.
   * For bf16 ``a`` with per-token scales at decode sizes (T <= FUSED_QUANT_MAX_TOKENS, where the bf16 tile fits
     in SMEM: every MLA shape since the quantized rows stay in registers, ``a_registers``) the kernel quantizes
-    ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no pre-pass runs.
+    ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no pre-pass runs: at
+    T <= PRODUCER_QUANT_MAX_TOKENS (16 at K = 512) the producer warpgroup quantizes only the real rows
+    (``producer_quant``), above that both consumers quantize the tile into registers.
     Otherwise:
   * Activation quantization is a fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as above, so ``a8``
     and its scales are bitwise those of the reference), not in-kernel. Why: it is exact by construction;
@@ -172,12 +174,30 @@ def _narrow_tiles_make_one_wave(t, h, n, kw) -> bool:
   return -(-t // 64) * h * (n // 128) <= kw["max_ctas"]
 
 
+# The producer warpgroup quantizes the few real rows (TuningConfig.producer_quant, kernels/bmm_row_quant.py) by
+# default at T <= PRODUCER_QUANT_MAX_TOKENS, and at K = 512 up to PRODUCER_QUANT_MAX_TOKENS_K512. H200
+# (benchmarks/RESULTS.md, 2026-11-30i, bitwise the register path; same-run XLA): W_UV T = 1 6.2 -> 3.8 us (DeepSeek)
+# and 5.9 -> 3.8 (GLM-5), T = 16 6.4 -> 4.5 / 6.0 -> 4.4; W_UK T = 1 4.4 -> 4.1 / 4.4 -> 3.6, T = 8 4.4 -> 4.3 /
+# 4.4 -> 3.6, but T = 16 4.5 -> 5.0 / 4.3 -> 4.4 (K = 128 / 192: four rows per producer warp cost more than the
+# register path's quantization saves).
+PRODUCER_QUANT_MAX_TOKENS = 8
+PRODUCER_QUANT_MAX_TOKENS_K512 = 16
+
+
+def _producer_quant_is_faster(t, k) -> bool:
+  from mla_pallas.kernels import bmm_row_quant
+  if t is None or k is None or k > bmm_row_quant.MAX_K:
+    return False
+  return t <= (PRODUCER_QUANT_MAX_TOKENS_K512 if k == bmm_row_quant.MAX_K else PRODUCER_QUANT_MAX_TOKENS)
+
+
 def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
                    fusable: bool = False):
   """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
   (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
-  its SMEM fits (two bf16 A buffers, else one, else the pre-pass), with the fp8 rows kept in registers
-  (``a_registers``) for K <= 512; 64 x 128 CTA tiles (``tile_n=64``) where :func:`_narrow_tiles_make_one_wave`,
+  its SMEM fits (two bf16 A buffers, else one, else the pre-pass), quantized by the producer warpgroup
+  (``producer_quant``) where :func:`_producer_quant_is_faster`, else kept in registers (``a_registers``) for
+  K <= 512; 64 x 128 CTA tiles (``tile_n=64``) where :func:`_narrow_tiles_make_one_wave`,
   else 64 x 512 (``sub_n=2``) where :func:`_wide_tiles_save_a_wave` says so and they fit in SMEM with the same
   quantization choice."""
   from mla_pallas.kernels import bmm_fp8 as kbmm
@@ -189,8 +209,11 @@ def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = N
   explicit = "quantize_k" in kw
   if not explicit and fusable and t <= FUSED_QUANT_MAX_TOKENS:
     kw["quantize_k"] = k
-  if (kw.get("quantize_k") is not None and kw["quantize_k"] <= kbmm.MAX_REGISTER_K
-      and not any(key in kw for key in ("a_registers", "share_quant", "quant_passes"))):
+  own_quant = any(key in kw for key in ("a_registers", "share_quant", "quant_passes", "producer_quant"))
+  if (kw.get("quantize_k") is not None and not own_quant and kw.get("wg_split") == "n"
+      and _producer_quant_is_faster(t, kw["quantize_k"])):
+    kw.update(producer_quant=True, a_registers=False)
+  elif (kw.get("quantize_k") is not None and kw["quantize_k"] <= kbmm.MAX_REGISTER_K and not own_quant):
     # H200 (2026-11-30g): faster or equal at every measured shape; with wg_split "m" (DeepSeek W_UV, T = 128 /
     # 256) it frees the SMEM for in-kernel quantization: 13.4 / 22.1 against 25.4 / 46.0 us with the pre-pass.
     kw["a_registers"] = True
