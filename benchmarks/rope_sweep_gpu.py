@@ -3,7 +3,7 @@ path and a device copy of the same bytes, then each variant's op time (pre-pass 
 pre-pass time (CUPTI, cache donated as in the bench), each checked near-bitwise against the XLA path.
 
   PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]
-      PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small | overlap
+      PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small | overlap | small_share | small_defaults
 
 Stops at ROPE_V3_DEADLINE (epoch seconds) if set, printing what it measured so far; writes JSON to OUT_DIR.
 Called by benchmarks/rope_v3_gpu.sh.
@@ -167,6 +167,17 @@ O = W(overlap_gather=False)
 PLANS["overlap"] = [(F, dict(T=t, H=h), [(), O] + ([W(warpgroups=3)] if t <= 8 else []))
                     for t, h in ((1, 128), (8, 128), (64, 128), (128, 128), (256, 128), (1, 16), (8, 16), (128, 16))
                     ] + [(U, dict(T=t, H=128), [(), O]) for t in (1, 8)]
+# Warpgroup 0's q share at T <= 8 (kv_share=4: at one token per CTA and H = 128 each warpgroup takes one q tile),
+# and a 2-deep ring (16 KB less SMEM); the in-kernel tables (now overlapped) at the large shapes.
+PLANS["small_share"] = [(F, dict(T=t, H=h), [(), W(kv_share=4), W(kv_share=4, warpgroups=3), W(stages=2),
+                                              W(stages=2, kv_share=4)])
+                        for t, h in ((1, 128), (8, 128), (8, 16))
+                        ] + [(U, dict(T=t, H=128), [(), W(kv_share=4)]) for t in (1, 8)] + [
+                            (F, dict(T=t, H=h), [(), G]) for t, h in ((4096, 128), (8192, 16))]
+# The op's defaults at T <= 256 (after the shallow-ring rule), with XLA and a device copy in the same run.
+PLANS["small_defaults"] = [(F, dict(T=t, H=h), [()]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128),
+                                                                  (256, 128), (1, 16), (8, 16), (128, 16))
+                           ] + [(U, dict(T=t, H=128), [()]) for t in (1, 8)]
 PLAN = PLANS[plan_name]
 for op_name, shape, variants in PLAN:
   if time.time() > deadline:

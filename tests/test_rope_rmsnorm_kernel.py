@@ -356,9 +356,10 @@ def test_tuning_config_validates():
 
 
 @pytest.mark.parametrize("t,h,fused,want", [
-    (1, 128, True, (3, 1, 1, 2)),            # (stages, tokens_per_cta, ctas, warpgroups)
-    (128, 128, True, (3, 1, 128, 2)),        # one token per CTA; <= SMALL_TPC tokens: 2 warpgroups
-    (128, 16, True, (3, 4, 32, 2)),          # H = 16: whole q tiles (4 tokens) per CTA
+    (1, 128, True, (2, 1, 1, 2)),            # (stages, tokens_per_cta, ctas, warpgroups); 2 q tiles: stages 2
+    (128, 128, True, (2, 1, 128, 2)),        # one token per CTA; <= SMALL_TPC tokens: 2 warpgroups
+    (128, 16, True, (2, 4, 32, 2)),          # H = 16: whole q tiles (4 tokens) per CTA
+    (384, 128, True, (3, 3, 132, 2)),        # 5-6 q tiles per CTA: the 3-deep ring
     (2048, 128, True, (3, 16, 132, 4)),      # one CTA per SM: 15 or 16 tokens each
     (4096, 16, False, (3, 32, 132, 4)),      # 31 or 32 tokens each
     (4096, 128, True, (4, 16, 256, 4)),      # H >= 128, T >= 4096: stages = 4, the tokens per CTA that fit

@@ -65,7 +65,10 @@ lower only from i8, and XLA copies width-changing bitcasts. Caveat: a NaN/inf in
 Tables at T <= GATHER_TABLES_MAX_TOKENS (the op's default outside interpret mode, ``TuningConfig.gather_tables``):
 the kernel builds the C ‖ S rows itself from the positions and the cos / sin tables, and with the cache write
 also keeps only the last writer of each slot (:mod:`mla_pallas.kernels.rope_tables`); the fused op is then this
-kernel alone. Otherwise:
+kernel alone. The gather (two dependent global loads) runs on the last warpgroup while warpgroup 0 waits for the
+slots (and runs the duplicate check) and the latent rows are normalised; k_rope and the q tiles wait for the tables
+(``overlap_gather``; H200 2026-11-30i: 0.2-0.7 us faster than gathering on warpgroup 0 before anything else, e.g.
+fused T = 8, H = 128 4.3 -> 4.0 us, T = 256 7.0 -> 6.3). Otherwise:
 
 Inputs are prepared by :mod:`mla_pallas.ops.rope_rmsnorm`: one fused XLA gather + concatenate of the tables per
 token (positions clamped), C ‖ S as the int32 bits of their f32 values, ``[T, 128]``; the fused op appends the
@@ -183,7 +186,7 @@ class TuningConfig(common.TuningConfigBase):
   kv_share: warpgroup 0's share of the CTA's q tiles in quarters of another warpgroup's (1-4): warpgroup 0 also
     does the k_rope tile and its row stores.
   gather_tables: the kernel builds its C ‖ S table rows itself from ``positions`` and the [max_pos, 32] cos / sin
-    tables (:mod:`mla_pallas.kernels.rope_tables`: warpgroup 0 loads the positions, gathers and expands the
+    tables (:mod:`mla_pallas.kernels.rope_tables`: one warpgroup loads the positions, gathers and expands the
     rows), and with the cache write takes the slots as a separate [T] int32 array, instead of the op's XLA
     pre-pass [T, 128 (+4)] table array. Not in interpret mode (no ``inline_mgpu``; the op keeps the pre-pass
     there). The op's default at T <= GATHER_TABLES_MAX_TOKENS (below).
@@ -316,6 +319,9 @@ def grid_for(cfg: TuningConfig, num_tokens: int, heads: int, fused: bool,
 #   4.6 us, T = 128: 6.4 vs 6.9 us) and at T = 1024, H = 16 (8.2 vs 8.8 us), equal at T = 512, H = 128;
 # * H >= DEEP_RING_MIN_HEADS and T >= DEEP_RING_MIN_TOKENS, stages = 4 with the tokens per CTA that fit (15-16,
 #   several waves): T = 4096 44.3 vs 46.4 us, T = 8192 85.8 vs 96.0 us (78-79 % of copy BW instead of 71-75 %).
+# * at most SHALLOW_RING_MAX_TILES q tiles per CTA (e.g. one token of H = 128): stages = 2, the SMEM of a third
+#   ring slot that no tile would use saved (H200, 2026-11-30i, fused H = 128 T = 1 3.8 vs 4.0 us, T = 8 3.9 vs 4.0;
+#   H = 16 T = 8 3.8 vs 3.8);
 # * T <= GATHER_TABLES_MAX_TOKENS: gather_tables (no XLA pre-pass; with the in-kernel duplicate-slot check the
 #   fused op is one kernel launch). H200 (benchmarks/RESULTS.md, 2026-11-30h, op time against the pre-pass path,
 #   bitwise equal): fused H = 128 T = 1 4.2 vs 4.2 us, T = 8 4.3 vs 4.6, T = 64 4.9 vs 5.7, T = 128 5.4 vs 6.4,
@@ -323,6 +329,7 @@ def grid_for(cfg: TuningConfig, num_tokens: int, heads: int, fused: bool,
 #   10.2, the positions-TMA version) and T = 4096 (48.6 vs 45.2): every CTA's q and k_rope work waits for the
 #   in-kernel gather, where the pre-pass's table arrives by TMA.
 SMALL_TPC = 8
+SHALLOW_RING_MAX_TILES = 2
 GATHER_TABLES_MAX_TOKENS = 256
 DEEP_RING_MIN_HEADS = 128
 DEEP_RING_MIN_TOKENS = 4096
@@ -344,7 +351,10 @@ def default_config(num_tokens: int, heads: int, fused: bool, num_sms: int = DEFA
   if want > MAX_TPC:
     ctas, want = None, g * (MAX_TPC // g)
   wgs = 2 if want <= SMALL_TPC else TuningConfig.warpgroups
-  for stages in (3, 2):
+  # at most SHALLOW_RING_MAX_TILES q tiles per CTA: the prologue issues them all with a 2-deep ring already, and
+  # a third slot would only cost SMEM (measured: 0.1-0.2 us at T = 1 / 8, H = 128)
+  shallow = -(-want * heads // TILE) <= SHALLOW_RING_MAX_TILES
+  for stages in ((2,) if shallow else (3, 2)):
     cfg = TuningConfig(stages=stages, warpgroups=wgs)
     if smem_budget(cfg, fused, want) <= common.SMEM_LIMIT:
       tpc, ctas = grid_for(dataclasses.replace(cfg, tokens_per_cta=want, ctas=ctas), num_tokens, heads, fused,

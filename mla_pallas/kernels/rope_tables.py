@@ -5,7 +5,7 @@ The rope kernel rotates a 64-wide row as ``y = x · C + swap(x) · S`` with per-
 ``S = [−s ‖ s]``), where ``c = cos[pos]``, ``s = sin[pos]`` are rows of the [max_pos, 32] f32 tables. Above
 T = ``rope_rmsnorm.GATHER_TABLES_MAX_TOKENS`` and in interpret mode the op builds those rows in an XLA pre-pass (a
 [T, 128] gather + expansion written to and re-read from HBM, one extra kernel launch). With
-``TuningConfig.gather_tables`` (the default at smaller T) the kernel builds them itself: each of warpgroup 0's
+``TuningConfig.gather_tables`` (the default at smaller T) the kernel builds them itself: each of one warpgroup's
 128 threads takes (row, part) items, part = 4 consecutive table entries: it loads the row's position from GMEM
 (``ld.global``; rows past T read token T - 1's, never used), clamps it to [0, max_pos), loads 16 bytes of ``cos``
 and of ``sin`` (vectorised ``ld.global``) and writes the expanded, signed values as 16-byte SMEM stores into the

@@ -51,7 +51,9 @@ _ACT = (jnp.bfloat16, jnp.float32)
 # (H = 16), T = 512 1.79x, T = 4096-8192 (H = 128) 2.12-2.15x, T = 8192 (H = 16) 1.41x, unfused T = 4096 2.05x;
 # at T = 1-64 it was at parity or slower (0.84-1.00x). With the in-kernel tables (default at T <= 256 since
 # 2026-11-30h): fused H = 128 T = 64 1.16x, T = 128 1.55x, T = 256 1.73x, H = 16 T = 128 1.28x; T = 1 0.99x, T = 8
-# 0.86x. The threshold stays at 128: T = 64 was measured at H = 128 only.
+# 0.86x. With the gather overlapped and a 2-deep ring at <= 2 q tiles per CTA (2026-11-30i): fused H = 128 T = 1
+# 1.06x, T = 8 0.94x, T = 64 1.25x, T = 128 1.67x, T = 256 1.90x; H = 16 T = 1 1.09x, T = 8 0.90x, T = 128 1.39x;
+# unfused T = 1 / 8 0.87x / 0.92x. The threshold stays at 128: slower at T = 8, and T = 64 measured at H = 128 only.
 _VALIDATED_ON: tuple[str, ...] = ("sm90",)
 AUTO_MIN_TOKENS = 128
 AUTO_MIN_HEADS = 16
