@@ -68,7 +68,10 @@ also keeps only the last writer of each slot (:mod:`mla_pallas.kernels.rope_tabl
 kernel alone. The gather (two dependent global loads) runs on the last warpgroup while warpgroup 0 waits for the
 slots (and runs the duplicate check) and the latent rows are normalised; k_rope and the q tiles wait for the tables
 (``overlap_gather``; H200 2026-11-30i: 0.2-0.7 us faster than gathering on warpgroup 0 before anything else, e.g.
-fused T = 8, H = 128 4.3 -> 4.0 us, T = 256 7.0 -> 6.3). Otherwise:
+fused T = 8, H = 128 4.3 -> 4.0 us, T = 256 7.0 -> 6.3). The in-kernel table rows are 136 words apart
+(``TAB_COLS_GATHER``), not 128: the k_rope tile reads its tables in the WGMMA layout, and with 512-byte rows a
+warp's 8 rows hit the same banks (8-way conflicts; H200 2026-11-30i: the padding took fused T = 1-256 down by
+0.3-0.5 us, e.g. T = 8, H = 128 3.9 -> 3.6 us). Otherwise:
 
 Inputs are prepared by :mod:`mla_pallas.ops.rope_rmsnorm`: one fused XLA gather + concatenate of the tables per
 token (positions clamped), C ‖ S as the int32 bits of their f32 values, ``[T, 128]``; the fused op appends the
@@ -101,7 +104,8 @@ a protocol deadlock; tests/test_sparse_decode_sm100.py saw the same). The op's d
 SMEM budget (bytes; NW = 4, stages = 3, TPC = 32; :func:`smem_budget`, checked against lowering)
 ------------------------------------------------------------------------------------------------
     P (64 × 64 bf16, swizzled)                       8 192
-    tables C ‖ S (‖ slot) (64 × 132 int32)          33 792   (unfused: 64 × 128; 72 rows when TPC > 56)
+    tables C ‖ S (‖ slot) (64 × 132 int32)          33 792   (unfused: 64 × 128; gather_tables: 64 × 136;
+                                                              72 rows when TPC > 56)
     q rings (NW · stages × 64 × 64 bf16, swizzled)  98 304   (in place: no separate output ring)
     k_rope tile (64 × 64 bf16, swizzled)             8 192
     k_rope out (64 × 128 fp8 | 64 × 64 bf16)         8 192
@@ -222,10 +226,17 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+TAB_COLS_GATHER = 2 * 64 + 8   # gather_tables: C | S and 8 unused words, so that rows are 544 bytes apart
+
+
 def _tab_cols(fused: bool, gather: bool = False) -> int:
   """Columns of the SMEM tables: C ‖ S, and with the cache write the slot column (unless the slots come as their
-  own array, ``gather_tables``)."""
-  return TAB_COLS_FUSED if fused and not gather else 2 * D_ROPE
+  own array, ``gather_tables``). The in-kernel tables pad each row by 8 words: the k_rope tile reads its tables in
+  the WGMMA layout (a warp's request covers 8 rows x 8 words), and with 512-byte rows all 8 rows fall in the same
+  banks (8-way conflicts); 544-byte rows spread them over all 32 banks (2 wavefronts)."""
+  if gather:
+    return TAB_COLS_GATHER
+  return TAB_COLS_FUSED if fused else 2 * D_ROPE
 
 
 def _lat_rows(tpc: int) -> int:

@@ -9,7 +9,8 @@ T = ``rope_rmsnorm.GATHER_TABLES_MAX_TOKENS`` and in interpret mode the op build
 128 threads takes (row, part) items, part = 4 consecutive table entries: it loads the row's position from GMEM
 (``ld.global``; rows past T read token T - 1's, never used), clamps it to [0, max_pos), loads 16 bytes of ``cos``
 and of ``sin`` (vectorised ``ld.global``) and writes the expanded, signed values as 16-byte SMEM stores into the
-row of the kernel's table tile ([rows, 128] int32 = the f32 bits of C ‖ S). (The first version loaded the
+row of the kernel's table tile ([rows, 136] int32: the f32 bits of C ‖ S in columns 0-127, rows padded by 8 words
+against SMEM bank conflicts, see rope_rmsnorm.TAB_COLS_GATHER). (The first version loaded the
 positions by TMA into SMEM first: one more round trip before the table loads; H200 2026-11-30h: +1.1 us on the
 kernel at T = 1.) The values are the same f32 values as the pre-pass's (a gather, a duplication and a negation
 are exact), so the kernel's output is bitwise the same (H200: tests/test_rope_rmsnorm_kernel_gpu.py).
@@ -58,7 +59,7 @@ def _expand(c4, s4, part, interleaved: bool):
 
 
 def gather_rows(pos, first, cos, sin, tab, interleaved: bool):
-  """Raw Mosaic GPU body: fill row r of ``tab`` (SMEM memref [rows, 128] int32) with C ‖ S of token
+  """Raw Mosaic GPU body: fill columns 0-127 of row r of ``tab`` (SMEM memref [rows, >= 128] int32) with C ‖ S of token
   min(first + r, T - 1)'s position, ``pos`` (GMEM memref [T] int32, unclamped), from ``cos`` / ``sin`` (GMEM
   memrefs [max_pos, 32] f32); ``first``: i32 value. Every thread of the warpgroup takes items tid, tid + 128, ..;
   the caller makes the stores visible (a warpgroup barrier) before any thread reads ``tab``."""
@@ -68,7 +69,7 @@ def gather_rows(pos, first, cos, sin, tab, interleaved: bool):
   max_pos = ir.MemRefType(cos.type).shape[0]
   num_tokens = ir.MemRefType(pos.type).shape[0]
   cols = ir.MemRefType(tab.type).shape[1]
-  assert cols == 2 * D_ROPE and ir.MemRefType(cos.type).shape[1] == HALF, (tab.type, cos.type)
+  assert cols >= 2 * D_ROPE and cols % 4 == 0 and ir.MemRefType(cos.type).shape[1] == HALF, (tab.type, cos.type)
   tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), _c32(THREADS))
   pos_base, cos_base = mgpu_utils.memref_ptr(pos), mgpu_utils.memref_ptr(cos)
   sin_base, tab_base = mgpu_utils.memref_ptr(sin), mgpu_utils.memref_ptr(tab)
@@ -102,7 +103,7 @@ def gather_rows(pos, first, cos, sin, tab, interleaved: bool):
 def gather_tables(pos_ref, first, cos_ref, sin_ref, tab_ref, interleaved: bool):
   """Pallas-level :func:`gather_rows` (run by one warpgroup): ``pos_ref`` GMEM [T] int32, ``first`` the window's
   first token (int32 scalar, traced), ``cos_ref`` / ``sin_ref`` GMEM [max_pos, 32] f32, ``tab_ref`` SMEM
-  [rows, 128] int32 (written)."""
+  [rows, >= 128] int32 (columns 0-127 written)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR_LAYOUT, plgpu.RefType(), plgpu.RefType(),
                                 plgpu.RefType()))
   def f(ctx, pos, first_fa, cos, sin, tab):
