@@ -329,6 +329,10 @@ def test_quantization_knobs_and_narrow_tile_rule():
     c = cfg(n, t, k, h)
     assert (c.producer_quant, c.a_registers) == (pq, not pq), (t, k, n, h)
   assert not cfg(128, 8, 512, 128, (("a_registers", True),)).producer_quant   # an explicit quantization knob wins
+  # one output tile per CTA only (as measured): H = 256: 256 tiles of 64 x 512 over 132 CTAs
+  many = cfg(512, 4, 192, 256)
+  assert (many.producer_quant, many.a_registers) == (False, True)
+  assert cfg(512, 4, 192, 256, (("producer_quant", True), ("a_registers", False))).producer_quant
   assert cfg(128, 8, 512, 128, (("quantize_k", None),)).quantize_k is None
   assert cfg(256, 64, 512, 64).tile_n == 64                   # GLM-5 W_UV T = 64: 128 tiles
   assert cfg(256, 65, 512, 64).tile_n == 128                  # 256 tiles: two waves

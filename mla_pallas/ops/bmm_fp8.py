@@ -179,7 +179,8 @@ def _narrow_tiles_make_one_wave(t, h, n, kw) -> bool:
 # (benchmarks/RESULTS.md, 2026-11-30i, bitwise the register path; same-run XLA): W_UV T = 1 6.2 -> 3.8 us (DeepSeek)
 # and 5.9 -> 3.8 (GLM-5), T = 16 6.4 -> 4.5 / 6.0 -> 4.4; W_UK T = 1 4.4 -> 4.1 / 4.4 -> 3.6, T = 8 4.4 -> 4.3 /
 # 4.4 -> 3.6, but T = 16 4.5 -> 5.0 / 4.3 -> 4.4 (K = 128 / 192: four rows per producer warp cost more than the
-# register path's quantization saves).
+# register path's quantization saves). Only where every CTA gets one output tile (the measured and GPU-tested case;
+# :func:`_kernel_config`).
 PRODUCER_QUANT_MAX_TOKENS = 8
 PRODUCER_QUANT_MAX_TOKENS_K512 = 16
 
@@ -193,6 +194,17 @@ def _producer_quant_is_faster(t, k) -> bool:
 
 def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
                    fusable: bool = False):
+  """:func:`_choose_config`, without the default producer_quant where a CTA would get more than one output tile:
+  it was measured (and tested on the GPU) with one tile per CTA only (every MLA shape at T <= 16)."""
+  cfg = _choose_config(n, tuning, t=t, k=k, h=h, fusable=fusable)
+  if cfg.producer_quant and "producer_quant" not in dict(tuning) and h is not None:
+    if -(-t // cfg.cta_m) * h * (n // cfg.cta_n) > cfg.max_ctas:
+      cfg = _choose_config(n, tuning, t=t, k=k, h=h, fusable=fusable, producer_quant_ok=False)
+  return cfg
+
+
+def _choose_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
+                   fusable: bool = False, producer_quant_ok: bool = True):
   """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
   (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
   its SMEM fits (two bf16 A buffers, else one, else the pre-pass), quantized by the producer warpgroup
@@ -210,7 +222,7 @@ def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = N
   if not explicit and fusable and t <= FUSED_QUANT_MAX_TOKENS:
     kw["quantize_k"] = k
   own_quant = any(key in kw for key in ("a_registers", "share_quant", "quant_passes", "producer_quant"))
-  if (kw.get("quantize_k") is not None and not own_quant and kw.get("wg_split") == "n"
+  if (kw.get("quantize_k") is not None and not own_quant and kw.get("wg_split") == "n" and producer_quant_ok
       and _producer_quant_is_faster(t, kw["quantize_k"])):
     kw.update(producer_quant=True, a_registers=False)
   elif (kw.get("quantize_k") is not None and kw["quantize_k"] <= kbmm.MAX_REGISTER_K and not own_quant):
