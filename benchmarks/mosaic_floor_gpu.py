@@ -31,6 +31,10 @@ def _kernel(body, out, scratch, threads=2):
                       scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE))
 
 
+def _wg():
+  return jax.lax.axis_index("wg")
+
+
 def empty(smem_bytes=0):
   scratch = [plgpu.SMEM((smem_bytes,), jnp.uint8)] if smem_bytes else []
 
@@ -42,7 +46,7 @@ def empty(smem_bytes=0):
 
 def tma_load_store():
   def body(x, o, buf, bar):
-    @pl.when(lax_wg() == 0)
+    @pl.when(_wg() == 0)
     def _():
       plgpu.copy_gmem_to_smem(x, buf, bar)
       plgpu.barrier_wait(bar)
@@ -55,7 +59,7 @@ def tma_load_store():
 
 def gather_store():
   def body(pos, cos, sin, o, tab):
-    @pl.when(lax_wg() == 0)
+    @pl.when(_wg() == 0)
     def _():
       rope_tables.gather_tables(pos, 0, cos, sin, tab, True)
       plgpu.commit_smem()
@@ -63,10 +67,6 @@ def gather_store():
       plgpu.wait_smem_to_gmem(0)
   k = _kernel(body, jax.ShapeDtypeStruct((64, 128), jnp.int32), [plgpu.SMEM((64, 128), jnp.int32)])
   return lambda x, pos, cos, sin: k(pos, cos, sin)
-
-
-def lax_wg():
-  return jax.lax.axis_index("wg")
 
 
 def xla_add1():

@@ -26,13 +26,12 @@ lowering on the CPU (tests/test_rope_rmsnorm_kernel.py) and numerically on the G
 from __future__ import annotations
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, scf, vector
+from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT as _SCALAR_LAYOUT, THREADS
-from mla_pallas.kernels.raw_mgpu import byte_ptr as _ptr, c32 as _c32, scalar_array as _scalar_array
-from mla_pallas.kernels.raw_mgpu import scalar_value as _scalar_value
+from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT, THREADS, byte_ptr, c32, scalar_array, scalar_value
+from mla_pallas.kernels.raw_mgpu import thread_in_warpgroup
 
 D_ROPE = 64
 HALF = D_ROPE // 2
@@ -47,14 +46,14 @@ def _expand(c4, s4, part, interleaved: bool):
   c = [vector.extract(c4, [], [j]) for j in range(PART)]
   s = [vector.extract(s4, [], [j]) for j in range(PART)]
   neg = [arith.negf(x) for x in s]
-  col = arith.muli(part, _c32(2 * PART if interleaved else PART))
+  col = arith.muli(part, c32(2 * PART if interleaved else PART))
   if interleaved:   # entry i -> columns 2i, 2i + 1
-    out = [(col, [c[0], c[0], c[1], c[1]]), (arith.addi(col, _c32(PART)), [c[2], c[2], c[3], c[3]]),
-           (arith.addi(col, _c32(D_ROPE)), [neg[0], s[0], neg[1], s[1]]),
-           (arith.addi(col, _c32(D_ROPE + PART)), [neg[2], s[2], neg[3], s[3]])]
+    out = [(col, [c[0], c[0], c[1], c[1]]), (arith.addi(col, c32(PART)), [c[2], c[2], c[3], c[3]]),
+           (arith.addi(col, c32(D_ROPE)), [neg[0], s[0], neg[1], s[1]]),
+           (arith.addi(col, c32(D_ROPE + PART)), [neg[2], s[2], neg[3], s[3]])]
   else:             # entry i -> columns i and i + 32
-    out = [(col, c), (arith.addi(col, _c32(HALF)), c),
-           (arith.addi(col, _c32(D_ROPE)), neg), (arith.addi(col, _c32(D_ROPE + HALF)), s)]
+    out = [(col, c), (arith.addi(col, c32(HALF)), c),
+           (arith.addi(col, c32(D_ROPE)), neg), (arith.addi(col, c32(D_ROPE + HALF)), s)]
   return [(k, vector.from_elements(v4, vals)) for k, vals in out]
 
 
@@ -70,31 +69,31 @@ def gather_rows(pos, first, cos, sin, tab, interleaved: bool):
   num_tokens = ir.MemRefType(pos.type).shape[0]
   cols = ir.MemRefType(tab.type).shape[1]
   assert cols >= 2 * D_ROPE and cols % 4 == 0 and ir.MemRefType(cos.type).shape[1] == HALF, (tab.type, cos.type)
-  tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), _c32(THREADS))
+  tid, _, _ = thread_in_warpgroup()
   pos_base, cos_base = mgpu_utils.memref_ptr(pos), mgpu_utils.memref_ptr(cos)
   sin_base, tab_base = mgpu_utils.memref_ptr(sin), mgpu_utils.memref_ptr(tab)
   v4 = ir.VectorType.get((PART,), f32)
   items = rows * PARTS
   for it in range(-(-items // THREADS)):
-    item = arith.addi(tid, _c32(it * THREADS))
+    item = arith.addi(tid, c32(it * THREADS))
 
     def body(item=item):
-      row = arith.divui(item, _c32(PARTS))
-      part = arith.remui(item, _c32(PARTS))
-      tok = arith.minsi(arith.addi(first, row), _c32(num_tokens - 1))
-      p = llvm.load(i32, _ptr(pos_base, arith.muli(tok, _c32(4))))
-      p = arith.maxsi(arith.minsi(p, _c32(max_pos - 1)), _c32(0))
-      off = arith.muli(arith.addi(arith.muli(p, _c32(HALF)), arith.muli(part, _c32(PART))), _c32(4))
-      c4 = llvm.load(v4, _ptr(cos_base, off), alignment=16)
-      s4 = llvm.load(v4, _ptr(sin_base, off), alignment=16)
-      row_off = arith.muli(row, _c32(cols * 4))
+      row = arith.divui(item, c32(PARTS))
+      part = arith.remui(item, c32(PARTS))
+      tok = arith.minsi(arith.addi(first, row), c32(num_tokens - 1))
+      p = llvm.load(i32, byte_ptr(pos_base, arith.muli(tok, c32(4))))
+      p = arith.maxsi(arith.minsi(p, c32(max_pos - 1)), c32(0))
+      off = arith.muli(arith.addi(arith.muli(p, c32(HALF)), arith.muli(part, c32(PART))), c32(4))
+      c4 = llvm.load(v4, byte_ptr(cos_base, off), alignment=16)
+      s4 = llvm.load(v4, byte_ptr(sin_base, off), alignment=16)
+      row_off = arith.muli(row, c32(cols * 4))
       for col, vals in _expand(c4, s4, part, interleaved):
-        llvm.store(vals, _ptr(tab_base, arith.addi(row_off, arith.muli(col, _c32(4)))), alignment=16)
+        llvm.store(vals, byte_ptr(tab_base, arith.addi(row_off, arith.muli(col, c32(4)))), alignment=16)
 
     if (it + 1) * THREADS <= items:
       body()
     else:                                   # the last round covers only part of the warpgroup
-      guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, item, _c32(items)))
+      guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, item, c32(items)))
       with ir.InsertionPoint(guard.then_block):
         body()
         scf.yield_([])
@@ -104,12 +103,12 @@ def gather_tables(pos_ref, first, cos_ref, sin_ref, tab_ref, interleaved: bool):
   """Pallas-level :func:`gather_rows` (run by one warpgroup): ``pos_ref`` GMEM [T] int32, ``first`` the window's
   first token (int32 scalar, traced), ``cos_ref`` / ``sin_ref`` GMEM [max_pos, 32] f32, ``tab_ref`` SMEM
   [rows, >= 128] int32 (columns 0-127 written)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR_LAYOUT, plgpu.RefType(), plgpu.RefType(),
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), SCALAR_LAYOUT, plgpu.RefType(), plgpu.RefType(),
                                 plgpu.RefType()))
   def f(ctx, pos, first_fa, cos, sin, tab):
     del ctx
-    gather_rows(pos, _scalar_value(first_fa), cos, sin, tab, interleaved)
-  f(pos_ref, _scalar_array(first), cos_ref, sin_ref, tab_ref)
+    gather_rows(pos, scalar_value(first_fa), cos, sin, tab, interleaved)
+  f(pos_ref, scalar_array(first), cos_ref, sin_ref, tab_ref)
 
 
 # In-kernel duplicate-slot check (the op's ``_last_writer`` for small T): every token of the CTA's table window is
@@ -127,35 +126,35 @@ def drop_overwritten_rows(win, all_slots, first, num_tokens: int):
   i1 = ir.IntegerType.get_signless(1)
   rows = min(ir.MemRefType(win.type).shape[0], THREADS)
   assert num_tokens <= DEDUPE_MAX_TOKENS and ir.MemRefType(all_slots.type).shape[0] >= -(-num_tokens // 4) * 4
-  r = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), _c32(THREADS))
+  r, _, _ = thread_in_warpgroup()
   win_base, all_base = mgpu_utils.memref_ptr(win), mgpu_utils.memref_ptr(all_slots)
   v4 = ir.VectorType.get((4,), i32)
-  guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, r, _c32(rows)))
+  guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, r, c32(rows)))
   with ir.InsertionPoint(guard.then_block):
-    row_ptr = _ptr(win_base, arith.muli(r, _c32(4)))
+    row_ptr = byte_ptr(win_base, arith.muli(r, c32(4)))
     mine = llvm.load(i32, row_ptr)
     tok = arith.addi(first, r)
     hit = arith.constant(i1, 0)
     for k in range(-(-num_tokens // 4)):
-      vals = llvm.load(v4, _ptr(all_base, _c32(16 * k)), alignment=16)
+      vals = llvm.load(v4, byte_ptr(all_base, c32(16 * k)), alignment=16)
       for e in range(4):
         j = 4 * k + e
         if j >= num_tokens:
           break
         same = arith.cmpi(arith.CmpIPredicate.eq, vector.extract(vals, [], [e]), mine)
-        later = arith.cmpi(arith.CmpIPredicate.sgt, _c32(j), tok)
+        later = arith.cmpi(arith.CmpIPredicate.sgt, c32(j), tok)
         hit = arith.ori(hit, arith.andi(same, later))
     drop = scf.IfOp(hit)
     with ir.InsertionPoint(drop.then_block):
-      llvm.store(_c32(-1), row_ptr)
+      llvm.store(c32(-1), row_ptr)
       scf.yield_([])
     scf.yield_([])
 
 
 def drop_overwritten(win_ref, all_ref, first, num_tokens: int):
   """Pallas-level :func:`drop_overwritten_rows` (run by one warpgroup); ``first`` an int32 scalar (traced)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SCALAR_LAYOUT))
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), SCALAR_LAYOUT))
   def f(ctx, win, all_slots, first_fa):
     del ctx
-    drop_overwritten_rows(win, all_slots, _scalar_value(first_fa), num_tokens)
-  f(win_ref, all_ref, _scalar_array(first))
+    drop_overwritten_rows(win, all_slots, scalar_value(first_fa), num_tokens)
+  f(win_ref, all_ref, scalar_array(first))

@@ -31,13 +31,14 @@ import numpy as np
 
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
+from mla_pallas.kernels.raw_mgpu import asm as _asm, c32 as _i32, thread_in_warpgroup
 
 D_V = 512            # latent columns of V
 TILE = 64            # keys per tile; rows per M block
@@ -52,21 +53,10 @@ def latent_of_row(g: int, r):
   return 8 * r + g
 
 
-def _i32(x):
-  return arith.constant(ir.IntegerType.get_signless(32), x)
-
-
-def _asm(ret, args, text, constraints, side_effects=False):
-  return llvm.inline_asm(ret, args, text, constraints, has_side_effects=side_effects)
-
-
 def _thread():
   """(w, q, t) of this thread in its warpgroup: warp, lane // 4, lane % 4 (i32 values)."""
-  i32 = ir.IntegerType.get_signless(32)
-  tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-  tid = arith.remui(tid, _i32(128))
-  lane = arith.remui(tid, _i32(32))
-  return arith.divui(tid, _i32(32)), arith.divui(lane, _i32(4)), arith.remui(lane, _i32(4))
+  _, warp, lane = thread_in_warpgroup()
+  return warp, arith.divui(lane, _i32(4)), arith.remui(lane, _i32(4))
 
 
 def load_words(k_tile):
