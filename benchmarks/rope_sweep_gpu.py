@@ -4,6 +4,7 @@ pre-pass time (CUPTI, cache donated as in the bench), each checked near-bitwise 
 
   PYTHONPATH=. python3 benchmarks/rope_sweep_gpu.py OUT_DIR [PLAN]
       PLAN: v3 (default) | small_t | defaults | unique | gather | gather_small | overlap | small_share | small_defaults
+            | direct | direct_large | bitmap | direct_defaults | scan
 
 Stops at ROPE_V3_DEADLINE (epoch seconds) if set, printing what it measured so far; writes JSON to OUT_DIR.
 Called by benchmarks/rope_v3_gpu.sh.
@@ -102,10 +103,15 @@ def run(op_name, shape, variants):
       kern = sum(v for k, v in kernels.items() if k.startswith(KERNEL))
       chk = check(f, mk("xla"), sets[0], is_fused)
       knobs = tuple((k, v) for k, v in tuning if k != "unique_slots")
-      cfg = op._kernel_config(shape["T"], shape["H"], is_fused, knobs)
-      tpc, ctas = rk.grid_for(cfg, shape["T"], shape["H"], is_fused, op._num_sms())
-      name = (" ".join(f"{k}={v}" for k, v in tuning) or "default") + (
-          f" -> wg{cfg.warpgroups} s{cfg.stages} tpc{tpc} ctas{ctas} ks{cfg.kv_share}")
+      dcfg = op._direct_config(shape["T"], knobs)
+      if dcfg is not None:
+        cfg = dcfg
+        resolved = f" -> direct ipt{dcfg.items_per_thread}"
+      else:
+        cfg = op._kernel_config(shape["T"], shape["H"], is_fused, op._tiled_tuning(knobs))
+        tpc, ctas = rk.grid_for(cfg, shape["T"], shape["H"], is_fused, op._num_sms())
+        resolved = f" -> wg{cfg.warpgroups} s{cfg.stages} tpc{tpc} ctas{ctas} ks{cfg.kv_share}"
+      name = (" ".join(f"{k}={v}" for k, v in tuning) or "default") + resolved
       print(f"  {name:58s} {tot:8.1f} {kern:8.1f} {tot - kern:6.1f} {100 * base['copy'] / tot:5.0f}% "
             f"{base['xla'] / tot:5.2f}x  {chk}  [{time.time() - t0:.0f} s]", flush=True)
       if not tuning:
@@ -178,6 +184,46 @@ PLANS["small_share"] = [(F, dict(T=t, H=h), [(), W(kv_share=4), W(kv_share=4, wa
 PLANS["small_defaults"] = [(F, dict(T=t, H=h), [()]) for t, h in ((1, 128), (8, 128), (64, 128), (128, 128),
                                                                   (256, 128), (1, 16), (8, 16), (128, 16))
                            ] + [(U, dict(T=t, H=128), [()]) for t in (1, 8)]
+# The direct kernel (kernels/rope_direct.py) against the tiled one, and its items_per_thread, from T = 1 to the
+# issue-4 large shapes (where it is not the default).
+D, TL = W(kernel="direct"), W(kernel="tiled")
+PLANS["direct"] = [(F, dict(T=t, H=h), [TL, D, D + W(items_per_thread=4)])
+                   for t, h in ((1, 128), (8, 128), (64, 128), (128, 128), (256, 128), (1, 16), (8, 16), (128, 16))
+                   ] + [(U, dict(T=t, H=h), [TL, D, D + W(items_per_thread=4)])
+                        for t, h in ((1, 128), (8, 128), (64, 128), (256, 128), (8, 16))
+                        ] + [(F, dict(T=t, H=h), [(), D + W(items_per_thread=4), D + W(items_per_thread=8),
+                                                  D + W(items_per_thread=4, unique_slots=True)])
+                             for t, h in ((512, 128), (4096, 128), (8192, 16))
+                             ] + [(U, dict(T=4096, H=128), [(), D + W(items_per_thread=4)])]
+# The direct kernel's default (in-kernel bitmap duplicate check above T = 256) against the XLA pre-pass check,
+# unique_slots and the tiled kernel at the issue-4 large shapes; small H (auto's threshold); T = 20000.
+NB = W(bitmap_dedupe=False)
+PLANS["direct_large"] = [
+    (F, dict(T=4096, H=128), [(), NB, W(unique_slots=True), TL]),
+    (F, dict(T=8192, H=16), [(), NB, W(unique_slots=True), W(items_per_thread=2), W(items_per_thread=8), TL]),
+    (F, dict(T=8192, H=128), [(), W(unique_slots=True), TL]),
+    (U, dict(T=8192, H=128), [(), TL]),
+    (F, dict(T=512, H=128), [(), NB]),
+    (F, dict(T=1024, H=16), [(), TL]),
+    (F, dict(T=1, H=8), [(), TL]), (F, dict(T=4096, H=8), [(), TL]), (F, dict(T=1, H=1), [()]),
+    (F, dict(T=20000, H=16), [D, TL]),
+]
+# The bitmap mode's kv CTA shape (tokens per CTA, tokens in flight per warp, scan unroll) against unique_slots.
+PLANS["bitmap"] = [(F, dict(T=t, H=h), [W(unique_slots=True), (), W(bitmap_group=2), W(bitmap_group=1),
+                                        W(bitmap_tokens=16, bitmap_group=1), W(bitmap_tokens=16, bitmap_group=2,
+                                                                               scan_unroll=4),
+                                        W(bitmap_tokens=64, bitmap_group=2), W(bitmap_group=1, items_per_thread=8)])
+                   for t, h in ((8192, 16), (8192, 128), (4096, 128), (512, 128))]
+# The op's defaults after the direct kernel (2026-11-30j): every issue-4 shape, XLA and a device copy in the same run.
+PLANS["direct_defaults"] = [(F, dict(T=t, H=h), [()]) for t, h in (
+    (1, 128), (8, 128), (64, 128), (128, 128), (256, 128), (512, 128), (4096, 128), (8192, 128),
+    (1, 16), (8, 16), (128, 16), (1024, 16), (8192, 16))] + [
+    (U, dict(T=t, H=h), [()]) for t, h in ((1, 128), (8, 128), (64, 128), (256, 128), (4096, 128), (8192, 128),
+                                           (8, 16), (8192, 16))]
+# Where the duplicate-slot check should switch from one warp's scan of the later slots per token to the bitmap.
+PLANS["scan"] = [(F, dict(T=t, H=h), [(), W(warp_scan_max_tokens=1024), W(warp_scan_max_tokens=2048),
+                                      W(warp_scan_max_tokens=8192), W(unique_slots=True)])
+                 for t, h in ((512, 128), (1024, 16), (1024, 128), (2048, 16), (4096, 16), (4096, 128), (8192, 16))]
 PLAN = PLANS[plan_name]
 for op_name, shape, variants in PLAN:
   if time.time() > deadline:

@@ -200,3 +200,61 @@ def test_gather_tables_in_kernel_dedupe_is_bitwise_the_prepass(rng, t, h):
   np.testing.assert_array_equal(np.asarray(pages_g).view(np.uint8), np.asarray(pages_d).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(q_g).view(np.uint16), np.asarray(q_d).view(np.uint16))
   check_fused(case, pages_g, q_g, True)
+
+
+# The direct kernel (kernels/rope_direct.py: GMEM -> registers -> GMEM, no SMEM): the op's default at
+# every T outside interpret mode (("kernel", "direct") also overrides tiled knobs).
+# Duplicated slots (the last token wins), skipped and out-of-range slots, clamped positions, a NaN-poisoned cache,
+# H = 1 (one q row per token), a float32 norm weight, and a second run for determinism.
+@pytest.mark.parametrize("t,h,interleaved,fused,extra", [
+    (1, 128, True, True, ()), (1, 16, False, True, ()), (7, 64, True, True, ()), (37, 128, False, True, ()),
+    (64, 16, True, True, ()), (256, 128, True, True, (("kernel", "direct"),)),
+    (300, 16, False, True, (("kernel", "direct"), ("items_per_thread", 4))),
+    (5, 1, True, True, (("items_per_thread", 1),)), (9, 128, True, True, (("unique_slots", True),)),
+    (37, 48, False, True, ()), (1000, 48, True, False, ()),   # H = 48: only the direct kernel takes it
+    (1, 128, True, False, ()), (3, 128, False, False, ()), (33, 16, False, False, (("items_per_thread", 8),)),
+    (256, 128, True, False, (("kernel", "direct"),)),
+    # above warp_scan_max_tokens: the kv CTAs' bitmap check (default), and the XLA pre-pass (bitmap_dedupe=False)
+    (4099, 16, False, True, ()), (8192, 16, True, True, (("items_per_thread", 2),)),
+    (2048, 128, True, True, (("bitmap_dedupe", False), ("warp_scan_max_tokens", 256))), (4096, 128, True, False, ()),
+    (1000, 16, True, True, (("bitmap_tokens", 32), ("bitmap_group", 4), ("scan_unroll", 3),
+                            ("warp_scan_max_tokens", 256))),
+    # the warp scan in a loop (T > UNROLLED_SCAN_MAX) instead of the bitmap
+    (1000, 128, False, True, (("warp_scan_max_tokens", 1000),)),
+    (4096, 16, True, True, (("warp_scan_max_tokens", 8192),)),
+])
+def test_direct_kernel_matches_reference(rng, t, h, interleaved, fused, extra):
+  import numpy as np
+  extra = dict(extra)
+  unique = extra.pop("unique_slots", False)
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64, skip=not unique)
+  pos = np.asarray(case.positions).copy()
+  pos[0], pos[-1] = -5, 10 ** 6      # clamped to [0, max_pos)
+  case.positions = jnp.asarray(pos)
+  if t >= 8 and not unique:
+    slots = np.asarray(case.slots).copy()
+    slots[[0, t // 2, t - 1]] = slots[1]
+    slots[[2, 3]] = slots[4]
+    slots[5] = -1
+    if t > 256:   # many more: across kv CTAs (32 tokens each in the bitmap mode) and inside them
+      dst, src = rng.choice(t, t // 8, replace=False), rng.choice(t, t // 8)
+      slots[dst] = slots[src]
+    case.slots = jnp.asarray(slots)
+  if t % 2:
+    case.w = case.w.astype(jnp.float32)
+  tuning = tuple(extra.items())
+  assert op._direct_config(t, tuning) is not None
+
+  def run():
+    if fused:
+      return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
+                              case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
+                              interleaved=interleaved, interpret=False, tuning=tuning, unique_slots=unique)
+    return op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
+                                   jnp.float32(case.eps), interleaved=interleaved, interpret=False, tuning=tuning)
+  a, b = run()
+  a2, b2 = run()
+  for x, y in ((a, a2), (b, b2)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+  n = (check_fused if fused else check_unfused)(case, a, b, interleaved)
+  print(f"direct T={t} H={h} interleaved={interleaved} fused={fused} {tuning}: {n} values one step off")

@@ -28,15 +28,14 @@ sm_90 lowering on the CPU (tests/test_bmm_fp8_kernel.py) and bitwise against the
 """
 from __future__ import annotations
 
-import numpy as np
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, math as math_dialect, scf, vector
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels.common import FP8, swizzled
-from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT, asm, byte_ptr, c32, i32, scalar_array, scalar_value
+from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT, asm, byte_ptr, c32, convert_vectors, i32, scalar_array
+from mla_pallas.kernels.raw_mgpu import scalar_value
 from mla_pallas.kernels.raw_mgpu import thread_in_warpgroup
 from mla_pallas.quant import _INV_FP8_MAX
 
@@ -74,10 +73,8 @@ def _row_body(a_base, a8_base, sc_base, heads: int, k: int, row, m0, h, lane):
   scale = arith.select(is_zero, arith.constant(f32, 1.0), scale)
   inv = arith.divf(arith.constant(f32, 1.0), scale)
   inv_v = vector.broadcast(v8f, inv)
-  regs = np.array([arith.mulf(x, inv_v) for x in xs], dtype=object)
-  q = mgpu_fa.FragmentedArray(_registers=regs, _layout=mgpu_fa.WGStridedFragLayout((2 * 8 * 128,), 8),
-                              _is_signed=None).astype(ir.Float8E4M3FNType.get())
-  words = [vector.bitcast(ir.VectorType.get((2,), i32()), reg) for reg in q.registers.flat]   # 2 x 8 bytes
+  q = convert_vectors([arith.mulf(x, inv_v) for x in xs], ir.Float8E4M3FNType.get())
+  words = [vector.bitcast(ir.VectorType.get((2,), i32()), reg) for reg in q]   # 2 x 8 bytes
   w = [vector.extract(v, [], [j]) for v in words for j in range(2)]
 
   def store():

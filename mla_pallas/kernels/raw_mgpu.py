@@ -8,9 +8,11 @@ warpgroup. Used by :mod:`mla_pallas.kernels.rope_tables`, :mod:`mla_pallas.kerne
 """
 from __future__ import annotations
 
+import numpy as np
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -53,3 +55,32 @@ def scalar_value(fa):
   """The i32 value of a :func:`scalar_array` inside an ``inline_mgpu`` body."""
   reg = fa.registers.flat[0]
   return vector.extract(reg, [], [0]) if str(reg.type).startswith("vector") else reg
+
+
+def i64():
+  return ir.IntegerType.get_signless(64)
+
+
+def c64(x: int):
+  """An i64 constant."""
+  return arith.constant(i64(), x)
+
+
+def wide(x):
+  """A non-negative i32 value as i64 (for byte offsets that may pass 2 GiB, e.g. into a large paged cache)."""
+  return arith.extui(i64(), x)
+
+
+def byte_ptr64(base, byte_offset):
+  """``base`` (an llvm pointer) advanced by ``byte_offset`` (an i64 value) bytes."""
+  return mgpu_utils.getelementptr(base, [byte_offset], ir.IntegerType.get_signless(8))
+
+
+def convert_vectors(vectors, dtype: ir.Type):
+  """vector<8 x f32> values converted to ``dtype`` (e.g. bf16, float8_e4m3fn: round to nearest even, fp8
+  saturating) by Mosaic GPU's own ``FragmentedArray.astype`` (the conversions its register arrays use), as
+  vector<8 x dtype> values. The vectors are wrapped in a strided fragmented array only to reach that code."""
+  regs = np.array(list(vectors), dtype=object)
+  fa = mgpu_fa.FragmentedArray(_registers=regs, _layout=mgpu_fa.WGStridedFragLayout((len(regs) * 8 * THREADS,), 8),
+                               _is_signed=None)
+  return list(fa.astype(dtype).registers.flat)

@@ -1,6 +1,9 @@
 """RoPE + RMS norm of new MLA tokens, with an optional fused FP8 quantization and paged-cache write (sm_90a).
 
 Version v3 (validated on an H200, 2026-11-30: tests/test_rope_rmsnorm_kernel_gpu.py passes; measured at the end).
+The "tiled" kernel: since 2026-11-30 (tenth session) the op's default on the GPU is :mod:`.rope_direct` (GMEM ->
+registers -> GMEM, faster at every measured shape); this kernel runs in interpret mode (the direct kernel is raw
+Mosaic GPU), where T · H · 8 >= 2^31, and on request (``tuning`` ("kernel", "tiled")).
 
 What the CTAs compute
 ---------------------

@@ -6,16 +6,23 @@ Semantics are exactly those of :func:`mla_pallas.reference.rope`, :func:`~mla_pa
 paths use the reference's float32 formulations (elementwise math that XLA fuses into one pass), so results are
 bitwise those of the reference.
 
-Mosaic GPU kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`, sm_90a or interpret mode) for :func:`rope_rmsnorm` and
-:func:`fused_rope_rmsnorm_quantization`: bf16 ``kv``/``q_rope`` with ``H % 64 == 0`` or ``64 % H == 0``; others raise
-``NotImplementedError`` under ``impl="mosaic"`` and run XLA under ``impl="auto"``. The kernel sums the RMS in a
-different order than XLA, so a few values can differ from the reference by one bf16 ulp / one e4m3 step (see the
-kernel docstring). ``rope`` and ``rms_norm`` alone have no kernel (XLA). The kernel path's XLA pre-pass is the
-per-token table gather ([T, 128], f32 bits as int32; with the cache write, the sanitised slots ride in a 129th
-column, so the gather and the end of the duplicate-slot check (:func:`_last_writer`) are one XLA kernel);
-kv is padded only for T > 8 not a multiple of 8 and q_rope only for H < 8. The private jitted entry points take
-``tuning`` ((name, value) pairs of :class:`mla_pallas.kernels.rope_rmsnorm.TuningConfig`) for tests and
-benchmarks.
+Mosaic GPU kernels for :func:`rope_rmsnorm` and :func:`fused_rope_rmsnorm_quantization` (bf16 ``kv``/``q_rope``;
+other dtypes raise ``NotImplementedError`` under ``impl="mosaic"`` and run XLA under ``impl="auto"``):
+
+* :mod:`mla_pallas.kernels.rope_direct` (sm_90a; the default): GMEM -> registers -> GMEM, any H, no XLA work
+  around it (the kernel gathers the cos/sin rows and finds each slot's last writer itself). Raw Mosaic GPU
+  (``plgpu.inline_mgpu``), so it does not run in interpret mode.
+* :mod:`mla_pallas.kernels.rope_rmsnorm` (the tiled kernel: TMA, a wgmma for the pair swap, SMEM staging; sm_90a or
+  interpret mode): runs in interpret mode, where T · H · 8 >= 2^31, and on request; needs ``H % 64 == 0`` or
+  ``64 % H == 0``. Its XLA pre-pass (outside its in-kernel-table range, T > 256) is the per-token table gather
+  ([T, 128], f32 bits as int32; with the cache write, the sanitised slots ride in a 129th column, so the gather and
+  the end of the duplicate-slot check (:func:`_last_writer`) are one XLA kernel); kv is padded only for T > 8 not a
+  multiple of 8 and q_rope only for H < 8.
+
+Both sum the RMS in a different order than XLA, so a few values can differ from the reference by one bf16 ulp / one
+e4m3 step (see the kernel docstrings). ``rope`` and ``rms_norm`` alone have no kernel (XLA). The private jitted
+entry points take ``tuning`` for tests and benchmarks: (name, value) pairs of either kernel's TuningConfig, and
+("kernel", "direct" | "tiled") to pick one (:func:`_direct_config`).
 
 Conventions:
 * Latent row: 576 values, [0, 512) latent (RMS-normed), [512, 576) the key's rope part (rotated).
@@ -46,20 +53,15 @@ D_ROPE = 64
 _ACT = (jnp.bfloat16, jnp.float32)
 
 
-# Kernel v3 passed tests/test_rope_rmsnorm_kernel_gpu.py on an H200 (2026-11-30). "auto" takes it only where it
-# measured faster than XLA (benchmarks/RESULTS.md, H200, default configs): fused T = 128 1.33x (H = 128) / 1.02x
-# (H = 16), T = 512 1.79x, T = 4096-8192 (H = 128) 2.12-2.15x, T = 8192 (H = 16) 1.41x, unfused T = 4096 2.05x;
-# at T = 1-64 it was at parity or slower (0.84-1.00x). With the in-kernel tables (default at T <= 256 since
-# 2026-11-30h): fused H = 128 T = 64 1.16x, T = 128 1.55x, T = 256 1.73x, H = 16 T = 128 1.28x; T = 1 0.99x, T = 8
-# 0.86x. With the gather overlapped and a 2-deep ring at <= 2 q tiles per CTA (2026-11-30i): fused H = 128 T = 1
-# 1.06x, T = 8 0.94x, T = 64 1.25x, T = 128 1.67x, T = 256 1.90x; H = 16 T = 1 1.09x, T = 8 0.90x, T = 128 1.39x;
-# unfused T = 1 / 8 0.87x / 0.92x. With the in-kernel table rows padded (no SMEM bank conflicts, 2026-11-30i): fused
-# H = 128 T = 1 1.17x, T = 8 1.03x, T = 64 1.40x, T = 128 1.85x, T = 256 2.02x; H = 16 T = 1 1.24x, T = 8 1.04x,
-# T = 128 1.51x; unfused T = 1 0.95x. The threshold stays at 128: T = 8 is within 0.1 us of XLA, T = 64 was
-# measured at H = 128 only, and the unfused op is still slower at T = 1.
+# "auto" takes a kernel only where it measured faster than XLA (benchmarks/RESULTS.md, H200). The tiled kernel
+# (v3, 2026-11-30) was at parity or slower at T < 128 (unfused T = 1 0.95x even after its last changes), so auto
+# started at T = 128, H = 16. The direct kernel (the default outside interpret mode since 2026-11-30j) measured
+# faster at every shape tried, same-run XLA: fused T = 1 3.3-3.4x (H = 1, 8, 16, 128), T = 8 2.9x, T = 128 4.5-4.6x,
+# T = 4096 H = 128 2.7x, T = 8192 H = 16 2.9x, T = 4096 H = 8 2.2x; unfused T = 1 2.5x, T = 8 2.8x, T = 8192 2.5x.
+# Hence no threshold: auto takes the kernel at every T and H (where it is supported).
 _VALIDATED_ON: tuple[str, ...] = ("sm90",)
-AUTO_MIN_TOKENS = 128
-AUTO_MIN_HEADS = 16
+AUTO_MIN_TOKENS = 1
+AUTO_MIN_HEADS = 1
 
 
 def _slower_than_xla(op: str, tokens: int, heads: int):
@@ -127,9 +129,13 @@ def _kernel_supported(op, kv, q_rope, interpret, num_slots=None):
       raise NotImplementedError(f"{op}: no Mosaic GPU kernel for these inputs: it takes bfloat16 kv and q_rope; "
                                 f"got {np.dtype(kv.dtype).name} and {np.dtype(q_rope.dtype).name}")
     t, h = q_rope.shape[:2]
-    if t == 0 or h == 0 or (h % KERNEL_HEAD_MULTIPLE and KERNEL_HEAD_MULTIPLE % h):
-      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for these inputs: it needs T >= 1 and H a multiple "
-                                f"or a divisor of {KERNEL_HEAD_MULTIPLE}; got T={t}, H={h}")
+    if t == 0 or h == 0:
+      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for T = 0 or H = 0; got T={t}, H={h}")
+    tiled = interpret or not _direct_fits(t, h)   # the direct kernel takes any H; the tiled one runs otherwise
+    if tiled and h % KERNEL_HEAD_MULTIPLE and KERNEL_HEAD_MULTIPLE % h:
+      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for these inputs: the tiled kernel (interpret mode, "
+                                f"or T * H * 8 >= 2^31) needs H a multiple or a divisor of {KERNEL_HEAD_MULTIPLE}; "
+                                f"got T={t}, H={h}")
     if num_slots is not None and num_slots == 0:
       raise NotImplementedError(f"{op}: no Mosaic GPU kernel for an empty cache")
   return check
@@ -199,6 +205,47 @@ def _kernel_config(t, h, fused, tuning=(), interpret=False):
   return cfg
 
 
+# Two kernels: the direct one (kernels/rope_direct.py, GMEM -> registers -> GMEM; raw Mosaic GPU, so not in
+# interpret mode) and the tiled one (kernels/rope_rmsnorm.py: TMA, wgmma pair swap, SMEM staging). H200,
+# 2026-11-30j (benchmarks/RESULTS.md "rope direct"): the direct kernel was faster at every measured shape, T = 1 to
+# 20000, H = 1 to 128 (e.g. fused T = 1 1.2 vs 3.5 us, T = 4096 H = 128 36.5 vs 44.7 us, T = 8192 H = 16 15.0 vs
+# 30.6 us), so it is the default wherever it runs; the tiled kernel runs in interpret mode, past the direct
+# kernel's int32 item count, and on request. ``tuning`` may pick either: ("kernel", "direct" | "tiled"); the
+# direct kernel's knobs are the fields of rope_direct.TuningConfig.
+
+
+def _direct_fits(t, h):
+  from mla_pallas.kernels import rope_direct as rd
+  return t * h * rd.PIECES < 2 ** 31
+
+
+def _direct_config(t, tuning=(), interpret=False, h=1):
+  """The direct kernel's TuningConfig when the op runs it for T = t tokens of H = h heads, else None (the tiled
+  kernel): by default outside interpret mode (which has no ``inline_mgpu``) while T · H · 8 fits in int32, unless
+  ``tuning`` sets a knob of the tiled kernel; ``tuning``'s ("kernel", ..) entry overrides the choice."""
+  from mla_pallas.kernels import rope_direct as rd
+  kw = dict(tuning)
+  kernel = kw.pop("kernel", None)
+  if kernel not in (None, "direct", "tiled"):
+    raise ValueError(f"tuning's kernel must be 'direct' or 'tiled'; got {kernel!r}")
+  own = {f.name for f in dataclasses.fields(rd.TuningConfig)}
+  if kernel == "direct":
+    if interpret:
+      raise NotImplementedError("the direct rope kernel needs plgpu.inline_mgpu, which interpret mode lacks")
+    if set(kw) - own:
+      raise ValueError(f"tuning for the direct rope kernel takes {sorted(own)}; got {sorted(kw)}")
+  elif kernel == "tiled" or interpret or not _direct_fits(t, h) or set(kw) - own:
+    return None
+  return rd.TuningConfig(**kw)
+
+
+def _tiled_tuning(tuning):
+  """``tuning`` without the kernel choice and the direct kernel's knobs (the tiled kernel's overrides)."""
+  from mla_pallas.kernels import rope_direct as rd
+  own = {f.name for f in dataclasses.fields(rd.TuningConfig)}
+  return tuple((k, v) for k, v in tuning if k != "kernel" and k not in own)
+
+
 def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest=None, gather=False):
   """The kernel's inputs: views of kv / q_rope (copies only where a row count needs padding to a multiple of 8:
   odd T > 8, and H < 8), then the tables: C | S as int32 bits, [T, 128], with (fused) the sanitised slots ``dest``
@@ -228,9 +275,16 @@ def _q_out(q_out, t, h):
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "interpret", "tuning"))
 def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, interpret, tuning=()):
+  from mla_pallas.kernels import rope_direct as rd
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  cfg = _kernel_config(t, h, False, tuning, interpret)
+  dcfg = _direct_config(t, tuning, interpret, h)
+  if dcfg is not None:
+    kern = rd.build(t, h, 0, False, dcfg, interleaved=interleaved)
+    q_out, kv_out = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
+                         eps.astype(jnp.float32).reshape(1))
+    return kv_out, q_out.reshape(t, h, D_ROPE)
+  cfg = _kernel_config(t, h, False, _tiled_tuning(tuning), interpret)
   args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, gather=cfg.gather_tables)
   kern = rk.build(t, h, 0, False, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms(),
                   interleaved=interleaved)
@@ -249,10 +303,23 @@ def _dest_slots(slots, num_slots, unique_slots: bool, invalid: int):
                    donate_argnums=(0,))
 def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved,
                   interpret, tuning=(), unique_slots=False):
+  from mla_pallas.kernels import rope_direct as rd
   from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
   num_slots = pages.size // D_QK
   from mla_pallas.kernels import rope_tables
+  dcfg = _direct_config(t, tuning, interpret, h)
+  if dcfg is not None:
+    in_kernel = t <= dcfg.warp_scan_max_tokens or dcfg.bitmap_dedupe
+    # raw slots where the kernel needs no help (one writer per slot promised, or its own last-writer check)
+    dest = slots if unique_slots or in_kernel else _dest_slots(slots, num_slots, False, -1)
+    kern = rd.build(t, h, num_slots, True, dcfg, interleaved=interleaved,
+                    dedupe=in_kernel and t > 1 and not unique_slots)
+    cache = jax.new_ref(pages.reshape(num_slots, D_QK))   # mutable ref: aliased in place by the kernel
+    (q_out,) = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
+                    eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), dest, cache)
+    return jax.freeze(cache).reshape(pages.shape), q_out.reshape(t, h, D_ROPE)
+  tuning = _tiled_tuning(tuning)
   cfg = _kernel_config(t, h, True, tuning, interpret)
   dedupe = cfg.gather_tables and not unique_slots and 1 < t <= rope_tables.DEDUPE_MAX_TOKENS
   if cfg.gather_tables and (unique_slots or t <= rope_tables.DEDUPE_MAX_TOKENS):
@@ -354,8 +421,8 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
     norm_weight: [512] bfloat16/float32 (kv_a_layernorm weight).
     eps: python float or f32 scalar.
     interleaved: python bool, see :func:`rope`.
-    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`) for
-      bfloat16 kv/q_rope with H % 64 == 0 or 64 % H == 0 on a Hopper GPU or with ``interpret``; otherwise
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernels for bfloat16 kv/q_rope (module docstring: on a
+      Hopper GPU the direct kernel, any H; with ``interpret`` the tiled kernel, H % 64 == 0 or 64 % H == 0); otherwise
       NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path by one bf16
       ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
     interpret: run the kernel in Pallas' GPU interpret mode (CPU): True or a ``plgpu.InterpretGPUParams``.
@@ -444,11 +511,12 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
       slots: the last token (highest t) wins.
     interleaved: python bool, see :func:`rope`.
     unique_slots: python bool, like ``unique_indices`` of JAX scatters: True promises that no two tokens share a
-      slot in [0, num_slots) (a serving engine's fresh slots), which skips the duplicate-slot scan (one to three
-      small XLA kernels before the write, 1-2 µs at T >= 512 on an H200). If the promise is broken, the
-      duplicated slots' rows are unspecified (possibly parts of different tokens' rows); other slots are exact.
-    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel (:mod:`mla_pallas.kernels.rope_rmsnorm`) for
-      bfloat16 kv/q_rope with H % 64 == 0 or 64 % H == 0 on a Hopper GPU or with ``interpret``; otherwise
+      slot in [0, num_slots) (a serving engine's fresh slots), which skips the duplicate-slot check (in the direct
+      kernel; H200: 0.5-1.7 µs at T = 4096-8192, 2.9 µs at T = 512; the XLA path's scan is 1-3 small kernels). If
+      the promise is broken, the duplicated slots' rows are unspecified (possibly parts of different tokens' rows);
+      other slots are exact.
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernels for bfloat16 kv/q_rope (module docstring: on a
+      Hopper GPU the direct kernel, any H; with ``interpret`` the tiled kernel, H % 64 == 0 or 64 % H == 0); otherwise
       NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path by one bf16
       ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
     interpret: run the kernel in Pallas' GPU interpret mode (CPU): True or a ``plgpu.InterpretGPUParams``.
