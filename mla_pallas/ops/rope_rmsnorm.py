@@ -512,7 +512,7 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
     interleaved: python bool, see :func:`rope`.
     unique_slots: python bool, like ``unique_indices`` of JAX scatters: True promises that no two tokens share a
       slot in [0, num_slots) (a serving engine's fresh slots), which skips the duplicate-slot check (in the direct
-      kernel; H200: 0.5-1.7 µs at T = 4096-8192, 2.9 µs at T = 512; the XLA path's scan is 1-3 small kernels). If
+      kernel; H200: 0.4-2.0 µs at T = 512-8192; the XLA path's scan is 1-3 small kernels). If
       the promise is broken, the duplicated slots' rows are unspecified (possibly parts of different tokens' rows);
       other slots are exact.
     impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernels for bfloat16 kv/q_rope (module docstring: on a
