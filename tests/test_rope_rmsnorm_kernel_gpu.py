@@ -258,3 +258,20 @@ def test_direct_kernel_matches_reference(rng, t, h, interleaved, fused, extra):
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
   n = (check_fused if fused else check_unfused)(case, a, b, interleaved)
   print(f"direct T={t} H={h} interleaved={interleaved} fused={fused} {tuning}: {n} values one step off")
+
+
+@pytest.mark.parametrize("t,h,extra", [(1, 128, ()), (37, 16, ()), (3000, 16, ())])
+def test_direct_kernel_writes_nothing_for_all_invalid_slots(rng, t, h, extra):
+  """Every slot -1 or past the cache (the warp scan and, at T = 3000, the bitmap mode): the cache is returned
+  bitwise unchanged (NaN rows stay NaN) and q_rope is still rotated. (Added 2026-11-30, tenth session, after the
+  session's GPU time was spent: first run pending.)"""
+  import numpy as np
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64, skip=False)
+  num_slots = case.pages.size // 576
+  slots = np.where(np.arange(t) % 2 == 0, -1, num_slots + np.arange(t)).astype(np.int32)
+  case.slots = jnp.asarray(slots)
+  pages, q_out = op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
+                                  case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
+                                  interleaved=True, interpret=False, tuning=extra)
+  np.testing.assert_array_equal(np.asarray(pages).view(np.uint8), np.asarray(case.pages).view(np.uint8))
+  check_fused(case, pages, q_out, True)
