@@ -108,6 +108,16 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.scan_unroll must be in [1, 16]; got {self.scan_unroll}")
 
 
+def fits(num_tokens: int, heads: int) -> bool:
+  """Whether T · H · 8 q items fit the kernel's int32 item index."""
+  return num_tokens * heads * PIECES < 2 ** 31
+
+
+def knobs() -> frozenset[str]:
+  """The names of the TuningConfig fields (the op's ``tuning`` keys that belong to this kernel)."""
+  return frozenset(f.name for f in dataclasses.fields(TuningConfig))
+
+
 def uses_bitmap(cfg: TuningConfig, fused: bool, num_tokens: int, dedupe: bool) -> bool:
   """Whether the kernel checks duplicate slots with the kv CTAs' bitmaps (T > ``cfg.warp_scan_max_tokens``) rather
   than with one warp's scan of the later slots per token."""
@@ -329,10 +339,6 @@ LOG_BITS = 14                 # the CTA's slots hashed into 2^14 bits (2 KB of S
 _HASH = 0x9E3779B1            # Fibonacci hashing: bit = (slot · _HASH mod 2^32) >> (32 - LOG_BITS)
 
 
-def _smem_ptr(ref):
-  return mgpu_utils.memref_ptr(ref)
-
-
 def _bit_of(slot):
   """(word index, bit mask) of ``slot`` in the bitmap."""
   h = arith.shrui(arith.muli(slot, c32(_HASH - (1 << 32) if _HASH >= 1 << 31 else _HASH)), c32(32 - LOG_BITS))
@@ -364,7 +370,7 @@ def _bitmap_kv_cta(ty, r, cfg, cta, tid, warp, lane, fused, num_tokens, num_slot
   3. Rows: warp w takes tokens w, w + 4, .., ``cfg.bitmap_group`` at a time (their loads in flight together), and writes
      a row where its slot is in range and not dropped.
   """
-  bitmap, own, drop = (_smem_ptr(m) for m in smem)
+  bitmap, own, drop = (mgpu_utils.memref_ptr(m) for m in smem)
   words = (1 << LOG_BITS) // 32
   K = cfg.bitmap_tokens   # noqa: N806
   t0 = arith.muli(cta, c32(K))
@@ -497,7 +503,7 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   """
   if num_tokens < 1 or heads < 1:
     raise ValueError(f"num_tokens and heads must be >= 1; got {num_tokens}, {heads}")
-  if num_tokens * heads * PIECES >= 2 ** 31:
+  if not fits(num_tokens, heads):
     raise NotImplementedError(f"rope_direct indexes q items with int32: T · H · 8 < 2^31; got T={num_tokens}, "
                               f"H={heads}")
   if dedupe and not fused:

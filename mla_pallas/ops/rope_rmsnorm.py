@@ -216,7 +216,7 @@ def _kernel_config(t, h, fused, tuning=(), interpret=False):
 
 def _direct_fits(t, h):
   from mla_pallas.kernels import rope_direct as rd
-  return t * h * rd.PIECES < 2 ** 31
+  return rd.fits(t, h)
 
 
 def _direct_config(t, tuning=(), interpret=False, h=1):
@@ -228,7 +228,7 @@ def _direct_config(t, tuning=(), interpret=False, h=1):
   kernel = kw.pop("kernel", None)
   if kernel not in (None, "direct", "tiled"):
     raise ValueError(f"tuning's kernel must be 'direct' or 'tiled'; got {kernel!r}")
-  own = {f.name for f in dataclasses.fields(rd.TuningConfig)}
+  own = rd.knobs()
   if kernel == "direct":
     if interpret:
       raise NotImplementedError("the direct rope kernel needs plgpu.inline_mgpu, which interpret mode lacks")
@@ -242,8 +242,7 @@ def _direct_config(t, tuning=(), interpret=False, h=1):
 def _tiled_tuning(tuning):
   """``tuning`` without the kernel choice and the direct kernel's knobs (the tiled kernel's overrides)."""
   from mla_pallas.kernels import rope_direct as rd
-  own = {f.name for f in dataclasses.fields(rd.TuningConfig)}
-  return tuple((k, v) for k, v in tuning if k != "kernel" and k not in own)
+  return tuple((k, v) for k, v in tuning if k != "kernel" and k not in rd.knobs())
 
 
 def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest=None, gather=False):
