@@ -134,9 +134,9 @@ def grid_for(cfg: TuningConfig, num_tokens: int, heads: int, bitmap: bool = Fals
 
 def _types():
   f32, bf16 = ir.F32Type.get(), ir.BF16Type.get()
-  return types.SimpleNamespace(f32=f32, bf16=bf16, v8f=ir.VectorType.get((8,), f32), v4f=ir.VectorType.get((4,), f32),
-                  v8b=ir.VectorType.get((8,), bf16), v4i=ir.VectorType.get((4,), i32()),
-                  v2i=ir.VectorType.get((2,), i32()))
+  return types.SimpleNamespace(f32=f32, bf16=bf16, v8f=ir.VectorType.get((8,), f32),
+                               v4f=ir.VectorType.get((4,), f32), v8b=ir.VectorType.get((8,), bf16),
+                               v4i=ir.VectorType.get((4,), i32()), v2i=ir.VectorType.get((2,), i32()))
 
 
 def _load(ty, base, off, align=16):
@@ -183,6 +183,16 @@ def _position(r, tok):
   return arith.maxsi(arith.minsi(p, c32(r.max_pos - 1)), c32(0))
 
 
+def _slot_of(r, tok):
+  """Token ``tok``'s raw slot (i32)."""
+  return llvm.load(i32(), byte_ptr64(r.ptr["slots"], arith.muli(wide(tok), c64(4))))
+
+
+def _in_range(slot, num_slots):
+  return arith.andi(arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0)),
+                    arith.cmpi(arith.CmpIPredicate.slt, slot, c32(num_slots)))
+
+
 def _rope_loads(ty, r, base, row_off, piece, pos, interleaved):
   """The loads of one rope item: (x, partner or None, C-source, S-source) (see :func:`_rope_math`)."""
   x = _load(ty.v8b, base, arith.addi(row_off, wide(arith.muli(piece, c32(16)))))
@@ -223,16 +233,13 @@ def _keep_slot(r, t, lane, num_tokens, num_slots, dedupe):
   """(slot, keep): token t's slot and whether it writes it (in range and, with ``dedupe``, no later token has the
   same slot; lane l compares tokens l, l + 32, .. > t; warp-uniform result)."""
   ty = i32()
-  slot = llvm.load(ty, byte_ptr64(r.ptr["slots"], arith.muli(wide(t), c64(4))))
-  keep = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0)),
-                    arith.cmpi(arith.CmpIPredicate.slt, slot, c32(num_slots)))
+  slot = _slot_of(r, t)
+  keep = _in_range(slot, num_slots)
   if not dedupe:
     return slot, keep
 
   def compare(hit, js):   # OR into hit: a token j in js with t < j < T has the same slot (loads first)
-    others = [llvm.load(ty, byte_ptr64(r.ptr["slots"], arith.muli(wide(arith.minui(j, c32(num_tokens - 1))),
-                                                                   c64(4))))
-              for j in js]
+    others = [_slot_of(r, arith.minui(j, c32(num_tokens - 1))) for j in js]
     for j, other in zip(js, others):
       later = arith.andi(arith.cmpi(arith.CmpIPredicate.ugt, j, t),
                          arith.cmpi(arith.CmpIPredicate.ult, j, c32(num_tokens)))
@@ -336,18 +343,14 @@ def _kv_token(ty, r, t, lane, fused, num_tokens, num_slots, interleaved, dedupe)
 
 # ---- The duplicate-slot check above cfg.warp_scan_max_tokens: kv CTAs of cfg.bitmap_tokens tokens ----
 LOG_BITS = 14                 # the CTA's slots hashed into 2^14 bits (2 KB of SMEM)
-_HASH = 0x9E3779B1            # Fibonacci hashing: bit = (slot · _HASH mod 2^32) >> (32 - LOG_BITS)
+# Fibonacci hashing: bit = (slot · 0x9E3779B1 mod 2^32) >> (32 - LOG_BITS); the multiplier as a signed i32 constant
+_HASH = 0x9E3779B1 - (1 << 32)
 
 
 def _bit_of(slot):
   """(word index, bit mask) of ``slot`` in the bitmap."""
-  h = arith.shrui(arith.muli(slot, c32(_HASH - (1 << 32) if _HASH >= 1 << 31 else _HASH)), c32(32 - LOG_BITS))
+  h = arith.shrui(arith.muli(slot, c32(_HASH)), c32(32 - LOG_BITS))
   return arith.shrui(h, c32(5)), arith.shli(c32(1), arith.andi(h, c32(31)))
-
-
-def _in_range(slot, num_slots):
-  return arith.andi(arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0)),
-                    arith.cmpi(arith.CmpIPredicate.slt, slot, c32(num_slots)))
 
 
 def _for(lo, hi, body):
@@ -367,8 +370,8 @@ def _bitmap_kv_cta(ty, r, cfg, cta, tid, warp, lane, fused, num_tokens, num_slot
   2. Scan: every later token j (t0 < j < T) is tested against the bitmap; on a hit (a real duplicate, or a hash
      collision, ~K / 2^LOG_BITS of the lookups) the thread compares j's slot with the CTA's slots and
      sets the drop flag of every own token i with the same slot and t0 + i < j.
-  3. Rows: warp w takes tokens w, w + 4, .., ``cfg.bitmap_group`` at a time (their loads in flight together), and writes
-     a row where its slot is in range and not dropped.
+  3. Rows: warp w takes tokens w, w + 4, .., ``cfg.bitmap_group`` at a time (their loads in flight together),
+     and writes a row where its slot is in range and not dropped.
   """
   bitmap, own, drop = (mgpu_utils.memref_ptr(m) for m in smem)
   words = (1 << LOG_BITS) // 32
@@ -382,7 +385,7 @@ def _bitmap_kv_cta(ty, r, cfg, cta, tid, warp, lane, fused, num_tokens, num_slot
   mine = arith.cmpi(arith.CmpIPredicate.ult, tid, c32(K))
   tok = arith.addi(t0, tid)
   tok_c = arith.minui(tok, c32(num_tokens - 1))
-  slot = llvm.load(i32(), byte_ptr64(r.ptr["slots"], arith.muli(wide(tok_c), c64(4))))
+  slot = _slot_of(r, tok_c)
   ok = arith.andi(_in_range(slot, num_slots), arith.cmpi(arith.CmpIPredicate.ult, tok, c32(num_tokens)))
   slot = arith.select(ok, slot, c32(-1))
 
@@ -408,9 +411,7 @@ def _bitmap_kv_cta(ty, r, cfg, cta, tid, warp, lane, fused, num_tokens, num_slot
   def scan_round(k):
     base = arith.addi(first, arith.addi(arith.muli(k, c32(span)), tid))
     js = [arith.addi(base, c32(u * THREADS)) for u in range(cfg.scan_unroll)]
-    others = [llvm.load(i32(), byte_ptr64(r.ptr["slots"], arith.muli(wide(arith.minui(j, c32(num_tokens - 1))),
-                                                                       c64(4))))
-              for j in js]
+    others = [_slot_of(r, arith.minui(j, c32(num_tokens - 1))) for j in js]
     for j, other in zip(js, others):
       word, mask = _bit_of(other)
       bits = llvm.load(i32(), byte_ptr64(bitmap, wide(arith.muli(word, c32(4)))))
