@@ -48,6 +48,13 @@ def gpu_arch() -> tuple[int, int] | None:
   return major, minor
 
 
+def num_sms() -> int:
+  """Streaming multiprocessors of the default GPU (the kernels' grid sizes: one CTA per SM); 132 (H100 SXM /
+  H200) when the default device is not a GPU or does not say."""
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+
+
 def mosaic_arch(interpret: bool = False) -> str | None:
   """The kernel family that can run here: "sm90", "sm100", or None.
 
