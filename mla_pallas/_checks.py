@@ -1,8 +1,10 @@
 """Shared argument validation: every public op raises ``ValueError`` naming the argument and what it expects."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,13 +64,36 @@ def check_multiple(name: str, v: int, m: int) -> int:
 
 
 def check_scalar(name: str, v, *, positive: bool = False):
-  """A python number or a 0-d array (f32-castable). Positivity is checked only for concrete python numbers."""
+  """A python number or a 0-d array (f32-castable); returns it as a float or an f32 0-d array.
+
+  ``positive=True``: the value must be finite and > 0 wherever it is known when the op is called — python numbers,
+  NumPy values and concrete (non-traced) JAX arrays. A traced value (inside ``jax.jit``) cannot be checked.
+  """
   if hasattr(v, "shape"):
     if tuple(v.shape) != ():
       raise ValueError(f"{name} must be a scalar (python float or 0-d array); got shape {tuple(v.shape)}")
+    if positive and not isinstance(v, jax.core.Tracer):
+      _check_positive_finite(name, float(np.asarray(v, np.float64)))
     return jnp.asarray(v, jnp.float32)
   if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
     raise ValueError(f"{name} must be a scalar (python float or 0-d array); got {type(v).__name__}")
-  if positive and not v > 0:
-    raise ValueError(f"{name} must be > 0; got {v!r}")
+  if positive:
+    _check_positive_finite(name, float(v))
   return float(v)
+
+
+def _check_positive_finite(name: str, v: float) -> None:
+  if not (math.isfinite(v) and v > 0):
+    raise ValueError(f"{name} must be finite and > 0; got {v!r}")
+
+
+# Tokens per KV-cache page: one rule for the cache, the config and every op that takes a paged cache.
+PAGE_MULTIPLE = 16
+
+
+def check_page_size(name: str, page_size) -> int:
+  """``page_size`` must be a positive multiple of :data:`PAGE_MULTIPLE` (16) tokens."""
+  if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0 \
+      or page_size % PAGE_MULTIPLE:
+    raise ValueError(f"{name} must be a positive multiple of {PAGE_MULTIPLE}; got {page_size!r}")
+  return int(page_size)

@@ -101,7 +101,7 @@ FP8_MAX = quant.FP8_MAX
 D_QK = 576          # cache row width: latent ‖ rope
 D_V = 512           # latent width (the value)
 D_ROPE = D_QK - D_V  # 64
-PAGE_MULTIPLE = 16
+PAGE_MULTIPLE = _checks.PAGE_MULTIPLE
 
 FLASHMLA_V32_BYTES = 656  # bytes per token of FlashMLA's V3.2 FP8 cache
 FLASHMLA_V32_TILE = 128   # latent values per float32 scale
@@ -130,11 +130,7 @@ def _check_pages(name, pages, dtypes=_CACHE_DTYPES):
     _check_page_size(f"{name}.shape[1] (page_size)", pages.shape[1])
 
 
-def _check_page_size(name, page_size):
-  if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0 \
-      or page_size % PAGE_MULTIPLE:
-    raise ValueError(f"{name} must be a positive multiple of {PAGE_MULTIPLE}; got {page_size!r}")
-  return int(page_size)
+_check_page_size = _checks.check_page_size   # one page-size rule (16-token multiples) for cache, config and ops
 
 
 def _check_int_array(name, x, *, ndim=None, expect=None):

@@ -186,7 +186,7 @@ def test_quantize_clips_and_keeps_nan():
   x[0, :3] = [1e6, -1e6, np.nan]
   q = np.asarray(cache.quantize_rows(jnp.asarray(x), 0.001)).astype(np.float32)
   assert q[0, 0] == 448 and q[0, 1] == -448 and np.isnan(q[0, 2])
-  with pytest.raises(ValueError, match="kv_scale must be > 0"):
+  with pytest.raises(ValueError, match="kv_scale must be finite and > 0"):
     cache.quantize_rows(jnp.asarray(x), 0.0)
   with pytest.raises(ValueError, match=r"rows must have shape \[..., 576\]"):
     cache.quantize_rows(jnp.zeros((2, 512)), 1.0)
@@ -301,7 +301,7 @@ def test_write_errors():
     cache.write(jnp.zeros((16, 576), jnp.int8), jnp.zeros((2,), jnp.int32), rows)
   with pytest.raises(ValueError, match=r"pages.shape\[1\] \(page_size\) must be a positive multiple"):
     cache.write(jnp.zeros((1, 24, 576), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32), rows)
-  with pytest.raises(ValueError, match="kv_scale must be > 0"):
+  with pytest.raises(ValueError, match="kv_scale must be finite and > 0"):
     cache.write(p, jnp.zeros((2,), jnp.int32), rows, kv_scale=-1.0)
   with pytest.raises(ValueError, match="only be written into a float8_e4m3fn cache"):
     cache.write(cache.allocate(1, 16, dtype=jnp.float32), jnp.zeros((2,), jnp.int32),
@@ -453,5 +453,5 @@ def test_flashmla_errors():
     cache.from_flashmla_v32(jnp.zeros((2, 24, 656), jnp.uint8))
   with pytest.raises(ValueError, match=r"rows must have shape \[..., 576\]"):
     cache.to_flashmla_v32(jnp.zeros((2, 512)))
-  with pytest.raises(ValueError, match="kv_scale must be > 0"):
+  with pytest.raises(ValueError, match="kv_scale must be finite and > 0"):
     cache.from_flashmla_v32(jnp.zeros((16, 656), jnp.uint8), kv_scale=0.0)
