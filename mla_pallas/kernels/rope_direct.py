@@ -108,9 +108,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.scan_unroll must be in [1, 16]; got {self.scan_unroll}")
 
 
-def fits(num_tokens: int, heads: int) -> bool:
-  """Whether T · H · 8 q items fit the kernel's int32 item index."""
-  return num_tokens * heads * PIECES < 2 ** 31
+def needs_i64(num_tokens: int, heads: int) -> bool:
+  """Whether the T · H · 8 q items need an i64 item index (T · H · 8 >= 2^31); below, the kernel indexes them with
+  i32. Every byte offset (kv / q rows, table rows, cache slots · 576) is i64 at every size."""
+  return num_tokens * heads * PIECES >= 2 ** 31
 
 
 def knobs() -> frozenset[str]:
@@ -445,18 +446,27 @@ def _bitmap_kv_cta(ty, r, cfg, cta, tid, warp, lane, fused, num_tokens, num_slot
 
 
 def _q_items(ty, r, q_cta, tid, num_tokens, heads, items, interleaved):
-  """The q items ``q_cta · THREADS · items + k · THREADS + tid`` (k < items) of one thread (module docstring)."""
+  """The q items ``q_cta · THREADS · items + k · THREADS + tid`` (k < items) of one thread (module docstring).
+
+  The item index is i32 (unsigned compares and divisions: exact up to 2^32, past the last CTA's end) while
+  T · H · 8 < 2^31, else i64 (:func:`needs_i64`); the byte offsets are i64 either way."""
   n_items = num_tokens * heads * PIECES
-  first = arith.muli(q_cta, c32(THREADS * items))
+  if needs_i64(num_tokens, heads):
+    ext, const, row_off_of = wide, c64, lambda q_row: arith.muli(q_row, c64(2 * D_ROPE))
+    narrow = lambda x: arith.trunci(i32(), x)   # noqa: E731  (a piece < 8, a token < T < 2^31)
+  else:
+    ext, const, row_off_of = (lambda x: x), c32, lambda q_row: arith.muli(wide(q_row), c64(2 * D_ROPE))
+    narrow = lambda x: x                        # noqa: E731
+  first = arith.muli(ext(q_cta), const(THREADS * items))
   work = []
   for k in range(items):   # all loads first
-    item = arith.addi(first, arith.addi(tid, c32(k * THREADS)))
-    valid = arith.cmpi(arith.CmpIPredicate.ult, item, c32(n_items))
-    item_c = arith.minui(item, c32(n_items - 1))
-    q_row = arith.divui(item_c, c32(PIECES))
-    piece = arith.remui(item_c, c32(PIECES))
-    pos = _position(r, arith.divui(q_row, c32(heads)))
-    row_off = arith.muli(wide(q_row), c64(2 * D_ROPE))
+    item = arith.addi(first, arith.addi(ext(tid), const(k * THREADS)))
+    valid = arith.cmpi(arith.CmpIPredicate.ult, item, const(n_items))
+    item_c = arith.minui(item, const(n_items - 1))
+    q_row = arith.divui(item_c, const(PIECES))
+    piece = narrow(arith.remui(item_c, const(PIECES)))
+    pos = _position(r, narrow(arith.divui(q_row, const(heads))))
+    row_off = row_off_of(q_row)
     work.append((valid, piece, row_off, _rope_loads(ty, r, r.ptr["q"], row_off, piece, pos, interleaved)))
   for valid, piece, row_off, loaded in work:
     word = _f32_to_bf16_bytes(ty, [_rope_math(ty, loaded, piece, interleaved)])[0]
@@ -504,15 +514,18 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   """
   if num_tokens < 1 or heads < 1:
     raise ValueError(f"num_tokens and heads must be >= 1; got {num_tokens}, {heads}")
-  if not fits(num_tokens, heads):
-    raise NotImplementedError(f"rope_direct indexes q items with int32: T · H · 8 < 2^31; got T={num_tokens}, "
-                              f"H={heads}")
+  if num_tokens >= 2 ** 31 or num_slots >= 2 ** 31:
+    raise NotImplementedError(f"rope_direct indexes tokens and cache slots with int32: T and num_slots < 2^31; got "
+                              f"T={num_tokens}, num_slots={num_slots}")
   if dedupe and not fused:
     raise ValueError("dedupe needs the cache write (fused=True)")
   cfg = cfg or TuningConfig()
   fused, interleaved, dedupe = bool(fused), bool(interleaved), bool(dedupe)
   bitmap = uses_bitmap(cfg, fused, num_tokens, dedupe)
   kv_ctas, q_ctas = grid_for(cfg, num_tokens, heads, bitmap)
+  if kv_ctas + q_ctas >= 2 ** 31:
+    raise NotImplementedError(f"rope_direct: a grid of {kv_ctas} + {q_ctas} CTAs exceeds CUDA's 2^31 - 1 (T={num_tokens}, "
+                              f"H={heads}, items_per_thread={cfg.items_per_thread})")
   scratch = [plgpu.SMEM(((1 << LOG_BITS) // 32,), jnp.int32), plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32),
              plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32)] if bitmap else []   # bitmap, own slots, drop flags
   n_refs = (11 if fused else 9) + len(scratch)
