@@ -524,8 +524,8 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   bitmap = uses_bitmap(cfg, fused, num_tokens, dedupe)
   kv_ctas, q_ctas = grid_for(cfg, num_tokens, heads, bitmap)
   if kv_ctas + q_ctas >= 2 ** 31:
-    raise NotImplementedError(f"rope_direct: a grid of {kv_ctas} + {q_ctas} CTAs exceeds CUDA's 2^31 - 1 (T={num_tokens}, "
-                              f"H={heads}, items_per_thread={cfg.items_per_thread})")
+    raise NotImplementedError(f"rope_direct: a grid of {kv_ctas} + {q_ctas} CTAs exceeds CUDA's 2^31 - 1 "
+                              f"(T={num_tokens}, H={heads}, items_per_thread={cfg.items_per_thread})")
   scratch = [plgpu.SMEM(((1 << LOG_BITS) // 32,), jnp.int32), plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32),
              plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32)] if bitmap else []   # bitmap, own slots, drop flags
   n_refs = (11 if fused else 9) + len(scratch)

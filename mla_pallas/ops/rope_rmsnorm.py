@@ -375,8 +375,8 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
     interleaved: python bool, see :func:`rope`.
     unique_slots: python bool, like ``unique_indices`` of JAX scatters: True promises that no two tokens share a
       slot in [0, num_slots) (a serving engine's fresh slots), which skips the duplicate-slot check (in the kernel
-      and in the XLA path). If the promise is broken, the duplicated slots' rows are unspecified (possibly parts of different tokens' rows);
-      other slots are exact.
+      and in the XLA path). If the promise is broken, the duplicated slots' rows are unspecified (possibly parts of
+      different tokens' rows); other slots are exact.
     impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel for bfloat16 kv/q_rope, any T and H, on a Hopper
       GPU; otherwise NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path
       by one bf16 ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
