@@ -1,17 +1,10 @@
 """RoPE + RMS norm of new MLA tokens (+ FP8 quantization and paged-cache write) straight from GMEM to registers to
-GMEM: no SMEM staging, no TMA, no tensor cores (sm_90a, raw Mosaic GPU through ``plgpu.inline_mgpu``). The op's
-default kernel outside interpret mode (:mod:`mla_pallas.ops.rope_rmsnorm`).
+GMEM: no TMA, no tensor cores, SMEM only for the bitmap duplicate check (sm_90a, raw Mosaic GPU through
+``plgpu.inline_mgpu``). The kernel of :mod:`mla_pallas.ops.rope_rmsnorm` at every T and H. Design history and
+measurements: docs/kernels/rope_direct.md.
 
-Why (H200, 2026-11-30j, benchmarks/RESULTS.md "rope direct"): the tiled kernel (:mod:`.rope_rmsnorm`) was a chain
-of latencies at decode sizes (TMA loads, a wgmma for the pair swap, SMEM staging, fences, per-row TMA stores and
-their completion: 3.5-3.7 us at T = 1, where an empty Mosaic kernel takes 0.76 us and the XLA path 3.6-4.1 us), and
-needed an XLA pre-pass (table gather, duplicate-slot scan) at large T. Here every thread loads with vector
-``ld.global``, computes in registers and stores with ``st.global``; the longest chain is the position, the table
-row, the math and a store. Measured, same-run XLA: fused T = 1 1.2 us (3.4x), T = 128 1.8 us (4.6x), T = 4096
-H = 128 36.2 us = 96 % of a device copy of the same bytes (2.65x), T = 8192 H = 16 14.9 us = 81 % (2.85x);
-unfused T = 1 1.4 us (2.6x), T = 8192 H = 128 97 %.
-
-Work split (1-D grid of ``kv_ctas + q_ctas`` CTAs of one warpgroup, :func:`grid_for`):
+Work split (1-D grid of ``kv_ctas + q_ctas`` CTAs of one warpgroup, :func:`grid_for`); every thread loads with
+vector ``ld.global``, computes in registers and stores with ``st.global``:
 
 * kv CTAs ``c < kv_ctas``: warp ``w`` takes token ``t = 4 c + w``. Lane ``l`` holds latent values
   ``[16 l, 16 l + 16)`` (two 16-byte loads): sum of squares per lane, then a butterfly over the warp;
@@ -22,30 +15,31 @@ Work split (1-D grid of ``kv_ctas + q_ctas`` CTAs of one warpgroup, :func:`grid_
 * q CTAs: thread items of 8 values (16 bytes) of the flat ``[T · H, 64]`` q_rope, ``items_per_thread`` per
   thread, consecutive threads on consecutive 16-byte pieces (coalesced): all loads first (position, q values,
   then the table entries), then the math and the stores.
-* Duplicate slots (``dedupe``): up to ``warp_scan_max_tokens`` (default 2048) each kv warp compares its token's
-  slot with every later token's (unrolled up to UNROLLED_SCAN_MAX, then rounds of SCAN_ROUND loads per lane).
-  Above, that O(T^2) scan is too slow (T = 8192, H = 16: 30.1 us against 14.9) and the XLA scatter-max pre-pass
-  costs three launches (3.4 us at T = 8192), so a kv CTA takes ``bitmap_tokens`` tokens (the bitmap mode,
-  :func:`_bitmap_kv_cta`), hashes their slots into a 2^14-bit SMEM bitmap, scans the later tokens' slots against
-  it (exact comparison only on a bit hit) and marks its overwritten tokens; its warps then process their tokens
-  ``bitmap_group`` at a time. The kv and q branches share one register allocation, so the kv branch's registers set
-  every CTA's occupancy: 4 tokens in flight per warp took 114 registers (63 without the bitmap mode) and slowed the
-  q stream by up to 18 % (T = 8192, H = 128); one token at a time (71 registers) with 16 tokens per kv CTA was the
-  best measured. The bitmap's fixed latency made it slower than the warp scan up to T = 2048 (T = 512: 7.2 vs
-  5.2 us; T = 2048, H = 16: 7.2 vs 5.7), equal at 4096 (benchmarks/raw/rope_direct_*_2026-11-30j).
+* Duplicate slots (``dedupe``): up to ``warp_scan_max_tokens`` each kv warp compares its token's slot with every
+  later token's (unrolled up to UNROLLED_SCAN_MAX, then rounds of SCAN_ROUND loads per lane). Above (the bitmap
+  mode, :func:`_bitmap_kv_cta`) a kv CTA takes ``bitmap_tokens`` tokens, hashes their slots into a 2^14-bit SMEM
+  bitmap, scans the later tokens' slots against it (exact comparison only on a bit hit) and marks its overwritten
+  tokens; its warps then process their tokens ``bitmap_group`` at a time.
+
+Index width: token, slot and position indices are i32 (T and num_slots < 2^31); every byte offset (kv / q rows,
+table rows, ``slot · 576``) is i64. The q item index is i32 while T · H · 8 < 2^31 and i64 from there
+(:func:`needs_i64`), so the kernel serves every T and H whose grid fits CUDA's 2^31 - 1 CTAs.
+
+Budget: the kv and q branches share one register allocation, so the kv branch's registers set every CTA's
+occupancy. ptxas (sm_90a): 63 registers per thread without the bitmap mode, 71 with it at ``bitmap_group = 1``
+(the default; 4 tokens in flight per warp took 114). SMEM: none outside the bitmap mode; in it 2 KiB of bitmap
++ 2 · ``bitmap_tokens`` · 4 B (own slots, drop flags).
 
 RoPE of 8 values ``x = row[8 p, 8 p + 8)`` of a 64-wide row at position ``pos`` (clamped to [0, max_pos)):
-``y = x · C + swap(x) · S`` with the rows of :mod:`.rope_rmsnorm` (interleaved / DeepSeek: ``C = [c0 c0 c1 c1 ..]``,
-``S = [−s0 s0 −s1 s1 ..]`` from ``cos / sin[pos, 4 p .. 4 p + 4)``, swap(x) a shuffle inside the vector; NeoX
-halves: ``C = c[8 (p % 4) ..]``, ``S = ∓s[..]``, swap(x) the 8 values of piece ``p ^ 4`` of the row, a second
-load). These are the reference's float32 operations; ptxas may contract a product and a sum into an FMA (as in
-the tiled kernel), and the RMS sum runs in another order than XLA's, so a value can be one bf16 ulp / e4m3 step
-away from the reference (the same tolerance as the tiled kernel's; H200: 0-12 such values per test case).
+``y = x · C + swap(x) · S`` (interleaved / DeepSeek: ``C = [c0 c0 c1 c1 ..]``, ``S = [−s0 s0 −s1 s1 ..]`` from
+``cos / sin[pos, 4 p .. 4 p + 4)``, swap(x) a shuffle inside the vector; NeoX halves: ``C = c[8 (p % 4) ..]``,
+``S = ∓s[..]``, swap(x) the 8 values of piece ``p ^ 4`` of the row, a second load). These are the reference's
+float32 operations; ptxas may contract a product and a sum into an FMA, and the RMS sum runs in another order than
+XLA's, so a value can be one bf16 ulp / e4m3 step away from the reference (tests/_rope_inputs.assert_near_bitwise).
 
-Interpret mode has no ``inline_mgpu``: the op runs the tiled kernel there (same semantics, same references). This
-module is checked by sm_90 lowering on the CPU (tests/test_rope_direct_kernel.py) and against the references on the
-GPU (tests/test_rope_rmsnorm_kernel_gpu.py ``-k direct``: T = 1 to 8192, H = 1 to 128 and 48, both pairings,
-duplicated / skipped / out-of-range slots, a NaN cache, both norm-weight dtypes, run twice for determinism).
+Interpret mode has no ``inline_mgpu``, so this module is checked by sm_90 lowering on the CPU
+(tests/test_rope_direct_kernel.py: load / store counts, SMEM, barriers, the i64 item index) and against the
+references on the GPU (tests/test_rope_rmsnorm_kernel_gpu.py); the op runs its XLA path in interpret mode.
 """
 from __future__ import annotations
 
@@ -79,7 +73,9 @@ BF16 = jnp.bfloat16
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.TuningConfigBase):
-  """items_per_thread: q items (8 values, 16 bytes) per thread of a q CTA, all loaded before any is computed.
+  """Frozen config (the op's default: :func:`mla_pallas.ops.rope_rmsnorm.default_config`).
+
+  items_per_thread: q items (8 values, 16 bytes) per thread of a q CTA, all loaded before any is computed.
   bitmap_dedupe: above ``warp_scan_max_tokens``, the op lets the kernel find each slot's last writer (the kv CTAs'
   bitmaps) rather than an XLA pre-pass (its scatter-max ``_last_writer``).
   warp_scan_max_tokens: up to this T, each kv warp compares its token's slot with every later token's (one
