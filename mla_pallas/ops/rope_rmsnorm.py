@@ -100,7 +100,8 @@ _VALIDATED_ON: tuple[str, ...] = ("sm90",)
 
 
 def _check_shape(t, h):
-  if not (isinstance(t, int) and isinstance(h, int)) or t < 1 or h < 1:
+  ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in (t, h))
+  if not ints or t < 1 or h < 1:
     raise ValueError(f"t and h must be ints >= 1 (tokens, query heads); got t={t!r}, h={h!r}")
 
 
