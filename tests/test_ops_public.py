@@ -375,12 +375,16 @@ def test_rope_ops_dispatch_and_validation(rng):
       "rope": lambda **k: rope(q_rope, positions, cos, sin, **k),
       "rms_norm": lambda **k: rms_norm(kv, jnp.ones((D,), jnp.float32), 1e-6, **k),
       "rope_rmsnorm": lambda **k: rope_rmsnorm(kv, q_rope, positions, cos, sin, w, eps=1e-6, **k),
-      "fused": lambda **k: fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, w, eps=1e-6,
-                                                           kv_scale=1.0, slots=slots, **k),
+      "fused": lambda **k: fused_rope_rmsnorm_quantization(jnp.array(pages, copy=True), kv, q_rope, positions, cos,
+                                                           sin, w, eps=1e-6, kv_scale=1.0, slots=slots, **k),
   }
   for name, call in calls.items():
-    with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+    if name in ("rope", "rms_norm"):   # no kernel at all
+      with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+        call(impl="mosaic", interpret=True)
+    else:                              # the kernel is raw Mosaic GPU: interpret mode runs the XLA path
       call(impl="mosaic", interpret=True)
+      assert _dispatch.last_impl({"fused": "fused_rope_rmsnorm_quantization"}.get(name, name)) == "xla"
     with pytest.raises(ValueError, match="impl"):
       call(impl="pallas")
   bad = [

@@ -1,8 +1,8 @@
-"""The direct rope kernel (mla_pallas.kernels.rope_direct: GMEM -> registers -> GMEM, raw Mosaic GPU) on the CPU:
-sm_90 lowering of every path (fused / unfused, DeepSeek / NeoX pairs, in-kernel duplicate check, bf16 / f32 norm
-weight, H = 1 .. 128), the op's choice between it and the tiled kernel, and argument checks. Interpret mode has no
-``inline_mgpu``, so its numbers are checked on the GPU only (tests/test_rope_rmsnorm_kernel_gpu.py, against the
-references).
+"""The rope kernel (mla_pallas.kernels.rope_direct: GMEM -> registers -> GMEM, raw Mosaic GPU) on the CPU: sm_90
+lowering of every path (fused / unfused, DeepSeek / NeoX pairs, in-kernel duplicate check, bf16 / f32 norm weight,
+H = 1 .. 128, the i64 q-item index where T * H * 8 >= 2^31) with the loads and stores counted, the op's configs
+(default_config, sweep_configs, tuning overrides), and argument checks. Interpret mode has no ``inline_mgpu``, so
+its numbers are checked on the GPU only (tests/test_rope_rmsnorm_kernel_gpu.py, against the references).
 """
 from __future__ import annotations
 
@@ -114,30 +114,47 @@ def test_config_and_build_checks():
   with pytest.raises(ValueError, match="dedupe"):
     rd.build(8, 16, 0, False, dedupe=True)
   with pytest.raises(NotImplementedError, match="int32"):
-    rd.build(2 ** 20, 256, 4096, True)
+    rd.build(2 ** 31, 1, 4096, True)
+  with pytest.raises(NotImplementedError, match="int32"):
+    rd.build(8, 1, 2 ** 31, True)
+  with pytest.raises(NotImplementedError, match="grid"):
+    rd.build(2 ** 30, 2 ** 20, 0, False)
 
 
-def test_op_chooses_the_kernel():
-  """Outside interpret mode the direct kernel at every T and H where T * H * 8 fits in int32 (unless a tiled knob
-  is given); interpret mode always the tiled kernel; ("kernel", ..) overrides."""
-  assert op._direct_config(1) == rd.TuningConfig()
-  assert op._direct_config(20000, h=128) is not None
-  assert op._direct_config(2 ** 20, h=256) is None
-  assert op._direct_config(8, (("bitmap_tokens", 32), ("bitmap_group", 2))) == rd.TuningConfig(bitmap_tokens=32,
-                                                                                                bitmap_group=2)
-  assert op._direct_config(8, (("items_per_thread", 8),)) == rd.TuningConfig(items_per_thread=8)
-  assert op._direct_config(8, interpret=True) is None
-  assert op._direct_config(8, (("stages", 2),)) is None
-  assert op._direct_config(8, (("kernel", "tiled"),)) is None
-  assert op._direct_config(10 ** 6, (("kernel", "direct"),)) == rd.TuningConfig()
-  with pytest.raises(NotImplementedError, match="interpret"):
-    op._direct_config(8, (("kernel", "direct"),), interpret=True)
-  with pytest.raises(ValueError, match="kernel"):
-    op._direct_config(8, (("kernel", "fast"),))
+def test_default_config_and_tuning():
+  """One frozen config for every shape; ``tuning`` overrides its fields and nothing else; bad shapes raise."""
+  for t, h, fused in [(1, 1, True), (8, 128, False), (4096, 128, True), (2 ** 20, 256, True)]:
+    assert op.default_config(t, h, fused) == rd.TuningConfig()
+  assert op._config(8, 16, True, (("bitmap_tokens", 32), ("bitmap_group", 2))) == rd.TuningConfig(
+      bitmap_tokens=32, bitmap_group=2)
+  assert op._config(8, 16, False, (("items_per_thread", 8),)) == rd.TuningConfig(items_per_thread=8)
   with pytest.raises(ValueError, match="direct rope kernel takes"):
-    op._direct_config(8, (("kernel", "direct"), ("stages", 2)))
-  assert op._tiled_tuning((("kernel", "tiled"), ("stages", 2), ("items_per_thread", 4),
-                           ("bitmap_dedupe", False))) == (("stages", 2),)
+    op._config(8, 16, True, (("stages", 2),))
+  with pytest.raises(ValueError, match="direct rope kernel takes"):
+    op._config(8, 16, True, (("kernel", "direct"),))
+  with pytest.raises(ValueError, match="items_per_thread"):
+    op._config(8, 16, True, (("items_per_thread", 0),))
+  for bad in [(0, 16), (8, 0), (8.0, 16)]:
+    with pytest.raises(ValueError, match="t and h"):
+      op.default_config(*bad, True)
+  with pytest.raises(ValueError, match="fused"):
+    op.default_config(8, 16, 1)
+
+
+@pytest.mark.parametrize("t,h,fused", [(1, 128, True), (300, 16, True), (8192, 16, True), (8192, 128, False)])
+def test_sweep_configs_are_valid_tunings(t, h, fused):
+  """"default": () first; every entry is a valid ``tuning`` of the op's entry points; the bitmap knobs appear where
+  the kernel runs the bitmap mode (fused, T > warp_scan_max_tokens), the bitmap mode itself where the warp scan
+  loops (UNROLLED_SCAN_MAX < T <= warp_scan_max_tokens)."""
+  sweep = op.sweep_configs(t, h, fused)
+  assert next(iter(sweep)) == "default" and sweep["default"] == ()
+  cfgs = [op._config(t, h, fused, tuning) for tuning in sweep.values()]
+  assert len(set(cfgs)) == len(cfgs)                 # no two labels give the same config
+  bitmap = fused and t > rd.TuningConfig().warp_scan_max_tokens
+  assert ("bitmap_tokens=32" in sweep) == bitmap and ("xla_last_writer" in sweep) == bitmap
+  assert ("bitmap" in sweep) == (fused and rd.UNROLLED_SCAN_MAX < t <= rd.TuningConfig().warp_scan_max_tokens)
+  if bitmap:
+    assert not rd.uses_bitmap(op._config(t, h, fused, sweep["warp_scan"]), True, t, True)
 
 
 @pytest.mark.parametrize("t,h,fused,unique,bitmap", [
@@ -147,18 +164,68 @@ def test_op_chooses_the_kernel():
 def test_op_lowers_with_the_direct_kernel(t, h, fused, unique, bitmap):
   """The op is the kernel alone (no table pre-pass, no padding), except for the XLA duplicate-slot scan at
   T > warp_scan_max_tokens with bitmap_dedupe=False (and without unique_slots)."""
-  tuning = (("kernel", "direct"), ("bitmap_dedupe", bitmap))
+  tuning = (("bitmap_dedupe", bitmap),)
   common_args = [S((t, 576), jnp.bfloat16), S((t, h, 64), jnp.bfloat16), S((t,), jnp.int32),
                  S((4096, 32), jnp.float32), S((4096, 32), jnp.float32), S((512,), jnp.bfloat16), S((), jnp.float32)]
   if fused:
-    fn = lambda pages, *a: op._fused_mosaic(pages, *a, interleaved=True, interpret=False, tuning=tuning,  # noqa: E731
+    fn = lambda pages, *a: op._fused_mosaic(pages, *a, interleaved=True, tuning=tuning,  # noqa: E731
                                             unique_slots=unique)
     low = testing.lower_for_cuda(fn, S((100, 64, 576), FP8), *common_args, S((), jnp.float32), S((t,), jnp.int32),
                                  arch=(9, 0))
   else:
-    fn = lambda *a: op._rope_rmsnorm_mosaic(*a, interleaved=True, interpret=False, tuning=tuning)  # noqa: E731
+    fn = lambda *a: op._rope_rmsnorm_mosaic(*a, interleaved=True, tuning=tuning)  # noqa: E731
     low = testing.lower_for_cuda(fn, *common_args, arch=(9, 0))
   assert low.hlo.count("stablehlo.custom_call") == 1
   assert "wgmma" not in low.mosaic[0]
   prepass = fused and not unique and not bitmap and t > rd.TuningConfig().warp_scan_max_tokens
   assert (re.search(r"stablehlo\.(scatter|compare|pad|concatenate)", low.hlo) is not None) == prepass
+
+
+def test_index_width_boundary():
+  """i32 q-item index below T * H * 8 = 2^31, i64 from there."""
+  assert not rd.needs_i64(2 ** 28 - 1, 1) and rd.needs_i64(2 ** 28, 1)
+  assert not rd.needs_i64(2 ** 20 - 1, 256) and rd.needs_i64(2 ** 20, 256)
+  assert not rd.needs_i64(4096, 128) and not rd.needs_i64(8192, 128)
+
+
+def _item_index_ops(low, width):
+  """Counts of the q-item index arithmetic at ``width`` ("i32" / "i64"): the validity compare against the item
+  count, the row and piece of the item, the token of the row."""
+  m = low.mosaic[0]
+  return dict(compare=len(re.findall(rf"arith\.cmpi ult, %\S+, %c\d+_{width}(?:_\d+)? : {width}\n", m)),
+              divui=len(re.findall(rf"arith\.divui .* : {width}\n", m)),
+              remui=len(re.findall(rf"arith\.remui .* : {width}\n", m)),
+              trunci=len(re.findall(r"arith\.trunci .* : i64 to i32\n", m)))
+
+
+@pytest.mark.parametrize("t,h,fused,ipt", [(2 ** 20, 256, True, 4), (2 ** 21 + 3, 128, False, 2),
+                                            (2 ** 28, 1, True, 1)])
+def test_lowers_with_i64_item_index(t, h, fused, ipt):
+  """T * H * 8 >= 2^31 (abstract avals: nothing allocated; q_rope alone would be 32-64 GiB): per q item the
+  compare against T * H * 8, the division into row and piece and the row's token are i64 (two truncations to i32:
+  piece, token), and the loads and stores are those of the i32 path. The same kernel below 2^31 has no i64 item
+  arithmetic (its MLIR is that of the i32 path)."""
+  cfg = rd.TuningConfig(items_per_thread=ipt)
+  low = _lower(t, h, fused, dedupe=False, cfg=cfg)
+  got = _item_index_ops(low, "i64")
+  assert got == dict(compare=ipt, divui=2 * ipt, remui=ipt, trunci=2 * ipt), got
+  assert re.search(rf"%c{t * h * 8}_i64", low.mosaic[0]) and re.search(rf"%c{t * h * 8 - 1}_i64", low.mosaic[0])
+  assert _count(low, r"llvm\.load .* -> vector<8xbf16>") == 2 + 2 + (1 + ipt)
+  assert _count(low, r"llvm\.store") == (2 if fused else 3) + ipt
+  small = _lower(1024, h if h <= 128 else 128, fused, dedupe=False, cfg=cfg)
+  assert _item_index_ops(small, "i64") == dict(compare=0, divui=0, remui=0, trunci=0)
+  assert _item_index_ops(small, "i32")["divui"] == 2 * ipt + 1     # + the thread's warp, tid / 32
+  assert _item_index_ops(low, "i32")["divui"] == 1
+
+
+def test_op_lowers_at_i64_size():
+  """The fused op at T * H * 8 = 2^31 (default config: the bitmap duplicate check, T > 2048) is the kernel alone."""
+  t, h = 2 ** 20, 256
+  fn = lambda pages, *a: op._fused_mosaic(pages, *a, interleaved=False)  # noqa: E731
+  low = testing.lower_for_cuda(fn, S((1 << 16, 64, 576), FP8), S((t, 576), jnp.bfloat16), S((t, h, 64), jnp.bfloat16),
+                               S((t,), jnp.int32), S((4096, 32), jnp.float32), S((4096, 32), jnp.float32),
+                               S((512,), jnp.bfloat16), S((), jnp.float32), S((), jnp.float32), S((t,), jnp.int32),
+                               arch=(9, 0))
+  assert low.hlo.count("stablehlo.custom_call") == 1 and "output_operand_aliases" in low.hlo
+  assert low.mosaic[0].count("llvm.atomicrmw _or") == 1
+  assert _item_index_ops(low, "i64")["compare"] == rd.TuningConfig().items_per_thread

@@ -1,8 +1,9 @@
-"""fused_rope_rmsnorm_quantization / rope_rmsnorm: the sm_90 Mosaic GPU kernel on a Hopper GPU at real sizes, against
-the references (same tolerance as the CPU tests: bitwise except for rare one-step differences), with the default
-grid and with explicit TuningConfigs (tokens per CTA, grid size, warpgroups, ring depth, warpgroup 0's q share), plus a
-bandwidth report (run with ``-s``): kernel vs XLA path vs a plain device copy of the same number of bytes, CUPTI
-times.
+"""fused_rope_rmsnorm_quantization / rope_rmsnorm: the sm_90 kernel (mla_pallas.kernels.rope_direct) on a Hopper
+GPU at real sizes, against the references (tests/_rope_inputs.assert_near_bitwise: bitwise except for rare one-step
+differences, its error model in that docstring), with the default config and explicit TuningConfigs, duplicated /
+skipped / out-of-range slots, a NaN-poisoned cache, run twice for determinism; the i64 item index at
+T * H * 8 >= 2^31 (slow); plus a bandwidth report (run with ``-s``): kernel vs XLA path vs a plain device copy of the
+same number of bytes, CUPTI times.
 """
 from __future__ import annotations
 
@@ -35,34 +36,6 @@ def test_fused_kernel_matches_reference(rng, t, h, interleaved):
   print(f"T={t} H={h} interleaved={interleaved}: {n8} fp8 / {nq} q values one step off")
 
 
-# Every knob away from its default, at sizes where it matters (grids of several waves, partial CTAs).
-TUNED = [
-    (2048, 128, dict(warpgroups=1, stages=4, tokens_per_cta=8)),
-    (2048, 128, dict(warpgroups=2, stages=2)),
-    (4096, 128, dict(warpgroups=3, kv_share=1)),
-    (2048, 128, dict(tokens_per_cta=16, kv_share=4)),
-    (4095, 128, dict(tokens_per_cta=64, stages=2)),         # odd T: kv padded; 63 CTAs of 64 tokens, one of 63
-    (8192, 16, dict(tokens_per_cta=32)),                    # two waves
-    (8192, 16, dict(warpgroups=3, stages=3)),
-    (1001, 32, dict(tokens_per_cta=6)),                     # 6 tokens per CTA (a group of 8 rows), the last 5
-    (129, 128, dict(tokens_per_cta=2, warpgroups=2)),
-    (4096, 128, dict(ctas=100)),                            # uneven ranges of 40-41 tokens
-    (333, 32, dict(ctas=50, warpgroups=3)),                 # H = 32: ranges of 6 or 8 tokens
-    (8192, 128, dict(stages=2)),                            # 62-63 tokens from unaligned t0: second k_rope pass
-    (125, 64, dict(ctas=2, stages=2)),                      # t0 = 63 (d = 7): k_rope window from 56, two passes
-]
-
-
-@pytest.mark.parametrize("t,h,tuning", TUNED)
-def test_fused_kernel_tuning_matches_reference(rng, t, h, tuning):
-  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
-  new_pages, q_out = op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos,
-                                      case.sin, case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale),
-                                      case.slots, interleaved=True, interpret=False, tuning=tuple(tuning.items()))
-  n8, nq = check_fused(case, new_pages, q_out, True)
-  print(f"T={t} H={h} {tuning}: {n8} fp8 / {nq} q values one step off")
-
-
 @pytest.mark.parametrize("t,h", [(4096, 128), (128, 16)])
 def test_fused_kernel_unique_slots(rng, t, h):
   """unique_slots=True (no duplicate-slot scan; make_case draws distinct slots plus skipped ones) checks against
@@ -92,8 +65,7 @@ def test_fused_kernel_duplicates_and_f32_weight(rng):
 
 @pytest.mark.parametrize("t,h,interleaved,tuning", [
     (5, 64, True, None), (777, 128, False, None), (4096, 128, True, None), (4099, 16, False, None),
-    (2048, 128, True, dict(warpgroups=3)), (1001, 128, False, dict(tokens_per_cta=6, warpgroups=2)),
-    (2048, 128, False, dict(ctas=100)),
+    (2048, 128, True, dict(items_per_thread=1)), (1001, 128, False, dict(items_per_thread=8)),
 ])
 def test_unfused_kernel_matches_reference(rng, t, h, interleaved, tuning):
   case = make_case(rng, t, h)
@@ -103,7 +75,7 @@ def test_unfused_kernel_matches_reference(rng, t, h, interleaved, tuning):
     assert _dispatch.last_impl("rope_rmsnorm") == "mosaic"
   else:
     kv_out, q_out = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
-                                            jnp.float32(case.eps), interleaved=interleaved, interpret=False,
+                                            jnp.float32(case.eps), interleaved=interleaved,
                                             tuning=tuple(tuning.items()))
   nk, nq = check_unfused(case, kv_out, q_out, interleaved)
   print(f"T={t} H={h} interleaved={interleaved} {tuning}: {nk} kv / {nq} q values one step off")
@@ -120,7 +92,7 @@ def _cupti(f, *args, iters=20):
 def test_bandwidth_report(rng, t, h):
   """Not a pass/fail gate: prints the fused op's useful bytes / time for impl mosaic and xla, and the bandwidth of a
   device copy. The cache has T slots (the timed functions do not donate it, so XLA copies it per call: T * 576 B
-  each way, small next to q_rope's H * 256 B per token). benchmarks/rope_v3_gpu.sh times with the cache donated."""
+  each way, small next to q_rope's H * 256 B per token). ``mla-pallas bench`` times with the cache donated."""
   case = make_case(rng, t, h, num_slots=t, page_size=64, skip=False)
   pages = jnp.asarray(case.pages)
   args = (pages, case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, jnp.float32(case.eps),
@@ -129,7 +101,7 @@ def test_bandwidth_report(rng, t, h):
   rows = [("copy", None)]
   for impl in ("mosaic", "xla"):
     if impl == "mosaic":
-      f = jax.jit(lambda *a: op._fused_mosaic(*a, interleaved=True, interpret=False))
+      f = jax.jit(lambda *a: op._fused_mosaic(*a, interleaved=True))
     else:
       f = jax.jit(lambda *a: op._fused_jit(*a, interleaved=True))
     rows.append((impl, _cupti(f, *args)))
@@ -140,80 +112,17 @@ def test_bandwidth_report(rng, t, h):
     print(f"T={t} H={h} {name:7s} {sec * 1e6:8.1f} us  {useful / sec / 1e12:6.2f} TB/s")
 
 
-# TuningConfig.gather_tables (kernels/rope_tables.py): the kernel gathers and expands the cos/sin rows itself. Same
-# f32 table values as the XLA pre-pass, so the outputs must equal the pre-pass path's bit for bit.
-# ``extra``: more TuningConfig overrides for both paths: the gather on warpgroup 0 before everything else (the first
-# arrangement, overlap_gather=False), one and three warpgroups (the gathering warpgroup is the last one).
-@pytest.mark.parametrize("t,h,interleaved,unique,extra", [
-    (1, 128, True, False, ()), (1, 16, False, False, ()), (70, 16, False, False, ()), (128, 128, True, True, ()),
-    (4096, 128, True, False, ()), (4096, 128, False, True, ()), (8192, 16, True, True, ()), (125, 64, True, False, ()),
-    (8, 128, True, False, (("overlap_gather", False),)),
-    (37, 64, False, False, (("warpgroups", 3), ("tokens_per_cta", 8))),
-    (9, 128, True, False, (("warpgroups", 1),)),
-])
-def test_gather_tables_is_bitwise_the_prepass(rng, t, h, interleaved, unique, extra):
-  import numpy as np
-  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
-  pos = np.asarray(case.positions).copy()
-  pos[0], pos[-1] = -5, 10 ** 6      # clamped to [0, max_pos) by both paths
-  case.positions = jnp.asarray(pos)
-
-  def run(gather):
-    tuning = (("gather_tables", gather),) + extra   # explicit: the op's default is gather_tables at T <= 256
-    return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
-                            case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
-                            interleaved=interleaved, interpret=False, tuning=tuning, unique_slots=unique)
-  pages_g, q_g = run(True)
-  pages_d, q_d = run(False)
-  np.testing.assert_array_equal(np.asarray(q_g).view(np.uint16), np.asarray(q_d).view(np.uint16))
-  np.testing.assert_array_equal(np.asarray(pages_g).view(np.uint8), np.asarray(pages_d).view(np.uint8))
-  kv_g, qu_g = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
-                                       jnp.float32(case.eps), interleaved=interleaved, interpret=False,
-                                       tuning=(("gather_tables", True),) + extra)
-  kv_d, qu_d = op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
-                                       jnp.float32(case.eps), interleaved=interleaved, interpret=False,
-                                       tuning=(("gather_tables", False),) + extra)
-  np.testing.assert_array_equal(np.asarray(kv_g).view(np.uint16), np.asarray(kv_d).view(np.uint16))
-  np.testing.assert_array_equal(np.asarray(qu_g).view(np.uint16), np.asarray(qu_d).view(np.uint16))
-
-
-@pytest.mark.parametrize("t,h", [(200, 128), (256, 16), (7, 64)])
-def test_gather_tables_in_kernel_dedupe_is_bitwise_the_prepass(rng, t, h):
-  """T <= 256 with gather_tables: the kernel finds each slot's last writer itself (rope_tables.drop_overwritten)
-  instead of the XLA scan. Duplicates inside one CTA's window and across CTAs, skipped and out-of-range slots."""
-  import numpy as np
-  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64, skip=False)
-  slots = np.asarray(case.slots).copy()
-  slots[[0, t // 2, t - 1]] = slots[1]
-  slots[[2, 3]] = slots[4]
-  slots[5 % t] = -1
-  slots[6 % t] = 10 ** 7
-  case.slots = jnp.asarray(slots)
-
-  def run(gather):
-    tuning = (("gather_tables", gather),)   # explicit: the op's default is gather_tables at T <= 256
-    return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
-                            case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
-                            interleaved=True, interpret=False, tuning=tuning)
-  pages_g, q_g = run(True)
-  pages_d, q_d = run(False)
-  np.testing.assert_array_equal(np.asarray(pages_g).view(np.uint8), np.asarray(pages_d).view(np.uint8))
-  np.testing.assert_array_equal(np.asarray(q_g).view(np.uint16), np.asarray(q_d).view(np.uint16))
-  check_fused(case, pages_g, q_g, True)
-
-
-# The direct kernel (kernels/rope_direct.py: GMEM -> registers -> GMEM, no SMEM): the op's default at
-# every T outside interpret mode (("kernel", "direct") also overrides tiled knobs).
-# Duplicated slots (the last token wins), skipped and out-of-range slots, clamped positions, a NaN-poisoned cache,
-# H = 1 (one q row per token), a float32 norm weight, and a second run for determinism.
+# Every path of the kernel: duplicated slots (the last token wins), skipped and out-of-range slots, clamped
+# positions, a NaN-poisoned cache, H = 1 (one q row per token) and H = 48, a float32 norm weight, and a second run
+# for determinism.
 @pytest.mark.parametrize("t,h,interleaved,fused,extra", [
     (1, 128, True, True, ()), (1, 16, False, True, ()), (7, 64, True, True, ()), (37, 128, False, True, ()),
-    (64, 16, True, True, ()), (256, 128, True, True, (("kernel", "direct"),)),
-    (300, 16, False, True, (("kernel", "direct"), ("items_per_thread", 4))),
+    (64, 16, True, True, ()), (256, 128, True, True, ()),
+    (300, 16, False, True, (("items_per_thread", 4),)),
     (5, 1, True, True, (("items_per_thread", 1),)), (9, 128, True, True, (("unique_slots", True),)),
-    (37, 48, False, True, ()), (1000, 48, True, False, ()),   # H = 48: only the direct kernel takes it
+    (37, 48, False, True, ()), (1000, 48, True, False, ()),   # H = 48: neither a multiple nor a divisor of 64
     (1, 128, True, False, ()), (3, 128, False, False, ()), (33, 16, False, False, (("items_per_thread", 8),)),
-    (256, 128, True, False, (("kernel", "direct"),)),
+    (256, 128, True, False, ()),
     # above warp_scan_max_tokens: the kv CTAs' bitmap check (default), and the XLA pre-pass (bitmap_dedupe=False)
     (4099, 16, False, True, ()), (8192, 16, True, True, (("items_per_thread", 2),)),
     (2048, 128, True, True, (("bitmap_dedupe", False), ("warp_scan_max_tokens", 256))), (4096, 128, True, False, ()),
@@ -243,15 +152,15 @@ def test_direct_kernel_matches_reference(rng, t, h, interleaved, fused, extra):
   if t % 2:
     case.w = case.w.astype(jnp.float32)
   tuning = tuple(extra.items())
-  assert op._direct_config(t, tuning) is not None
+  op._config(t, h, fused, tuning)   # a valid tuning
 
   def run():
     if fused:
       return op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
                               case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
-                              interleaved=interleaved, interpret=False, tuning=tuning, unique_slots=unique)
+                              interleaved=interleaved, tuning=tuning, unique_slots=unique)
     return op._rope_rmsnorm_mosaic(case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w,
-                                   jnp.float32(case.eps), interleaved=interleaved, interpret=False, tuning=tuning)
+                                   jnp.float32(case.eps), interleaved=interleaved, tuning=tuning)
   a, b = run()
   a2, b2 = run()
   for x, y in ((a, a2), (b, b2)):
@@ -263,8 +172,7 @@ def test_direct_kernel_matches_reference(rng, t, h, interleaved, fused, extra):
 @pytest.mark.parametrize("t,h,extra", [(1, 128, ()), (37, 16, ()), (3000, 16, ())])
 def test_direct_kernel_writes_nothing_for_all_invalid_slots(rng, t, h, extra):
   """Every slot -1 or past the cache (the warp scan and, at T = 3000, the bitmap mode): the cache is returned
-  bitwise unchanged (NaN rows stay NaN) and q_rope is still rotated. (Added 2026-11-30, tenth session, after the
-  session's GPU time was spent: first run pending.)"""
+  bitwise unchanged (NaN rows stay NaN) and q_rope is still rotated."""
   import numpy as np
   case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64, skip=False)
   num_slots = case.pages.size // 576
@@ -272,6 +180,67 @@ def test_direct_kernel_writes_nothing_for_all_invalid_slots(rng, t, h, extra):
   case.slots = jnp.asarray(slots)
   pages, q_out = op._fused_mosaic(jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin,
                                   case.w, jnp.float32(case.eps), jnp.float32(case.kv_scale), case.slots,
-                                  interleaved=True, interpret=False, tuning=extra)
+                                  interleaved=True, tuning=extra)
   np.testing.assert_array_equal(np.asarray(pages).view(np.uint8), np.asarray(case.pages).view(np.uint8))
   check_fused(case, pages, q_out, True)
+
+
+def _hash_bf16(shape, salt):
+  """Deterministic values in [-4, 4) (bf16), a distinct pre-hash word per element of a [rows, cols] array with
+  rows < 2^32 (row · odd + col · odd mod 2^32 is injective in row), generated on the device in one fused pass: no
+  float32 copy of a 32 GiB array, and no period that could hide a wrapped (i32) row index."""
+  rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
+  cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+  v = rows * jnp.uint32(0x9E3779B1) + cols * jnp.uint32(0x85EBCA77) + jnp.uint32(salt)
+  v = (v ^ (v >> 15)) * jnp.uint32(0x2C1B3C6D)
+  v = (v ^ (v >> 12)) * jnp.uint32(0x297A2D39)
+  v = v ^ (v >> 15)
+  return ((v >> 8).astype(jnp.float32) * (8.0 / 2 ** 24) - 4.0).astype(jnp.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_i64_item_index_at_two_to_the_31_items(rng, interleaved):
+  """T * H * 8 >= 2^31 q items (T = 2^20 + 5, H = 256: q_rope in and out 32 GiB each, ~67 GiB in all): the kernel's
+  i64 item index (kernels/rope_direct.needs_i64). The fused op (default config: the bitmap duplicate check) runs on
+  the whole batch; its outputs are compared with the references on the tokens around item 2^31 (token 2^20), the
+  first and last tokens and every 65537th token (each row's data is distinct, so a wrapped index would read another
+  row's values), with the tolerance of :func:`_rope_inputs.assert_near_bitwise`."""
+  from mla_pallas.kernels import rope_direct as rd
+  assert rd.needs_i64(2 ** 20 + 5, 256)
+  _check_sampled_tokens(rng, 2 ** 20 + 5, 256, interleaved, "mosaic")
+
+
+def _check_sampled_tokens(rng, t, h, interleaved, impl):
+  """The fused op on [T, H] hashed inputs against the references on sampled tokens (see the test above)."""
+  import numpy as np
+  from _rope_inputs import REF_WRITE, assert_near_bitwise
+  from mla_pallas import reference as ref
+  max_pos = 4096
+  num_slots = -(-(t + 64) // 64) * 64
+  make = jax.jit(lambda: (_hash_bf16((t, 576), 1), _hash_bf16((t * h, 64), 2).reshape(t, h, 64)))
+  kv, q_rope = make()
+  tok = jnp.arange(t, dtype=jnp.int32)
+  positions = ((tok % 65521) * 7919 + 11) % (max_pos + 40) - 20   # no i32 overflow; some clamped at both ends
+  slots = jnp.asarray(rng.permutation(num_slots)[:t].astype(np.int32))
+  cos, sin = ref.rope_tables(max_pos)
+  w = jnp.asarray(rng.normal(size=512) * 0.5 + 1.0, jnp.bfloat16)
+  pages = jnp.full((num_slots // 64, 64, 576), jnp.nan, jnp.float32).astype(jnp.float8_e4m3fn)
+  new_pages, q_out = mla_pallas.fused_rope_rmsnorm_quantization(
+      pages, kv, q_rope, positions, cos, sin, w, eps=1e-6, kv_scale=0.7, slots=slots, interleaved=interleaved,
+      impl=impl)
+  assert _dispatch.last_impl("fused_rope_rmsnorm_quantization") == impl
+  mid = min(2 ** 31 // (h * 8), t - 4)   # the token holding q item 2^31
+  pick = np.unique(np.concatenate([np.arange(4), np.arange(mid - 3, mid + 4), np.arange(t - 4, t),
+                                   np.arange(0, t, 65537)])).astype(np.int32)
+  sel = jnp.asarray(pick)
+  sub = [jnp.take(a, sel, axis=0) for a in (kv, q_rope, positions, slots)]
+  small = jnp.full((num_slots, 576), jnp.nan, jnp.float32).astype(jnp.float8_e4m3fn)
+  r_pages, r_q = REF_WRITE(small, sub[0], sub[1], sub[2], cos, sin, w, eps=1e-6, kv_scale=0.7, slots=sub[3],
+                           interleaved=interleaved)
+  assert_near_bitwise(jnp.take(q_out, sel, axis=0), r_q, what="q_rope_out")
+  got_rows = jnp.take(new_pages.reshape(num_slots, 576), sub[3], axis=0)
+  assert_near_bitwise(got_rows, jnp.take(r_pages, sub[3], axis=0), what="fp8 rows")
+  untouched = np.setdiff1d(np.arange(num_slots), np.asarray(slots))   # the slots no token writes
+  assert np.all(np.isnan(np.asarray(jnp.take(new_pages.reshape(num_slots, 576), jnp.asarray(untouched), axis=0),
+                                    np.float32))), "a slot that is not written changed"

@@ -3,7 +3,7 @@
 ``inline_mgpu`` passes refs (as memrefs) and register arrays (as ``FragmentedArray``) only, so a traced int32
 scalar travels as a warpgroup array (:func:`scalar_array`) and is read back inside the body
 (:func:`scalar_value`). The rest builds i32 constants, byte-offset pointers and the thread's position in its
-warpgroup. Used by :mod:`mla_pallas.kernels.rope_tables`, :mod:`mla_pallas.kernels.bmm_row_quant` and
+warpgroup. Used by :mod:`mla_pallas.kernels.rope_direct`, :mod:`mla_pallas.kernels.bmm_row_quant` and
 :mod:`mla_pallas.kernels.vt_registers`.
 """
 from __future__ import annotations

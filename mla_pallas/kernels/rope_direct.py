@@ -1,17 +1,10 @@
 """RoPE + RMS norm of new MLA tokens (+ FP8 quantization and paged-cache write) straight from GMEM to registers to
-GMEM: no SMEM staging, no TMA, no tensor cores (sm_90a, raw Mosaic GPU through ``plgpu.inline_mgpu``). The op's
-default kernel outside interpret mode (:mod:`mla_pallas.ops.rope_rmsnorm`).
+GMEM: no TMA, no tensor cores, SMEM only for the bitmap duplicate check (sm_90a, raw Mosaic GPU through
+``plgpu.inline_mgpu``). The kernel of :mod:`mla_pallas.ops.rope_rmsnorm` at every T and H. Design history and
+measurements: docs/kernels/rope_direct.md.
 
-Why (H200, 2026-11-30j, benchmarks/RESULTS.md "rope direct"): the tiled kernel (:mod:`.rope_rmsnorm`) was a chain
-of latencies at decode sizes (TMA loads, a wgmma for the pair swap, SMEM staging, fences, per-row TMA stores and
-their completion: 3.5-3.7 us at T = 1, where an empty Mosaic kernel takes 0.76 us and the XLA path 3.6-4.1 us), and
-needed an XLA pre-pass (table gather, duplicate-slot scan) at large T. Here every thread loads with vector
-``ld.global``, computes in registers and stores with ``st.global``; the longest chain is the position, the table
-row, the math and a store. Measured, same-run XLA: fused T = 1 1.2 us (3.4x), T = 128 1.8 us (4.6x), T = 4096
-H = 128 36.2 us = 96 % of a device copy of the same bytes (2.65x), T = 8192 H = 16 14.9 us = 81 % (2.85x);
-unfused T = 1 1.4 us (2.6x), T = 8192 H = 128 97 %.
-
-Work split (1-D grid of ``kv_ctas + q_ctas`` CTAs of one warpgroup, :func:`grid_for`):
+Work split (1-D grid of ``kv_ctas + q_ctas`` CTAs of one warpgroup, :func:`grid_for`); every thread loads with
+vector ``ld.global``, computes in registers and stores with ``st.global``:
 
 * kv CTAs ``c < kv_ctas``: warp ``w`` takes token ``t = 4 c + w``. Lane ``l`` holds latent values
   ``[16 l, 16 l + 16)`` (two 16-byte loads): sum of squares per lane, then a butterfly over the warp;
@@ -22,30 +15,31 @@ Work split (1-D grid of ``kv_ctas + q_ctas`` CTAs of one warpgroup, :func:`grid_
 * q CTAs: thread items of 8 values (16 bytes) of the flat ``[T · H, 64]`` q_rope, ``items_per_thread`` per
   thread, consecutive threads on consecutive 16-byte pieces (coalesced): all loads first (position, q values,
   then the table entries), then the math and the stores.
-* Duplicate slots (``dedupe``): up to ``warp_scan_max_tokens`` (default 2048) each kv warp compares its token's
-  slot with every later token's (unrolled up to UNROLLED_SCAN_MAX, then rounds of SCAN_ROUND loads per lane).
-  Above, that O(T^2) scan is too slow (T = 8192, H = 16: 30.1 us against 14.9) and the XLA scatter-max pre-pass
-  costs three launches (3.4 us at T = 8192), so a kv CTA takes ``bitmap_tokens`` tokens (the bitmap mode,
-  :func:`_bitmap_kv_cta`), hashes their slots into a 2^14-bit SMEM bitmap, scans the later tokens' slots against
-  it (exact comparison only on a bit hit) and marks its overwritten tokens; its warps then process their tokens
-  ``bitmap_group`` at a time. The kv and q branches share one register allocation, so the kv branch's registers set
-  every CTA's occupancy: 4 tokens in flight per warp took 114 registers (63 without the bitmap mode) and slowed the
-  q stream by up to 18 % (T = 8192, H = 128); one token at a time (71 registers) with 16 tokens per kv CTA was the
-  best measured. The bitmap's fixed latency made it slower than the warp scan up to T = 2048 (T = 512: 7.2 vs
-  5.2 us; T = 2048, H = 16: 7.2 vs 5.7), equal at 4096 (benchmarks/raw/rope_direct_*_2026-11-30j).
+* Duplicate slots (``dedupe``): up to ``warp_scan_max_tokens`` each kv warp compares its token's slot with every
+  later token's (unrolled up to UNROLLED_SCAN_MAX, then rounds of SCAN_ROUND loads per lane). Above (the bitmap
+  mode, :func:`_bitmap_kv_cta`) a kv CTA takes ``bitmap_tokens`` tokens, hashes their slots into a 2^14-bit SMEM
+  bitmap, scans the later tokens' slots against it (exact comparison only on a bit hit) and marks its overwritten
+  tokens; its warps then process their tokens ``bitmap_group`` at a time.
+
+Index width: token, slot and position indices are i32 (T and num_slots < 2^31); every byte offset (kv / q rows,
+table rows, ``slot · 576``) is i64. The q item index is i32 while T · H · 8 < 2^31 and i64 from there
+(:func:`needs_i64`), so the kernel serves every T and H whose grid fits CUDA's 2^31 - 1 CTAs.
+
+Budget: the kv and q branches share one register allocation, so the kv branch's registers set every CTA's
+occupancy. ptxas (sm_90a): 63 registers per thread without the bitmap mode, 71 with it at ``bitmap_group = 1``
+(the default; 4 tokens in flight per warp took 114). SMEM: none outside the bitmap mode; in it 2 KiB of bitmap
++ 2 · ``bitmap_tokens`` · 4 B (own slots, drop flags).
 
 RoPE of 8 values ``x = row[8 p, 8 p + 8)`` of a 64-wide row at position ``pos`` (clamped to [0, max_pos)):
-``y = x · C + swap(x) · S`` with the rows of :mod:`.rope_rmsnorm` (interleaved / DeepSeek: ``C = [c0 c0 c1 c1 ..]``,
-``S = [−s0 s0 −s1 s1 ..]`` from ``cos / sin[pos, 4 p .. 4 p + 4)``, swap(x) a shuffle inside the vector; NeoX
-halves: ``C = c[8 (p % 4) ..]``, ``S = ∓s[..]``, swap(x) the 8 values of piece ``p ^ 4`` of the row, a second
-load). These are the reference's float32 operations; ptxas may contract a product and a sum into an FMA (as in
-the tiled kernel), and the RMS sum runs in another order than XLA's, so a value can be one bf16 ulp / e4m3 step
-away from the reference (the same tolerance as the tiled kernel's; H200: 0-12 such values per test case).
+``y = x · C + swap(x) · S`` (interleaved / DeepSeek: ``C = [c0 c0 c1 c1 ..]``, ``S = [−s0 s0 −s1 s1 ..]`` from
+``cos / sin[pos, 4 p .. 4 p + 4)``, swap(x) a shuffle inside the vector; NeoX halves: ``C = c[8 (p % 4) ..]``,
+``S = ∓s[..]``, swap(x) the 8 values of piece ``p ^ 4`` of the row, a second load). These are the reference's
+float32 operations; ptxas may contract a product and a sum into an FMA, and the RMS sum runs in another order than
+XLA's, so a value can be one bf16 ulp / e4m3 step away from the reference (tests/_rope_inputs.assert_near_bitwise).
 
-Interpret mode has no ``inline_mgpu``: the op runs the tiled kernel there (same semantics, same references). This
-module is checked by sm_90 lowering on the CPU (tests/test_rope_direct_kernel.py) and against the references on the
-GPU (tests/test_rope_rmsnorm_kernel_gpu.py ``-k direct``: T = 1 to 8192, H = 1 to 128 and 48, both pairings,
-duplicated / skipped / out-of-range slots, a NaN cache, both norm-weight dtypes, run twice for determinism).
+Interpret mode has no ``inline_mgpu``, so this module is checked by sm_90 lowering on the CPU
+(tests/test_rope_direct_kernel.py: load / store counts, SMEM, barriers, the i64 item index) and against the
+references on the GPU (tests/test_rope_rmsnorm_kernel_gpu.py); the op runs its XLA path in interpret mode.
 """
 from __future__ import annotations
 
@@ -79,7 +73,9 @@ BF16 = jnp.bfloat16
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.TuningConfigBase):
-  """items_per_thread: q items (8 values, 16 bytes) per thread of a q CTA, all loaded before any is computed.
+  """Frozen config (the op's default: :func:`mla_pallas.ops.rope_rmsnorm.default_config`).
+
+  items_per_thread: q items (8 values, 16 bytes) per thread of a q CTA, all loaded before any is computed.
   bitmap_dedupe: above ``warp_scan_max_tokens``, the op lets the kernel find each slot's last writer (the kv CTAs'
   bitmaps) rather than an XLA pre-pass (its scatter-max ``_last_writer``).
   warp_scan_max_tokens: up to this T, each kv warp compares its token's slot with every later token's (one
@@ -108,9 +104,10 @@ class TuningConfig(common.TuningConfigBase):
       raise ValueError(f"TuningConfig.scan_unroll must be in [1, 16]; got {self.scan_unroll}")
 
 
-def fits(num_tokens: int, heads: int) -> bool:
-  """Whether T · H · 8 q items fit the kernel's int32 item index."""
-  return num_tokens * heads * PIECES < 2 ** 31
+def needs_i64(num_tokens: int, heads: int) -> bool:
+  """Whether the T · H · 8 q items need an i64 item index (T · H · 8 >= 2^31); below, the kernel indexes them with
+  i32. Every byte offset (kv / q rows, table rows, cache slots · 576) is i64 at every size."""
+  return num_tokens * heads * PIECES >= 2 ** 31
 
 
 def knobs() -> frozenset[str]:
@@ -445,18 +442,27 @@ def _bitmap_kv_cta(ty, r, cfg, cta, tid, warp, lane, fused, num_tokens, num_slot
 
 
 def _q_items(ty, r, q_cta, tid, num_tokens, heads, items, interleaved):
-  """The q items ``q_cta · THREADS · items + k · THREADS + tid`` (k < items) of one thread (module docstring)."""
+  """The q items ``q_cta · THREADS · items + k · THREADS + tid`` (k < items) of one thread (module docstring).
+
+  The item index is i32 (unsigned compares and divisions: exact up to 2^32, past the last CTA's end) while
+  T · H · 8 < 2^31, else i64 (:func:`needs_i64`); the byte offsets are i64 either way."""
   n_items = num_tokens * heads * PIECES
-  first = arith.muli(q_cta, c32(THREADS * items))
+  if needs_i64(num_tokens, heads):
+    ext, const, row_off_of = wide, c64, lambda q_row: arith.muli(q_row, c64(2 * D_ROPE))
+    narrow = lambda x: arith.trunci(i32(), x)   # noqa: E731  (a piece < 8, a token < T < 2^31)
+  else:
+    ext, const, row_off_of = (lambda x: x), c32, lambda q_row: arith.muli(wide(q_row), c64(2 * D_ROPE))
+    narrow = lambda x: x                        # noqa: E731
+  first = arith.muli(ext(q_cta), const(THREADS * items))
   work = []
   for k in range(items):   # all loads first
-    item = arith.addi(first, arith.addi(tid, c32(k * THREADS)))
-    valid = arith.cmpi(arith.CmpIPredicate.ult, item, c32(n_items))
-    item_c = arith.minui(item, c32(n_items - 1))
-    q_row = arith.divui(item_c, c32(PIECES))
-    piece = arith.remui(item_c, c32(PIECES))
-    pos = _position(r, arith.divui(q_row, c32(heads)))
-    row_off = arith.muli(wide(q_row), c64(2 * D_ROPE))
+    item = arith.addi(first, arith.addi(ext(tid), const(k * THREADS)))
+    valid = arith.cmpi(arith.CmpIPredicate.ult, item, const(n_items))
+    item_c = arith.minui(item, const(n_items - 1))
+    q_row = arith.divui(item_c, const(PIECES))
+    piece = narrow(arith.remui(item_c, const(PIECES)))
+    pos = _position(r, narrow(arith.divui(q_row, const(heads))))
+    row_off = row_off_of(q_row)
     work.append((valid, piece, row_off, _rope_loads(ty, r, r.ptr["q"], row_off, piece, pos, interleaved)))
   for valid, piece, row_off, loaded in work:
     word = _f32_to_bf16_bytes(ty, [_rope_math(ty, loaded, piece, interleaved)])[0]
@@ -504,15 +510,18 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   """
   if num_tokens < 1 or heads < 1:
     raise ValueError(f"num_tokens and heads must be >= 1; got {num_tokens}, {heads}")
-  if not fits(num_tokens, heads):
-    raise NotImplementedError(f"rope_direct indexes q items with int32: T · H · 8 < 2^31; got T={num_tokens}, "
-                              f"H={heads}")
+  if num_tokens >= 2 ** 31 or num_slots >= 2 ** 31:
+    raise NotImplementedError(f"rope_direct indexes tokens and cache slots with int32: T and num_slots < 2^31; got "
+                              f"T={num_tokens}, num_slots={num_slots}")
   if dedupe and not fused:
     raise ValueError("dedupe needs the cache write (fused=True)")
   cfg = cfg or TuningConfig()
   fused, interleaved, dedupe = bool(fused), bool(interleaved), bool(dedupe)
   bitmap = uses_bitmap(cfg, fused, num_tokens, dedupe)
   kv_ctas, q_ctas = grid_for(cfg, num_tokens, heads, bitmap)
+  if kv_ctas + q_ctas >= 2 ** 31:
+    raise NotImplementedError(f"rope_direct: a grid of {kv_ctas} + {q_ctas} CTAs exceeds CUDA's 2^31 - 1 "
+                              f"(T={num_tokens}, H={heads}, items_per_thread={cfg.items_per_thread})")
   scratch = [plgpu.SMEM(((1 << LOG_BITS) // 32,), jnp.int32), plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32),
              plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32)] if bitmap else []   # bitmap, own slots, drop flags
   n_refs = (11 if fused else 9) + len(scratch)

@@ -6,23 +6,21 @@ Semantics are exactly those of :func:`mla_pallas.reference.rope`, :func:`~mla_pa
 paths use the reference's float32 formulations (elementwise math that XLA fuses into one pass), so results are
 bitwise those of the reference.
 
-Mosaic GPU kernels for :func:`rope_rmsnorm` and :func:`fused_rope_rmsnorm_quantization` (bf16 ``kv``/``q_rope``;
-other dtypes raise ``NotImplementedError`` under ``impl="mosaic"`` and run XLA under ``impl="auto"``):
+One Mosaic GPU kernel serves :func:`rope_rmsnorm` and :func:`fused_rope_rmsnorm_quantization`:
+:mod:`mla_pallas.kernels.rope_direct` (sm_90a, bf16 ``kv`` / ``q_rope``, any T and H): GMEM -> registers -> GMEM
+in one launch; it gathers the cos/sin rows and finds each slot's last writer itself. Other dtypes raise
+``NotImplementedError`` under ``impl="mosaic"`` and run XLA under ``impl="auto"``; ``auto`` takes the kernel at
+every supported shape on a Hopper GPU. The kernel sums the RMS in a different order than XLA, so a few values can
+differ from the reference by one bf16 ulp / one e4m3 step (kernel docstring).
 
-* :mod:`mla_pallas.kernels.rope_direct` (sm_90a; the default): GMEM -> registers -> GMEM, any H, no XLA work
-  around it (the kernel gathers the cos/sin rows and finds each slot's last writer itself). Raw Mosaic GPU
-  (``plgpu.inline_mgpu``), so it does not run in interpret mode.
-* :mod:`mla_pallas.kernels.rope_rmsnorm` (the tiled kernel: TMA, a wgmma for the pair swap, SMEM staging; sm_90a or
-  interpret mode): runs in interpret mode, where T · H · 8 >= 2^31, and on request; needs ``H % 64 == 0`` or
-  ``64 % H == 0``. Its XLA pre-pass (outside its in-kernel-table range, T > 256) is the per-token table gather
-  ([T, 128], f32 bits as int32; with the cache write, the sanitised slots ride in a 129th column, so the gather and
-  the end of the duplicate-slot check (:func:`_last_writer`) are one XLA kernel); kv is padded only for T > 8 not a
-  multiple of 8 and q_rope only for H < 8.
+Interpret mode: the kernel is raw Mosaic GPU (``plgpu.inline_mgpu``), which Pallas' interpreter cannot run, so with
+``interpret=True`` both ops run their XLA path under every ``impl`` (``"mosaic"`` included, so that a whole graph can
+run in interpret mode); :func:`mla_pallas.last_impl` / ``graph_report`` then say ``"xla"``. CPU tests therefore
+check the XLA path against the reference and the kernel by sm_90 lowering; its numbers are checked on the GPU only.
 
-Both sum the RMS in a different order than XLA, so a few values can differ from the reference by one bf16 ulp / one
-e4m3 step (see the kernel docstrings). ``rope`` and ``rms_norm`` alone have no kernel (XLA). The private jitted
-entry points take ``tuning`` for tests and benchmarks: (name, value) pairs of either kernel's TuningConfig, and
-("kernel", "direct" | "tiled") to pick one (:func:`_direct_config`).
+``rope`` and ``rms_norm`` alone have no kernel (XLA). :func:`default_config` maps a shape to the kernel's config and
+:func:`sweep_configs` lists benchmark overrides; the private jitted entry points (``_rope_rmsnorm_mosaic``,
+``_fused_mosaic``) take ``tuning``: (name, value) pairs of the kernel's TuningConfig fields.
 
 Conventions:
 * Latent row: 576 values, [0, 512) latent (RMS-normed), [512, 576) the key's rope part (rotated).
@@ -38,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,32 +44,14 @@ import numpy as np
 
 from mla_pallas import _checks, _dispatch, quant, reference
 
+_log = logging.getLogger("mla_pallas")
+
 __all__ = ["rope", "rms_norm", "rope_rmsnorm", "fused_rope_rmsnorm_quantization"]
 
 D_QK = 576
 D_V = 512
 D_ROPE = 64
 _ACT = (jnp.bfloat16, jnp.float32)
-
-
-# "auto" takes a kernel only where it measured faster than XLA (benchmarks/RESULTS.md, H200). The tiled kernel
-# (v3, 2026-11-30) was at parity or slower at T < 128 (unfused T = 1 0.95x even after its last changes), so auto
-# started at T = 128, H = 16. The direct kernel (the default outside interpret mode since 2026-11-30j) measured
-# faster at every shape tried, same-run XLA: fused T = 1 3.3-3.4x (H = 1, 8, 16, 128), T = 8 2.9x, T = 128 4.5-4.6x,
-# T = 4096 H = 128 2.7x, T = 8192 H = 16 2.9x, T = 4096 H = 8 2.2x; unfused T = 1 2.5x, T = 8 2.8x, T = 8192 2.5x.
-# Hence no threshold: auto takes the kernel at every T and H (where it is supported).
-_VALIDATED_ON: tuple[str, ...] = ("sm90",)
-AUTO_MIN_TOKENS = 1
-AUTO_MIN_HEADS = 1
-
-
-def _slower_than_xla(op: str, tokens: int, heads: int):
-  def reason():
-    if tokens < AUTO_MIN_TOKENS or heads < AUTO_MIN_HEADS:
-      return (f"{op}: the kernel is used automatically only for T >= {AUTO_MIN_TOKENS} and H >= {AUTO_MIN_HEADS} "
-              f"(where it measured faster than XLA); got T={tokens}, H={heads}")
-    return None
-  return reason
 
 
 def _check_bool(name, v):
@@ -112,16 +93,63 @@ def _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleave
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Mosaic GPU kernel plumbing (mla_pallas.kernels.rope_rmsnorm)
+# The direct kernel (mla_pallas.kernels.rope_direct): kernel choice, configs, jitted entry points
 # ---------------------------------------------------------------------------------------------------------
 
-KERNEL_HEAD_MULTIPLE = 64   # the kernel processes q_rope in tiles of 64 rows: H % 64 == 0 or 64 % H == 0
+_VALIDATED_ON: tuple[str, ...] = ("sm90",)
 
 
-def _kernel_supported(op, kv, q_rope, interpret, num_slots=None):
+def _check_shape(t, h):
+  ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in (t, h))
+  if not ints or t < 1 or h < 1:
+    raise ValueError(f"t and h must be ints >= 1 (tokens, query heads); got t={t!r}, h={h!r}")
+
+
+def default_config(t: int, h: int, fused: bool):
+  """The direct kernel's frozen :class:`~mla_pallas.kernels.rope_direct.TuningConfig` for T = t tokens of H = h
+  query heads, with (``fused``) or without the cache write. The same config serves every shape: the kernel derives
+  its grid (:func:`~mla_pallas.kernels.rope_direct.grid_for`), its duplicate-slot mode
+  (:func:`~mla_pallas.kernels.rope_direct.uses_bitmap`) and its index width
+  (:func:`~mla_pallas.kernels.rope_direct.needs_i64`) from T and H."""
+  from mla_pallas.kernels import rope_direct as rd
+  _check_shape(t, h)
+  _check_bool("fused", fused)
+  return rd.TuningConfig()
+
+
+def sweep_configs(t: int, h: int, fused: bool) -> dict[str, tuple[tuple[str, object], ...]]:
+  """Labelled ``tuning`` overrides of the direct kernel for benchmark sweeps at (t, h, fused), ``"default": ()``
+  first: q items per thread, and (fused, T above the warp-scan limit) the bitmap's tokens per kv CTA, loads in
+  flight and scan unroll, the warp scan instead of the bitmap, and the XLA last-writer pre-pass."""
+  from mla_pallas.kernels import rope_direct as rd
+  cfg = default_config(t, h, fused)
+  out: dict[str, tuple[tuple[str, object], ...]] = {"default": ()}
+  for ipt in (1, 2, 8):
+    out[f"items_per_thread={ipt}"] = (("items_per_thread", ipt),)
+  if fused and rd.uses_bitmap(cfg, True, t, True):
+    out["bitmap_tokens=32"] = (("bitmap_tokens", 32),)
+    out["bitmap_group=2"] = (("bitmap_group", 2),)
+    out["scan_unroll=4"] = (("scan_unroll", 4),)
+    out["warp_scan"] = (("warp_scan_max_tokens", t),)
+    out["xla_last_writer"] = (("bitmap_dedupe", False),)
+  elif fused and t > rd.UNROLLED_SCAN_MAX:
+    out["bitmap"] = (("warp_scan_max_tokens", rd.UNROLLED_SCAN_MAX),)
+  return out
+
+
+def _config(t, h, fused, tuning=()):
+  """:func:`default_config` with ``tuning``'s (name, value) overrides (names: the TuningConfig fields)."""
+  from mla_pallas.kernels import rope_direct as rd
+  kw = dict(tuning)
+  if set(kw) - rd.knobs():
+    raise ValueError(f"tuning for the direct rope kernel takes {sorted(rd.knobs())}; got {sorted(kw)}")
+  return dataclasses.replace(default_config(t, h, fused), **kw)
+
+
+def _kernel_supported(op, kv, q_rope, num_slots=None):
   """``supported`` callable for :func:`_dispatch.choose`: raises NotImplementedError for inputs the kernel lacks."""
   def check():
-    arch = _dispatch.mosaic_arch(interpret)
+    arch = _dispatch.mosaic_arch(False)
     if arch != "sm90":
       raise NotImplementedError(f"{op} has a Mosaic GPU kernel for sm_90 (Hopper) only; this device needs the "
                                 f"{arch} kernel, which does not exist yet")
@@ -131,164 +159,30 @@ def _kernel_supported(op, kv, q_rope, interpret, num_slots=None):
     t, h = q_rope.shape[:2]
     if t == 0 or h == 0:
       raise NotImplementedError(f"{op}: no Mosaic GPU kernel for T = 0 or H = 0; got T={t}, H={h}")
-    tiled = interpret or not _direct_fits(t, h)   # the direct kernel takes any H; the tiled one runs otherwise
-    if tiled and h % KERNEL_HEAD_MULTIPLE and KERNEL_HEAD_MULTIPLE % h:
-      raise NotImplementedError(f"{op}: no Mosaic GPU kernel for these inputs: the tiled kernel (interpret mode, "
-                                f"or T * H * 8 >= 2^31) needs H a multiple or a divisor of {KERNEL_HEAD_MULTIPLE}; "
-                                f"got T={t}, H={h}")
     if num_slots is not None and num_slots == 0:
       raise NotImplementedError(f"{op}: no Mosaic GPU kernel for an empty cache")
   return check
 
 
-def _swap_matrix(interleaved):
-  """[64, 64] bf16 0/1 matrix P with (x @ P)[:, n] = x[:, partner(n)] (the other member of n's rotation pair)."""
-  n = np.arange(D_ROPE)
-  partner = n ^ 1 if interleaved else (n + D_ROPE // 2) % D_ROPE
-  p = np.zeros((D_ROPE, D_ROPE), np.float32)
-  p[partner, n] = 1.0
-  return jnp.asarray(p, jnp.bfloat16)
+def _choose(op, impl, interpret, supported):
+  """"mosaic" or "xla" for one call (recorded by :func:`_dispatch.last_impl`). The kernel is raw Mosaic GPU
+  (``plgpu.inline_mgpu``), which interpret mode cannot run: with ``interpret`` every impl takes the XLA path (so a
+  graph run in interpret mode with ``impl="mosaic"`` runs its other kernels and reports this step as "xla")."""
+  if interpret and impl != "xla":
+    _dispatch.check_impl(impl)
+    _log.info("%s: interpret mode runs the XLA path (the kernel is raw Mosaic GPU, not interpretable)", op)
+    return _dispatch.record(op, "xla")
+  return _dispatch.choose(op, impl, interpret=False, supported=supported, validated_on=_VALIDATED_ON)
 
 
-def _kernel_tables(positions, cos, sin, interleaved, rows=None):
-  """Per-token tables arranged per column, [T, 64] f32 each: y = x * C + swap(x) * S (see the kernel doc)."""
-  half = D_ROPE // 2
-  p = jnp.clip(positions, 0, cos.shape[0] - 1)
-  if rows is not None and rows != p.shape[0]:
-    p = jnp.pad(p, (0, rows - p.shape[0]))
-  c = jnp.take(cos, p, axis=0, mode="clip")
-  s = jnp.take(sin, p, axis=0, mode="clip")
-  if interleaved:
-    return jnp.repeat(c, 2, axis=1), jnp.stack([-s, s], axis=-1).reshape(p.shape[0], 2 * half)
-  return jnp.concatenate([c, c], axis=1), jnp.concatenate([-s, s], axis=1)
-
-
-def _num_sms() -> int:
-  """SM count of the default GPU (one CTA per SM); 132 (H100 SXM / H200) without a GPU."""
-  dev = jax.devices()[0]
-  return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
-
-
-# Interpret mode runs each warpgroup on its own thread, and a barrier wait blocks a thread of XLA:CPU's callback
-# pool (about one per core): with more warpgroups than that waiting on each other's copies, the interpreter can
-# starve (tests/test_sparse_decode_sm100.py saw the same). The default config takes at most this many warpgroups
-# in interpret mode; an explicit ``warpgroups`` is kept.
-INTERPRET_MAX_WARPGROUPS = 2
-
-
-def _kernel_config(t, h, fused, tuning=(), interpret=False):
-  """The kernel's TuningConfig: :func:`~mla_pallas.kernels.rope_rmsnorm.default_config` for the shape, then
-  ``tuning`` ((name, value) pairs: tests, benchmarks) overrides; the grid (tokens_per_cta, ctas) is re-derived for
-  the overridden config (:func:`~mla_pallas.kernels.rope_rmsnorm.grid_for`) unless given, and without an explicit
-  ``stages`` the deepest ring (default's, 3, 2) that fits the overridden grid is taken. Outside interpret mode
-  ``gather_tables`` is on at T <= GATHER_TABLES_MAX_TOKENS (the kernel module's measured rule)."""
-  from mla_pallas.kernels import rope_rmsnorm as rk
-  kw = dict(tuning)
-  if interpret and "warpgroups" not in kw:
-    kw["warpgroups"] = min(rk.TuningConfig().warpgroups, INTERPRET_MAX_WARPGROUPS)
-  cfg = rk.default_config(t, h, fused, _num_sms())
-  if not interpret and t <= rk.GATHER_TABLES_MAX_TOKENS:   # interpret mode has no inline_mgpu: the pre-pass
-    cfg = dataclasses.replace(cfg, gather_tables=True)
-  if kw:
-    kw.setdefault("tokens_per_cta", None)
-    kw.setdefault("ctas", None)
-    if "stages" not in kw:   # a grid override may need a shallower ring than the default's to fit in SMEM
-      for stages in sorted({cfg.stages, 3, 2}, reverse=True):
-        c = dataclasses.replace(cfg, **kw, stages=stages)
-        try:
-          rk.grid_for(c, t, h, fused, _num_sms())     # raises ValueError when the grid's SMEM does not fit
-          return c
-        except ValueError:
-          if stages == 2:
-            raise
-    cfg = dataclasses.replace(cfg, **kw)
-  return cfg
-
-
-# Two kernels: the direct one (kernels/rope_direct.py, GMEM -> registers -> GMEM; raw Mosaic GPU, so not in
-# interpret mode) and the tiled one (kernels/rope_rmsnorm.py: TMA, wgmma pair swap, SMEM staging). H200,
-# 2026-11-30j (benchmarks/RESULTS.md "rope direct"): the direct kernel was faster at every measured shape, T = 1 to
-# 20000, H = 1 to 128 (e.g. fused T = 1 1.2 vs 3.5 us, T = 4096 H = 128 36.5 vs 44.7 us, T = 8192 H = 16 15.0 vs
-# 30.6 us), so it is the default wherever it runs; the tiled kernel runs in interpret mode, past the direct
-# kernel's int32 item count, and on request. ``tuning`` may pick either: ("kernel", "direct" | "tiled"); the
-# direct kernel's knobs are the fields of rope_direct.TuningConfig.
-
-
-def _direct_fits(t, h):
+@functools.partial(jax.jit, static_argnames=("interleaved", "tuning"))
+def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, tuning=()):
   from mla_pallas.kernels import rope_direct as rd
-  return rd.fits(t, h)
-
-
-def _direct_config(t, tuning=(), interpret=False, h=1):
-  """The direct kernel's TuningConfig when the op runs it for T = t tokens of H = h heads, else None (the tiled
-  kernel): by default outside interpret mode (which has no ``inline_mgpu``) while T · H · 8 fits in int32, unless
-  ``tuning`` sets a knob of the tiled kernel; ``tuning``'s ("kernel", ..) entry overrides the choice."""
-  from mla_pallas.kernels import rope_direct as rd
-  kw = dict(tuning)
-  kernel = kw.pop("kernel", None)
-  if kernel not in (None, "direct", "tiled"):
-    raise ValueError(f"tuning's kernel must be 'direct' or 'tiled'; got {kernel!r}")
-  own = rd.knobs()
-  if kernel == "direct":
-    if interpret:
-      raise NotImplementedError("the direct rope kernel needs plgpu.inline_mgpu, which interpret mode lacks")
-    if set(kw) - own:
-      raise ValueError(f"tuning for the direct rope kernel takes {sorted(own)}; got {sorted(kw)}")
-  elif kernel == "tiled" or interpret or not _direct_fits(t, h) or set(kw) - own:
-    return None
-  return rd.TuningConfig(**kw)
-
-
-def _tiled_tuning(tuning):
-  """``tuning`` without the kernel choice and the direct kernel's knobs (the tiled kernel's overrides)."""
-  from mla_pallas.kernels import rope_direct as rd
-  return tuple((k, v) for k, v in tuning if k != "kernel" and k not in rd.knobs())
-
-
-def _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest=None, gather=False):
-  """The kernel's inputs: views of kv / q_rope (copies only where a row count needs padding to a multiple of 8:
-  odd T > 8, and H < 8), then the tables: C | S as int32 bits, [T, 128], with (fused) the sanitised slots ``dest``
-  in column 128 of [T, 132] (one fused XLA gather + concatenate: one kernel, not two); with ``gather``
-  (TuningConfig.gather_tables) the raw positions, cos, sin (and ``dest``) instead, no XLA work."""
-  from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
-  if gather:
-    tables = (positions, cos, sin) + ((dest,) if dest is not None else ())
-  else:
-    c_tab, s_tab = _kernel_tables(positions, cos, sin, interleaved)
-    cols = [jax.lax.bitcast_convert_type(c_tab, jnp.int32), jax.lax.bitcast_convert_type(s_tab, jnp.int32)]
-    if dest is not None:
-      cols += [dest[:, None], jnp.zeros((t, rk.TAB_COLS_FUSED - 2 * D_ROPE - 1), jnp.int32)]
-    tables = (jnp.concatenate(cols, axis=1),)
-  w = norm_weight.reshape(D_V // 64, 64)
-  kv_rows, q_rows = rk.kv_rows_for(t), rk.q_rows_for(t, h)
-  kv_in = jnp.pad(kv, ((0, kv_rows - t), (0, 0))) if kv_rows != t else kv
-  q2 = q_rope.reshape(t * h, D_ROPE)
-  q_in = jnp.pad(q2, ((0, q_rows - t * h), (0, 0))) if q_rows != t * h else q2
-  return (kv_in.reshape(kv_rows, D_QK // 64, 64), q_in, *tables, w, _swap_matrix(interleaved))
-
-
-def _q_out(q_out, t, h):
-  return (q_out[:t * h] if q_out.shape[0] != t * h else q_out).reshape(t, h, D_ROPE)
-
-
-@functools.partial(jax.jit, static_argnames=("interleaved", "interpret", "tuning"))
-def _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, eps, *, interleaved, interpret, tuning=()):
-  from mla_pallas.kernels import rope_direct as rd
-  from mla_pallas.kernels import rope_rmsnorm as rk
-  t, h, _ = q_rope.shape
-  dcfg = _direct_config(t, tuning, interpret, h)
-  if dcfg is not None:
-    kern = rd.build(t, h, 0, False, dcfg, interleaved=interleaved)
-    q_out, kv_out = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
-                         eps.astype(jnp.float32).reshape(1))
-    return kv_out, q_out.reshape(t, h, D_ROPE)
-  cfg = _kernel_config(t, h, False, _tiled_tuning(tuning), interpret)
-  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, gather=cfg.gather_tables)
-  kern = rk.build(t, h, 0, False, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms(),
-                  interleaved=interleaved)
-  q_out, kv_out = kern(*args, eps.astype(jnp.float32).reshape(1))
-  return kv_out.reshape(t, D_QK), _q_out(q_out, t, h)
+  kern = rd.build(t, h, 0, False, _config(t, h, False, tuning), interleaved=interleaved)
+  q_out, kv_out = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
+                       eps.astype(jnp.float32).reshape(1))
+  return kv_out, q_out.reshape(t, h, D_ROPE)
 
 
 def _dest_slots(slots, num_slots, unique_slots: bool, invalid: int):
@@ -298,41 +192,21 @@ def _dest_slots(slots, num_slots, unique_slots: bool, invalid: int):
   return jnp.where(keep, slots, invalid)
 
 
-@functools.partial(jax.jit, static_argnames=("interleaved", "interpret", "tuning", "unique_slots"),
-                   donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("interleaved", "tuning", "unique_slots"), donate_argnums=(0,))
 def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved,
-                  interpret, tuning=(), unique_slots=False):
+                  tuning=(), unique_slots=False):
   from mla_pallas.kernels import rope_direct as rd
-  from mla_pallas.kernels import rope_rmsnorm as rk
   t, h, _ = q_rope.shape
   num_slots = pages.size // D_QK
-  from mla_pallas.kernels import rope_tables
-  dcfg = _direct_config(t, tuning, interpret, h)
-  if dcfg is not None:
-    in_kernel = t <= dcfg.warp_scan_max_tokens or dcfg.bitmap_dedupe
-    # raw slots where the kernel needs no help (one writer per slot promised, or its own last-writer check)
-    dest = slots if unique_slots or in_kernel else _dest_slots(slots, num_slots, False, -1)
-    kern = rd.build(t, h, num_slots, True, dcfg, interleaved=interleaved,
-                    dedupe=in_kernel and t > 1 and not unique_slots)
-    cache = jax.new_ref(pages.reshape(num_slots, D_QK))   # mutable ref: aliased in place by the kernel
-    (q_out,) = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
-                    eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), dest, cache)
-    return jax.freeze(cache).reshape(pages.shape), q_out.reshape(t, h, D_ROPE)
-  tuning = _tiled_tuning(tuning)
-  cfg = _kernel_config(t, h, True, tuning, interpret)
-  dedupe = cfg.gather_tables and not unique_slots and 1 < t <= rope_tables.DEDUPE_MAX_TOKENS
-  if cfg.gather_tables and (unique_slots or t <= rope_tables.DEDUPE_MAX_TOKENS):
-    # raw slots, no XLA work: one writer per slot (the kernel's range check is all the sanitising), or the kernel
-    # finds each slot's last writer itself (dedupe)
-    dest = slots
-  else:
-    dest = _dest_slots(slots, num_slots, unique_slots, -1)
-  args = _kernel_common(kv, q_rope, positions, cos, sin, norm_weight, interleaved, dest, gather=cfg.gather_tables)
-  kern = rk.build(t, h, num_slots, True, cfg, interpret=interpret, w_dtype=norm_weight.dtype, num_sms=_num_sms(),
-                  interleaved=interleaved, dedupe=dedupe)
-  cache = jax.new_ref(pages.reshape(num_slots, D_QK // 64, 64))   # mutable ref: aliased in place by the kernel
-  (q_out,) = kern(*args, eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), cache)
-  return jax.freeze(cache).reshape(pages.shape), _q_out(q_out, t, h)
+  cfg = _config(t, h, True, tuning)
+  in_kernel = t <= cfg.warp_scan_max_tokens or cfg.bitmap_dedupe
+  # raw slots where the kernel needs no help (one writer per slot promised, or its own last-writer check)
+  dest = slots if unique_slots or in_kernel else _dest_slots(slots, num_slots, False, -1)
+  kern = rd.build(t, h, num_slots, True, cfg, interleaved=interleaved, dedupe=in_kernel and t > 1 and not unique_slots)
+  cache = jax.new_ref(pages.reshape(num_slots, D_QK))   # mutable ref: aliased in place by the kernel
+  (q_out,) = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
+                  eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), dest, cache)
+  return jax.freeze(cache).reshape(pages.shape), q_out.reshape(t, h, D_ROPE)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -420,11 +294,11 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
     norm_weight: [512] bfloat16/float32 (kv_a_layernorm weight).
     eps: python float or f32 scalar.
     interleaved: python bool, see :func:`rope`.
-    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernels for bfloat16 kv/q_rope (module docstring: on a
-      Hopper GPU the direct kernel, any H; with ``interpret`` the tiled kernel, H % 64 == 0 or 64 % H == 0); otherwise
-      NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path by one bf16
-      ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
-    interpret: run the kernel in Pallas' GPU interpret mode (CPU): True or a ``plgpu.InterpretGPUParams``.
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel for bfloat16 kv/q_rope, any T and H, on a Hopper
+      GPU; otherwise NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path
+      by one bf16 ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
+    interpret: True (or a ``plgpu.InterpretGPUParams``): the XLA path under every impl, recorded as "xla" (the
+      kernel is raw Mosaic GPU, which interpret mode cannot run; module docstring).
 
   Returns:
     (kv_out [T, 576] in kv's dtype, q_rope_out [T, H, 64] in q_rope's dtype):
@@ -433,13 +307,10 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
   """
   _dispatch.check_impl(impl)
   interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
-  used = _dispatch.choose("rope_rmsnorm", impl, interpret=interpret,
-                          supported=_kernel_supported("rope_rmsnorm", kv, q_rope, interpret),
-                          validated_on=_VALIDATED_ON,
-                          slower_than_xla=_slower_than_xla("rope_rmsnorm", kv.shape[0], q_rope.shape[1]))
+  used = _choose("rope_rmsnorm", impl, interpret, _kernel_supported("rope_rmsnorm", kv, q_rope))
   if used == "mosaic":
     return _rope_rmsnorm_mosaic(kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
-                                interleaved=interleaved, interpret=interpret)
+                                interleaved=interleaved)
   return _rope_rmsnorm_jit(kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                            interleaved=interleaved)
 
@@ -448,25 +319,19 @@ def rope_rmsnorm(kv, q_rope, positions, cos, sin, norm_weight, *, eps, interleav
 # fused rope + rms norm + fp8 quantization + cache write
 # ---------------------------------------------------------------------------------------------------------
 
-# Up to this many tokens the duplicate check compares all pairs (T^2 booleans). H200 (2026-11-30): standalone the
-# pairwise form was faster up to T = 1024, but XLA fuses it into the table gather of the pre-pass, which then took
-# 8.3 us at T = 512 (H = 128) against 3.6 us for the scatter-max form's three kernels at T = 1024; at T = 128 the
-# fused pairwise form added ~1 us.
+# Up to this many tokens the XLA duplicate check compares all pairs (T^2 booleans); above, a scatter-max over the
+# slots (docs/kernels/rope_direct.md).
 PAIRWISE_MAX_T = 128
 
 
-def _last_writer(slots, num_slots, pairwise_max_t=None):
-  """[T] bool: slot in [0, num_slots) and no later token (higher t) writes the same slot.
-
-  No sort (an argsort of 4096 slots took 32 us on an H200, a third of the fused op): for T <= PAIRWISE_MAX_T all
-  pairs are compared; beyond, a scatter-max of the token index over a [num_slots] int32 array (a memset of
-  4 · num_slots bytes plus T scattered writes) finds each slot's last writer. ``pairwise_max_t`` overrides
-  PAIRWISE_MAX_T (benchmarks/rope_v3_gpu.sh times both forms).
-  """
+def _last_writer(slots, num_slots):
+  """[T] bool: slot in [0, num_slots) and no later token (higher t) writes the same slot. No sort: for
+  T <= PAIRWISE_MAX_T all pairs are compared; beyond, a scatter-max of the token index over a [num_slots] int32
+  array (a memset of 4 · num_slots bytes plus T scattered writes) finds each slot's last writer."""
   t = slots.shape[0]
   in_range = (slots >= 0) & (slots < num_slots)
   tok = jnp.arange(t, dtype=jnp.int32)
-  if t <= (PAIRWISE_MAX_T if pairwise_max_t is None else pairwise_max_t):
+  if t <= PAIRWISE_MAX_T:
     later_same = (slots[None, :] == slots[:, None]) & (tok[None, :] > tok[:, None])   # [t, t'] t' > t, same slot
     return in_range & ~jnp.any(later_same, axis=1)
   safe = jnp.where(in_range, slots, num_slots)                        # out of range: dropped by the scatter
@@ -510,15 +375,14 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
       slots: the last token (highest t) wins.
     interleaved: python bool, see :func:`rope`.
     unique_slots: python bool, like ``unique_indices`` of JAX scatters: True promises that no two tokens share a
-      slot in [0, num_slots) (a serving engine's fresh slots), which skips the duplicate-slot check (in the direct
-      kernel; H200: 0.4-2.0 µs at T = 512-8192; the XLA path's scan is 1-3 small kernels). If
-      the promise is broken, the duplicated slots' rows are unspecified (possibly parts of different tokens' rows);
-      other slots are exact.
-    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernels for bfloat16 kv/q_rope (module docstring: on a
-      Hopper GPU the direct kernel, any H; with ``interpret`` the tiled kernel, H % 64 == 0 or 64 % H == 0); otherwise
-      NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path by one bf16
-      ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
-    interpret: run the kernel in Pallas' GPU interpret mode (CPU): True or a ``plgpu.InterpretGPUParams``.
+      slot in [0, num_slots) (a serving engine's fresh slots), which skips the duplicate-slot check (in the kernel
+      and in the XLA path). If the promise is broken, the duplicated slots' rows are unspecified (possibly parts of
+      different tokens' rows); other slots are exact.
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90 kernel for bfloat16 kv/q_rope, any T and H, on a Hopper
+      GPU; otherwise NotImplementedError ("auto" then runs XLA). The kernel's results may differ from the XLA path
+      by one bf16 ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
+    interpret: True (or a ``plgpu.InterpretGPUParams``): the XLA path under every impl, recorded as "xla" (the
+      kernel is raw Mosaic GPU, which interpret mode cannot run; module docstring).
 
   Returns:
     (new_pages, q_rope_out): new_pages has pages' shape and dtype with
@@ -538,15 +402,11 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
   unique_slots = _check_bool("unique_slots", unique_slots)
   num_slots = pages.size // D_QK
-  used = _dispatch.choose("fused_rope_rmsnorm_quantization", impl, interpret=interpret,
-                          supported=_kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, interpret,
-                                                      num_slots),
-                          validated_on=_VALIDATED_ON,
-                          slower_than_xla=_slower_than_xla("fused_rope_rmsnorm_quantization", t,
-                                                           q_rope.shape[1]))
+  used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
+                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots))
   if used == "mosaic":
     return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
-                         jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved, interpret=interpret,
+                         jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved,
                          unique_slots=unique_slots)
   return _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                     jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved, unique_slots=unique_slots)
