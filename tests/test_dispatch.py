@@ -75,17 +75,3 @@ def test_auto_skips_kernel_measured_slower(fake_arch):
   # an explicit request and interpret mode ignore the measurement
   assert _dispatch.choose("op_f", "mosaic", interpret=False, supported=_ok, slower_than_xla=slow) == "mosaic"
   assert _dispatch.choose("op_f", "auto", interpret=True, supported=_ok, slower_than_xla=slow) == "mosaic"
-
-
-def test_graph_kernels_auto_rules():
-  """bmm / rope ops: auto takes the kernel only at the sizes where the H200 measured it faster than XLA."""
-  from mla_pallas.ops import bmm_fp8, rope_rmsnorm
-  assert bmm_fp8._slower_than_xla(1)() is None           # faster at every measured T since 2026-11-30g
-  assert bmm_fp8._slower_than_xla(bmm_fp8.AUTO_MIN_TOKENS)() is None
-  # the direct rope kernel: faster at every measured T and H since 2026-11-30j
-  assert rope_rmsnorm._slower_than_xla("op", 1, 128)() is None
-  assert rope_rmsnorm._slower_than_xla("op", 1, 1)() is None
-  assert rope_rmsnorm._slower_than_xla("op", 128, 8)() is None
-  assert rope_rmsnorm._slower_than_xla("op", 128, 128)() is None
-  assert rope_rmsnorm._slower_than_xla("op", 8192, 16)() is None
-  assert rope_rmsnorm._slower_than_xla("op", 4096, 128)() is None
