@@ -27,6 +27,11 @@ FP8 = jnp.float8_e4m3fn
 OP = "quantize_and_bmm_fp8"
 
 
+def cfg(t, k, n, h, tuning=(), fusable=True):
+  """The op's kernel config on a 132-SM GPU."""
+  return bmm_mod.default_config(t, k, n, h, fusable=fusable, tuning=(("max_ctas", 132),) + tuning)
+
+
 def make_inputs(rng, t, h, k, n):
   """a with rows of very different magnitudes and one all-zero row; w whose 128x128 blocks have scales spread
   over ~e^±2, so that a wrong block scale (or a wrong head/column/row offset) shows up."""
@@ -128,17 +133,14 @@ def test_in_kernel_quantization_is_bitwise_the_prepass(rng, t, k, n):
 
 
 def test_in_kernel_quantization_default_rule():
-  cfg = bmm_mod._kernel_config
-  assert cfg(512, t=1, k=128, fusable=True).quantize_k == 128                 # decode: no pre-pass launches
-  assert cfg(512, t=bmm_mod.FUSED_QUANT_MAX_TOKENS + 1, k=128, fusable=True).quantize_k is None
-  assert cfg(512, t=1, k=128, fusable=False).quantize_k is None               # per-tensor or float32 a
-  assert cfg(512, t=8, k=192, fusable=True).quantize_k == 192
-  assert cfg(256, t=8, k=512, fusable=True).quantize_k == 512                 # one bf16 A buffer
-  assert cfg(128, t=8, k=512, fusable=True).quantize_k == 512   # wg_split "m": fits with the fp8 rows in registers
-  assert cfg(128, (("a_registers", False),), t=8, k=512, fusable=True).quantize_k is None   # fp8 tiles: no room
-  assert cfg(256, (("quantize_k", 512),), t=8, k=512).quantize_k == 512        # explicit override
+  assert cfg(1, 128, 512, 128).quantize_k == 128                              # decode: no pre-pass launches
+  assert cfg(bmm_mod.FUSED_QUANT_MAX_TOKENS + 1, 128, 512, 128).quantize_k is None
+  assert cfg(1, 128, 512, 128, fusable=False).quantize_k is None              # per-tensor or float32 a
+  assert cfg(8, 192, 512, 64).quantize_k == 192
+  assert cfg(128, 512, 128, 128).quantize_k == 512   # wg_split "m": fits with the fp8 rows in registers
+  assert cfg(200, 512, 256, 64, (("quantize_k", 512),)).quantize_k == 512     # explicit override
   with pytest.raises(ValueError, match="SMEM"):                                # bf16 A tile too big for SMEM
-    cfg(128, (("quantize_k", 512), ("a_registers", False)), t=8, k=512)
+    cfg(8, 512, 128, 128, (("quantize_k", 512), ("a_quant", "smem"), ("wg_split", "m")))
   with pytest.raises(ValueError, match="quantize_k"):
     kbmm.TuningConfig(quantize_k=100)
   with pytest.raises(ValueError, match="quantize_k=128 must equal K=192"):
@@ -158,6 +160,17 @@ def test_auto_runs_kernel_in_interpret_mode_and_falls_back(rng):
     assert_matches_reference(out, a, w8, ws, "per_token")
     with pytest.raises(NotImplementedError, match=what):
       mla_pallas.quantize_and_bmm_fp8(a, w8, ws, impl="mosaic", interpret=True)
+
+
+def test_auto_takes_the_kernel_at_every_t_on_sm90(monkeypatch):
+  """On an sm_90 GPU "auto" takes the kernel wherever it takes the shape, T = 1 included (no token threshold: the
+  kernel measured faster than XLA at every measured T, docs/kernels/bmm_fp8.md); per-tensor scales too."""
+  monkeypatch.setattr(_dispatch, "gpu_arch", lambda: (9, 0))
+  for t, k, n, h, fusable in [(1, 128, 512, 128, True), (1, 512, 128, 128, False), (4096, 192, 512, 64, True)]:
+    supported = bmm_mod._kernel_supported((t, h, k), n, fusable, False)
+    assert _dispatch.choose(OP, "auto", interpret=False, supported=supported) == "mosaic", (t, k, n)
+  assert _dispatch.choose(OP, "auto", interpret=False,
+                          supported=bmm_mod._kernel_supported((1, 128, 200), 512, True, False)) == "xla"
 
 
 def test_weight_layouts_agree_on_xla_path(rng):
@@ -235,38 +248,40 @@ def test_lowers_for_sm90(k, n, t, act_scale, sub_n):
 def test_default_sub_n_where_it_saves_a_wave():
   """sub_n=2 (64 x 512 CTA tiles) is the default only at T <= SUB_N_MAX_TOKENS, N % 512 == 0, K / 64 <= stages,
   and where halving the tile count saves a wave over the SMs; an explicit sub_n always wins."""
-  cfg = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h)
-  assert cfg(512, 8, 128, 128).sub_n == 2       # DeepSeek W_UK: 256 tiles (2 waves) -> 128 (1 wave)
-  assert cfg(512, 1, 192, 64).sub_n == 1        # GLM-5 W_UK: 128 tiles, one wave either way
-  assert cfg(512, 8, 128, 128, (("sub_n", 1),)).sub_n == 1
-  assert cfg(512, 256, 192, 64).sub_n == 2      # GLM-5 W_UK T = 256: 512 tiles (4 waves) -> 256 (2 waves)
-  assert cfg(512, 4096, 128, 128).sub_n == 1    # prefill sizes: not measured, 64 x 256 tiles
-  assert cfg(256, 8, 512, 128).sub_n == 1       # N % 512 != 0
-  assert cfg(512, 8, 512, 128).sub_n == 1       # K / 64 = 8 chunks > 4 ring slots
-  fused = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h,
-                                                               fusable=True)
+  pre = functools.partial(cfg, fusable=False)
+  assert pre(8, 128, 512, 128).sub_n == 2       # DeepSeek W_UK: 256 tiles (2 waves) -> 128 (1 wave)
+  assert pre(1, 192, 512, 64).sub_n == 1        # GLM-5 W_UK: 128 tiles, one wave either way
+  assert pre(8, 128, 512, 128, (("sub_n", 1),)).sub_n == 1
+  assert pre(256, 192, 512, 64).sub_n == 2      # GLM-5 W_UK T = 256: 512 tiles (4 waves) -> 256 (2 waves)
+  assert pre(4096, 128, 512, 128).sub_n == 1    # prefill sizes: not measured, 64 x 256 tiles
+  assert pre(8, 512, 256, 128).sub_n == 1       # N % 512 != 0
+  assert pre(8, 512, 512, 128).sub_n == 1       # K / 64 = 8 chunks > 4 ring slots
   # with the fp8 rows in registers (the default) two bf16 A tiles fit beside 64 x 512 tiles at K = 192; with the
   # fp8 SMEM tiles only one does
-  assert (fused(512, 256, 192, 64).sub_n, fused(512, 256, 192, 64).a_buffers) == (2, 2)
-  smem_a = (("a_registers", False),)
-  assert (fused(512, 256, 192, 64, smem_a).sub_n, fused(512, 256, 192, 64, smem_a).a_buffers) == (2, 1)
+  assert (cfg(256, 192, 512, 64).sub_n, cfg(256, 192, 512, 64).a_buffers) == (2, 2)
+  smem_a = (("a_quant", "smem"),)
+  assert (cfg(256, 192, 512, 64, smem_a).sub_n, cfg(256, 192, 512, 64, smem_a).a_buffers) == (2, 1)
   # an explicit a_buffers=2 does not fit beside 64 x 512 SMEM-operand tiles at K = 192: 64 x 256 tiles, no error
-  assert fused(512, 70, 192, 3, (("max_ctas", 2), ("a_buffers", 2)) + smem_a).sub_n == 1
+  assert cfg(70, 192, 512, 3, (("max_ctas", 2), ("a_buffers", 2)) + smem_a).sub_n == 1
 
 
 @pytest.mark.parametrize("t,h,k,n,tuning", [
-    (3, 2, 512, 128, (("tile_n", 64), ("a_registers", True))),        # DeepSeek W_UV's default tile at decode
-    (9, 3, 192, 256, (("tile_n", 64), ("share_quant", True), ("max_ctas", 2))),   # shared fp8 tile, 3 tiles/CTA
-    (70, 3, 128, 256, (("share_quant", True), ("max_ctas", 2), ("quant_passes", 2))),
-    (5, 2, 192, 512, (("quant_passes", 1), ("a_registers", False))),
+    (3, 2, 512, 128, (("tile_n", 64), ("a_quant", "registers"))),     # DeepSeek W_UV's tile at decode
+    (9, 3, 192, 256, (("tile_n", 64), ("a_quant", "smem"), ("max_ctas", 2))),   # 3 tiles per CTA
+    (70, 3, 128, 256, (("a_quant", "smem"), ("max_ctas", 2))),                   # 2 M tiles, 3 tiles per CTA
+    (5, 2, 192, 512, (("a_quant", "smem"),)),                          # one SMEM pass (K <= 512)
+    (5, 2, 576, 128, ()),          # the default at K = 576: "smem" with two SMEM passes (K > 512), one A buffer
     # runs the consumers' SMEM-tile quantization here (interpret mode has no inline_mgpu; see the lowering test)
-    (4, 2, 512, 256, (("producer_quant", True), ("a_registers", False), ("tile_n", 64))),
+    (4, 2, 512, 256, (("a_quant", "producer"), ("tile_n", 64))),
 ])
 def test_quantization_variants_are_bitwise_the_prepass(rng, t, h, k, n, tuning):
-  """64-column consumer tiles, the quantization split over the consumers (a barrier, one fp8 tile per tile
-  parity), one or two SMEM passes: same fp8 operands and wgmma chains as the pre-pass path, so the same bits;
-  races checked. ``a_registers`` runs the SMEM tile path here (interpret mode has no register-A wgmma; see the
-  lowering test below and tests/test_bmm_fp8_kernel_gpu.py)."""
+  """64-column consumer tiles, several tiles per CTA, one or two SMEM passes: same fp8 operands and wgmma chains as
+  the pre-pass path, so the same bits; races checked. "registers" and "producer" run the "smem" design here
+  (interpret mode has neither a register-A wgmma nor inline_mgpu; see the lowering tests below and
+  tests/test_bmm_fp8_kernel_gpu.py)."""
+  if k > kbmm.MAX_REGISTER_K:
+    c = cfg(t, k, n, h, tuning)
+    assert (c.quantize_k, c.a_quant, c.register_quant, c.a_buffers) == (k, "smem", False, 1)
   a, w8, ws = make_inputs(rng, t, h, k, n)
   wt = bmm_mod.prepare_weight(w8)
   run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
@@ -281,17 +296,17 @@ def test_quantization_variants_are_bitwise_the_prepass(rng, t, h, k, n, tuning):
 
 @pytest.mark.parametrize("k,n,t,h", [(512, 128, 24, 128), (512, 256, 17, 64), (128, 512, 9, 128)])
 def test_register_a_operand_lowers_for_sm90(k, n, t, h):
-  """The op's decode defaults past the producer_quant sizes keep the quantized rows in registers: every fp8 wgmma takes its A operand from
-  registers (four 32-bit registers, not an SMEM descriptor) and the fp8 values are made by e4m3x2 conversions
-  in registers."""
+  """The op's decode defaults past the producer sizes keep the quantized rows in registers: every fp8 wgmma
+  takes its A operand from registers (four 32-bit registers, not an SMEM descriptor) and the fp8 values are made
+  by e4m3x2 conversions in registers."""
   S = jax.ShapeDtypeStruct
   fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False)
   low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
                                S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
-  cfg = bmm_mod._kernel_config(n, t=t, k=k, h=h, fusable=True)
-  assert cfg.a_registers
-  shape = f"m64n{cfg.tile_n}k32"
-  per_consumer = cfg.sub_n * k // 32
+  c = bmm_mod.default_config(t, k, n, h)
+  assert c.a_quant == "registers"
+  shape = f"m64n{c.tile_n}k32"
+  per_consumer = c.sub_n * k // 32
   register_a = r"\{\$\d+,\$\d+,\$\d+,\$\d+\}"        # four 32-bit registers, not an SMEM descriptor
   wgmma = rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, "
   assert low.count(wgmma + register_a) == per_consumer
@@ -301,88 +316,99 @@ def test_register_a_operand_lowers_for_sm90(k, n, t, h):
 
 
 def test_quantization_knobs_and_narrow_tile_rule():
-  """tile_n / a_registers / quant_passes / share_quant validation, and the op's defaults: the producer quantizes
-  the rows at T <= 8 (T <= 16 at K = 512), the fp8 rows in registers elsewhere wherever quantize_k <= 512 with
-  wg_split "n"; 64 x 128 CTA tiles where they make one wave."""
+  """tile_n / a_quant validation, and the op's defaults: the producer quantizes the rows at T <= 8 (T <= 16 at
+  K = 512), the fp8 rows in registers elsewhere wherever quantize_k <= 512; 64 x 128 CTA tiles where they make
+  one wave."""
   with pytest.raises(ValueError, match="tile_n"):
     kbmm.TuningConfig(tile_n=32)
-  with pytest.raises(ValueError, match="quant_passes"):
-    kbmm.TuningConfig(quant_passes=3)
-  with pytest.raises(ValueError, match="quant_passes=1"):
-    kbmm.TuningConfig(quant_passes=1, quantize_k=1024, a_buffers=1, stages=2)
-  with pytest.raises(ValueError, match="share_quant"):
-    kbmm.TuningConfig(share_quant=True)                       # no in-kernel quantization
-  with pytest.raises(ValueError, match="share_quant"):
-    kbmm.TuningConfig(share_quant=True, quantize_k=128, wg_split="m")
-  with pytest.raises(ValueError, match="a_registers"):
-    kbmm.TuningConfig(a_registers=True)                       # no in-kernel quantization
-  with pytest.raises(ValueError, match="a_registers"):
-    kbmm.TuningConfig(a_registers=True, quantize_k=128, share_quant=True)
-  assert kbmm.TuningConfig(quantize_k=512, a_buffers=1).register_quant
-  assert not kbmm.TuningConfig(quantize_k=512, a_buffers=1, quant_passes=2).register_quant
-  cfg = lambda n, t, k, h, tuning=(): bmm_mod._kernel_config(n, (("max_ctas", 132),) + tuning, t=t, k=k, h=h,
-                                                             fusable=True)
-  uv = cfg(128, 8, 512, 128)                                  # DeepSeek W_UV: 128 tiles of 64 x 128
-  assert (uv.tile_n, uv.wg_split, uv.quantize_k, uv.a_registers, uv.producer_quant) == (64, "n", 512, False, True)
+  with pytest.raises(ValueError, match="a_quant"):
+    kbmm.TuningConfig(quantize_k=128, a_quant="shared")
+  with pytest.raises(ValueError, match="a_quant='registers' needs in-kernel"):
+    kbmm.TuningConfig(a_quant="registers")                    # no in-kernel quantization
+  with pytest.raises(ValueError, match="quantize_k <= 512"):
+    kbmm.TuningConfig(a_quant="registers", quantize_k=576, a_buffers=1)
+  assert kbmm.TuningConfig(quantize_k=512, a_buffers=1).register_quant      # "smem": one SMEM pass
+  assert not kbmm.TuningConfig(quantize_k=576, a_buffers=1, tile_n=64).register_quant   # two passes
+  uv = cfg(8, 512, 128, 128)                                  # DeepSeek W_UV: 128 tiles of 64 x 128
+  assert (uv.tile_n, uv.wg_split, uv.quantize_k, uv.a_quant) == (64, "n", 512, "producer")
   for t, k, n, h, pq in [(16, 512, 128, 128, True), (17, 512, 128, 128, False), (8, 128, 512, 128, True),
                          (9, 192, 512, 64, False), (1, 192, 512, 64, True), (64, 512, 256, 64, False)]:
-    c = cfg(n, t, k, h)
-    assert (c.producer_quant, c.a_registers) == (pq, not pq), (t, k, n, h)
-  assert not cfg(128, 8, 512, 128, (("a_registers", True),)).producer_quant   # an explicit quantization knob wins
+    assert cfg(t, k, n, h).a_quant == ("producer" if pq else "registers"), (t, k, n, h)
+  assert cfg(8, 512, 128, 128, (("a_quant", "registers"),)).a_quant == "registers"   # an explicit a_quant wins
   # one output tile per CTA only (as measured): H = 256: 256 tiles of 64 x 512 over 132 CTAs
-  many = cfg(512, 4, 192, 256)
-  assert (many.producer_quant, many.a_registers) == (False, True)
-  assert cfg(512, 4, 192, 256, (("producer_quant", True), ("a_registers", False))).producer_quant
-  assert cfg(128, 8, 512, 128, (("quantize_k", None),)).quantize_k is None
-  assert cfg(256, 64, 512, 64).tile_n == 64                   # GLM-5 W_UV T = 64: 128 tiles
-  assert cfg(256, 65, 512, 64).tile_n == 128                  # 256 tiles: two waves
-  uv128 = cfg(128, 128, 512, 128)          # two waves of 64 x 128: 128 x 128, in-kernel quantization in registers
-  assert (uv128.tile_n, uv128.wg_split, uv128.quantize_k, uv128.a_registers, uv128.a_buffers) == (128, "m", 512,
-                                                                                                  True, 1)
-  assert cfg(128, 128, 512, 128, (("a_registers", False),)).quantize_k is None   # fp8 SMEM tiles: no room
-  uk = cfg(512, 1, 128, 128)                                  # DeepSeek W_UK: 512 narrow tiles; 64 x 512 stays
-  assert (uk.tile_n, uk.sub_n, uk.producer_quant) == (128, 2, True)
-  assert cfg(128, 8, 512, 128, (("wg_split", "m"),)).tile_n == 128      # an explicit tile shape wins
-  assert not cfg(512, 8, 128, 128, (("share_quant", True),)).a_registers
+  assert cfg(4, 192, 512, 256).a_quant == "registers"
+  assert cfg(4, 192, 512, 256, (("a_quant", "producer"),)).a_quant == "producer"
+  assert cfg(8, 512, 128, 128, (("quantize_k", None),)).quantize_k is None
+  assert cfg(64, 512, 256, 64).tile_n == 64                   # GLM-5 W_UV T = 64: 128 tiles
+  assert cfg(65, 512, 256, 64).tile_n == 128                  # 256 tiles: two waves
+  uv128 = cfg(128, 512, 128, 128)          # two waves of 64 x 128: 128 x 128, in-kernel quantization in registers
+  assert (uv128.tile_n, uv128.wg_split, uv128.quantize_k, uv128.a_quant, uv128.a_buffers) == (128, "m", 512,
+                                                                                              "registers", 1)
+  assert cfg(128, 512, 128, 128, (("a_quant", "smem"),)).quantize_k is None   # fp8 SMEM tiles: no room
+  uk = cfg(1, 128, 512, 128)                                  # DeepSeek W_UK: 512 narrow tiles; 64 x 512 stays
+  assert (uk.tile_n, uk.sub_n, uk.a_quant) == (128, 2, "producer")
+  assert cfg(8, 512, 128, 128, (("wg_split", "m"),)).tile_n == 128      # an explicit tile shape wins
+  assert cfg(5, 576, 128, 2).a_quant == "smem"                # K > 512: the consumers' fp8 SMEM tiles
 
 
 def test_in_kernel_quantization_buffers():
   """Two bf16 A buffers where they fit (K <= 192; K = 512 with the fp8 rows in registers), one at K = 512 with the
   fp8 SMEM tiles; a_buffers is checked."""
-  cfg = bmm_mod._kernel_config
-  assert cfg(512, t=8, k=128, fusable=True).a_buffers == 2
-  assert cfg(256, (("quantize_k", 512),), t=8, k=512).a_buffers == 2
-  assert cfg(256, (("quantize_k", 512), ("a_registers", False)), t=8, k=512).a_buffers == 1
+  assert cfg(8, 128, 512, 128).a_buffers == 2
+  assert cfg(32, 512, 256, 64, (("quantize_k", 512),)).a_buffers == 2
+  assert cfg(32, 512, 256, 64, (("quantize_k", 512), ("a_quant", "smem"))).a_buffers == 1
   with pytest.raises(ValueError, match="a_buffers"):
     kbmm.TuningConfig(a_buffers=3)
 
 
+def test_default_config_and_sweep_configs():
+  """default_config is what the op runs (the MLA shapes' designs at decode and prefill sizes); sweep_configs
+  starts with "default": (), and every entry is a distinct valid config of the op's tuning keyword."""
+  designs = {(t, k, n, h): (c.quantize_k is not None, c.a_quant, c.tile_n, c.sub_n, c.wg_split)
+             for t in (1, 64, 4096) for k, n, h in [(128, 512, 128), (512, 128, 128)]
+             for c in [bmm_mod.default_config(t, k, n, h)]}
+  assert designs == {
+      (1, 128, 512, 128): (True, "producer", 128, 2, "n"), (1, 512, 128, 128): (True, "producer", 64, 1, "n"),
+      (64, 128, 512, 128): (True, "registers", 128, 2, "n"), (64, 512, 128, 128): (True, "registers", 64, 1, "n"),
+      (4096, 128, 512, 128): (False, "smem", 128, 1, "n"), (4096, 512, 128, 128): (False, "smem", 128, 1, "m")}
+  for t, k, n, h in [(1, 128, 512, 128), (8, 512, 128, 128), (256, 192, 512, 64), (4096, 512, 256, 64)]:
+    sweep = bmm_mod.sweep_configs(t, k, n, h)
+    assert next(iter(sweep.items())) == ("default", ())
+    cfgs = [bmm_mod.default_config(t, k, n, h, tuning=v) for v in sweep.values()]
+    for c in cfgs:
+      kbmm.check_shapes(t, h, k, n, c)
+    assert len(set(cfgs)) == len(cfgs) >= 4, sweep
+    if t <= 256:
+      assert "prepass" in sweep and "a_quant=smem" in sweep
+  assert "a_quant=registers" in bmm_mod.sweep_configs(1, 128, 512, 128)
+
+
 @pytest.mark.parametrize("k,n,t,h", [(512, 128, 1, 128), (512, 256, 8, 64), (128, 512, 16, 128), (192, 512, 3, 64)])
 def test_producer_quant_lowers_for_sm90(k, n, t, h):
-  """TuningConfig.producer_quant (kernels/bmm_row_quant.py, raw Mosaic GPU): the producer quantizes the T rows, one
+  """TuningConfig.a_quant="producer" (kernels/bmm_row_quant.py, raw Mosaic GPU): the producer quantizes the T rows, one
   warp per row in rounds of 4 rows (unrolled: one 16-byte swizzled SMEM store and 8 paired e4m3 conversions per
   round), and every fp8 wgmma reads A from SMEM (a descriptor operand, not registers). Its numbers are checked on
   the GPU (tests/test_bmm_fp8_kernel_gpu.py, bitwise against the pre-pass path)."""
   S = jax.ShapeDtypeStruct
-  tuning = (("producer_quant", True), ("a_registers", False))
+  tuning = (("a_quant", "producer"),)
   fn = lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False, tuning)
   low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
                                S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
-  cfg = bmm_mod._kernel_config(n, tuning, t=t, k=k, h=h, fusable=True)
-  assert cfg.producer_quant and cfg.quantize_k == k
+  c = bmm_mod.default_config(t, k, n, h, tuning=tuning)
+  assert c.a_quant == "producer" and c.quantize_k == k
   rounds = -(-t // 4)
   assert low.count(r"st\.shared\.v4\.b32") == rounds
   assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 8 * rounds
-  wgmma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \$\d+, \$\d+, p"
-  assert low.count(wgmma) == low.count(r"wgmma\.mma_async") == cfg.sub_n * k // 32   # SMEM descriptors for A
+  wgmma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{c.tile_n}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \$\d+, \$\d+, p"
+  assert low.count(wgmma) == low.count(r"wgmma\.mma_async") == c.sub_n * k // 32   # SMEM descriptors for A
 
 
 def test_producer_quant_config_checks():
-  with pytest.raises(ValueError, match="producer_quant"):
-    kbmm.TuningConfig(quantize_k=512, producer_quant=True, a_registers=True)
-  with pytest.raises(ValueError, match="producer_quant"):
-    kbmm.TuningConfig(quantize_k=512, producer_quant=True, wg_split="m", a_buffers=1)
-  with pytest.raises(ValueError, match="producer_quant"):
-    kbmm.TuningConfig(producer_quant=True)                       # needs in-kernel quantization
-  with pytest.raises(NotImplementedError, match="producer_quant"):
-    kbmm.check_shapes(17, 128, 512, 128, kbmm.TuningConfig(quantize_k=512, producer_quant=True, tile_n=64))
+  with pytest.raises(ValueError, match="a_quant='producer' needs quantize_k <= 512"):
+    kbmm.TuningConfig(quantize_k=576, a_quant="producer", a_buffers=1)
+  with pytest.raises(ValueError, match="a_quant='producer'"):
+    kbmm.TuningConfig(quantize_k=512, a_quant="producer", wg_split="m", a_buffers=1)
+  with pytest.raises(ValueError, match="a_quant='producer'"):
+    kbmm.TuningConfig(a_quant="producer")                       # needs in-kernel quantization
+  with pytest.raises(NotImplementedError, match="a_quant='producer'"):
+    kbmm.check_shapes(17, 128, 512, 128, kbmm.TuningConfig(quantize_k=512, a_quant="producer", tile_n=64))

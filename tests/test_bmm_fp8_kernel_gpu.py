@@ -134,22 +134,22 @@ def test_two_sub_tiles_per_consumer_is_bitwise_the_default(rng, k, t):
   testing.assert_close_fp8(two, want, rel_l2=_tolerance(), what="sub_n=2 vs reference")
 
 
-# In-kernel quantization variants (TuningConfig): 64-column consumer tiles, the quantized rows kept in registers
-# as the wgmma's register A operand (interpret mode cannot run that path: only here and in sm_90 lowering), the
-# bf16 rows read once or twice, and the quantization split over the two consumers.
+# In-kernel quantization designs (TuningConfig.a_quant) and tiles: the quantized rows kept in registers as the
+# wgmma's register A operand (interpret mode cannot run that design: only here and in sm_90 lowering), or in the
+# consumers' fp8 SMEM tiles; 64-column consumer tiles; 128-row CTA tiles.
 QUANT_VARIANTS = [
-    (("tile_n", 64), ("a_registers", True)),
-    (("wg_split", "m"), ("a_registers", True)),
-    (("a_registers", True),),
-    (("quant_passes", 2), ("a_registers", False)),
-    (("share_quant", True),),
+    (("tile_n", 64), ("a_quant", "registers")),
+    (("wg_split", "m"), ("a_quant", "registers")),
+    (("a_quant", "registers"),),
+    (("a_quant", "smem"),),
+    (("tile_n", 64), ("a_quant", "smem")),
 ]
 
 
 @pytest.mark.parametrize("k,n", PAIRS)
 @pytest.mark.parametrize("t", [1, 3, 16])
 def test_producer_quant_is_bitwise_the_prepass(rng, k, n, t):
-  """TuningConfig.producer_quant (kernels/bmm_row_quant.py: the producer warpgroup quantizes the T real rows from
+  """TuningConfig.a_quant="producer" (kernels/bmm_row_quant.py: the producer warpgroup quantizes the T real rows from
   GMEM into a swizzled fp8 SMEM tile; raw Mosaic GPU, not runnable in interpret mode) computes the fp8 bytes and
   scales of quant.quantize_rows_fp8 and the same wgmmas as the pre-pass path: equal bit for bit. T = 16: four
   rows per warp; inputs with an all-zero row (scale 1) and rows of very different magnitudes (make_inputs)."""
@@ -157,9 +157,9 @@ def test_producer_quant_is_bitwise_the_prepass(rng, k, n, t):
   wt = bmm_mod.prepare_weight(w8)
   run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
   pre = np.asarray(run(tuning=(("quantize_k", None),))).view(np.uint16)
-  got = run(tuning=(("quantize_k", k), ("producer_quant", True), ("a_registers", False)))
+  got = run(tuning=(("quantize_k", k), ("a_quant", "producer")))
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), pre)
-  again = run(tuning=(("quantize_k", k), ("producer_quant", True), ("a_registers", False)))
+  again = run(tuning=(("quantize_k", k), ("a_quant", "producer")))
   np.testing.assert_array_equal(np.asarray(again).view(np.uint16), pre)   # deterministic
 
 
@@ -178,10 +178,26 @@ def test_quantization_variants_are_bitwise_the_prepass(rng, k, n, t):
   for v in QUANT_VARIANTS:
     tuning = v + (("quantize_k", k),)
     try:
-      bmm_mod._kernel_config(n, tuning, t=t, k=k, h=64, fusable=True)
+      bmm_mod.default_config(t, k, n, 64, tuning=tuning)
     except ValueError:
       continue
     got = np.asarray(run(tuning=tuning)).view(np.uint16)
     np.testing.assert_array_equal(got, pre, err_msg=f"variant {v}")
     ran += 1
   assert ran >= 3
+
+
+@pytest.mark.parametrize("t", [1, 70])
+def test_two_pass_smem_quantization_is_bitwise_the_prepass(rng, t):
+  """K = 576 > MAX_REGISTER_K: the op's default is the consumers' fp8 SMEM tiles with two SMEM passes over the
+  bf16 rows (amax, then quantization) and one A buffer; same fp8 operands and wgmmas as the pre-pass path."""
+  k, n, h = 576, 128, 16
+  a, w8, ws = make_inputs(rng, t, h, k, n)
+  c = bmm_mod.default_config(t, k, n, h)
+  assert (c.quantize_k, c.a_quant, c.register_quant) == (k, "smem", False)
+  wt = bmm_mod.prepare_weight(w8)
+  run = functools.partial(bmm_mod._bmm_jit, a, wt, ws, act_scale="per_token", weight_layout="hnk", impl="mosaic")
+  pre = np.asarray(run(tuning=(("quantize_k", None),))).view(np.uint16)
+  np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), pre)
+  want = reference.quantize_and_bmm_fp8(a, w8, ws, act_scale="per_token")
+  testing.assert_close_fp8(run(), want, rel_l2=_tolerance(), what="K = 576 kernel vs reference")

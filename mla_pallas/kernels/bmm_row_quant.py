@@ -1,11 +1,8 @@
 """Per-row FP8 quantization of a few activation rows by one warpgroup, into a wgmma-ready SMEM tile (sm_90, raw
 Mosaic GPU through ``plgpu.inline_mgpu``).
 
-Used by :mod:`mla_pallas.kernels.bmm_fp8` with ``TuningConfig.producer_quant`` at decode sizes (T <= MAX_ROWS,
-one M tile): the producer warpgroup quantizes the tile's T real rows straight from GMEM, instead of both consumer
-warpgroups quantizing all 64 rows of a bf16 SMEM tile (at T = 1, 63 of them empty: a WGMMA_8BIT register
-fragment spreads every 16-row group over one warp, so the empty rows cost as much as the real one, and the two
-consumers' warps share the SM's four schedulers).
+Used by :mod:`mla_pallas.kernels.bmm_fp8` with ``TuningConfig.a_quant="producer"`` at decode sizes (T <= MAX_ROWS,
+one M tile): the producer warpgroup quantizes the tile's T real rows straight from GMEM (why: docs/kernels/bmm_fp8.md).
 
 Per row (warp ``w`` takes rows w, w + 4, ..; lane ``l`` < K / 16 takes the 16 values [16 l, 16 l + 16)):
 

@@ -17,32 +17,29 @@ XLA path (real FP8 operands):
      ``out[t, h, n] = a_scale[t, h] * sum_kb w_scale[h, kb, n // 128] * (a8[t, h, kb] . w8[h, kb, n])``.
   4. Cast to bfloat16, layout ``[T, H, N]``.
 
-Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`.
-  * For bf16 ``a`` with per-token scales at decode sizes (T <= FUSED_QUANT_MAX_TOKENS, where the bf16 tile fits
-    in SMEM: every MLA shape since the quantized rows stay in registers, ``a_registers``) the kernel quantizes
-    ``a`` itself (same float32 operations; bitwise the pre-pass result on an H200) and no pre-pass runs: at
-    T <= PRODUCER_QUANT_MAX_TOKENS (16 at K = 512) the producer warpgroup quantizes only the real rows
-    (``producer_quant``), above that both consumers quantize the tile into registers.
-    Otherwise:
-  * Activation quantization is a fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as above, so ``a8``
-    and its scales are bitwise those of the reference), not in-kernel. Why: it is exact by construction;
-    ``"per_tensor"`` needs a global amax before any tile can be quantized (a pre-pass in any design); and
-    in-kernel quantization (bf16 tile -> registers -> row amax over all of K -> fp8 -> swizzled SMEM tile for
-    wgmma) is register-layout work that can only be validated on a GPU. Cost: the write and re-read of ``a8``,
-    2 bytes per element of ``a`` on top of the 2 an in-kernel version reads: +20 % HBM traffic at K 128 -> N 512
-    (the bf16 output dominates), +80 % at K 512 -> N 128 (per-token in-kernel quantization is the follow-up for
-    the output projection). The pre-pass also zero-pads ``a8`` to a multiple of 8 rows (Mosaic GPU's TMA
+Mosaic path (``impl="mosaic"``, sm_90 or ``interpret=True``): :mod:`mla_pallas.kernels.bmm_fp8`, with the
+TuningConfig of :func:`default_config` (the one place that maps a shape to the kernel's config; benchmark
+sweeps take :func:`sweep_configs`).
+  * bf16 ``a`` with per-token scales at T <= FUSED_QUANT_MAX_TOKENS, where the A tiles fit in SMEM: the kernel
+    quantizes ``a`` itself (same float32 operations, bitwise the pre-pass result) and no pre-pass runs; the
+    producer warpgroup quantizes the T real rows (``a_quant="producer"``) at T <= PRODUCER_QUANT_MAX_TOKENS
+    (PRODUCER_QUANT_MAX_TOKENS_K512 at K = 512) where every CTA gets one output tile, else the consumers keep the
+    quantized rows in registers (``"registers"``, K <= 512) or in SMEM (``"smem"``).
+  * Otherwise activation quantization is one fused XLA pre-pass (the same :mod:`mla_pallas.quant` calls as
+    above, so ``a8`` and its scales are bitwise those of the reference; ``"per_tensor"`` needs a global amax
+    before any tile can be quantized), which zero-pads ``a8`` to a multiple of 8 rows (Mosaic GPU's TMA
     constraint for swizzled tiles) and writes the row scales as ``[H, T_pad]`` f32.
-  * The kernel reads ``a8 [T, H, K]`` in place (TMA boxes with the head index fixed: the [H, T, K] view costs no
-    transpose), block scales are applied per 128-wide K block to a separate f32 wgmma accumulator (promotion),
-    and the output is stored straight into ``[T, H, N]``.
+  * CTA tiles: 64 x 128 (``tile_n=64``) where they make at most one wave over the SMs at T <= SUB_N_MAX_TOKENS,
+    else 64 x 512 (``sub_n=2``) where that saves a wave, else 64 x 256 (N % 256 == 0) or 128 x 128.
+  * The kernel reads ``a`` in place (TMA boxes with the head index fixed: the [H, T, K] view costs no
+    transpose), applies block scales per 128-wide K block to a separate f32 wgmma accumulator (promotion) and
+    stores the output straight into ``[T, H, N]``.
   * **Weight layout.** FP8 wgmma on Hopper only takes K-major operands, so the kernel needs the weight as
     ``[H, N, K]``. Weights are static, so convert them once: ``w_t = prepare_weight(w)`` and call with
     ``weight_layout="hnk"`` (``w_scale`` keeps its ``[H, ceil(K/128), ceil(N/128)]`` shape). With the default
     ``weight_layout="hkn"`` the op transposes the weight on every call inside its jit: one extra read and
-    write of ``H * K * N`` bytes (8 MiB for DeepSeek-V3.2's W_UK, H 128 x 128 x 512, ~4 us of HBM time on an
-    H200), which dominates at small T (decode). The XLA path takes either layout without a transpose (it
-    contracts the right dimension of ``w``).
+    write of ``H * K * N`` bytes (8 MiB for DeepSeek-V3.2's W_UK), which dominates at small T (decode). The XLA
+    path takes either layout without a transpose (it contracts the right dimension of ``w``).
   * Kernel coverage: K % 64 == 0 and K <= 2048, N % 128 == 0 (every 128-column output tile is one scale
     block); other valid shapes raise NotImplementedError under ``impl="mosaic"`` and run XLA under ``"auto"``.
 """
@@ -56,7 +53,7 @@ import jax.numpy as jnp
 
 from mla_pallas import _checks, _dispatch, quant
 
-__all__ = ["quantize_and_bmm_fp8", "prepare_weight", "BLOCK", "WEIGHT_LAYOUTS"]
+__all__ = ["quantize_and_bmm_fp8", "prepare_weight", "default_config", "sweep_configs", "BLOCK", "WEIGHT_LAYOUTS"]
 
 OP = "quantize_and_bmm_fp8"
 BLOCK = 128
@@ -127,33 +124,18 @@ def _xla_bmm(a, w, w_scale, act_scale, weight_layout="hkn"):
   return out.astype(jnp.bfloat16)
 
 
-def _num_sms() -> int:
-  """SM count of the default GPU (the persistent grid size); 132 (H100 SXM / H200) without a GPU."""
-  dev = jax.devices()[0]
-  return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
-
-
-# In-kernel quantization of ``a`` (TuningConfig.quantize_k) by default up to this many tokens, wherever its bf16 A
-# tiles fit in SMEM: on an H200 (2026-11-30, benchmarks/RESULTS.md, v2c) it beat the XLA pre-pass at every measured
-# T in 1..256 except T = 1 at K = 512 (11.3 vs 9.1 us, with 64 x 256 tiles and SMEM fp8 tiles; v3's register A
-# operand and 64 x 128 tiles: 6.7-6.9 us there, 6.0-6.1 us without the clip, 2026-11-30h). Larger T were not measured.
-FUSED_QUANT_MAX_TOKENS = 256
-
-
-# 64 x 512 CTA tiles (TuningConfig.sub_n=2) by default up to this many tokens where they cut the number of waves of
-# output tiles over the SMs (benchmarks/RESULTS.md run 14, H200, kernel with sub_n=2 / 1: DeepSeek W_UK T = 1-64
-# 4.7-6.4 / 6.3-7.6 us, T = 256 15.7 / 20.3 us, GLM-5 W_UK T = 256 13.0 / 15.5 us; at GLM-5 W_UK T <= 64 (128 tiles,
-# one wave either way) 64 x 512 tiles were 0.3-0.9 us slower, and the rule keeps 64 x 256 there). Larger T: not
-# measured.
-SUB_N_MAX_TOKENS = 256
+# ---- Kernel config: default_config is the one place that maps a shape to the kernel's TuningConfig -----------
+# (the measurements behind each threshold: docs/kernels/bmm_fp8.md)
+FUSED_QUANT_MAX_TOKENS = 256        # in-kernel quantization of bf16 per-token ``a`` up to this T, where it fits
+SUB_N_MAX_TOKENS = 256              # 64 x 128 / 64 x 512 CTA tiles are considered up to this T
+PRODUCER_QUANT_MAX_TOKENS = 8       # a_quant="producer" up to this T ...
+PRODUCER_QUANT_MAX_TOKENS_K512 = 16   # ... and up to this T at K = 512
 
 
 def _wide_tiles_save_a_wave(t, h, k, n, kw) -> bool:
-  """True where 64 x 512 CTA tiles (sub_n=2) are the better default: T <= SUB_N_MAX_TOKENS, wg_split "n",
-  N % 512 == 0, all K / 64 chunks fit in the ring, and halving the tile count saves a wave of CTAs."""
-  if t is None or h is None or k is None or t > SUB_N_MAX_TOKENS:
-    return False
-  if kw.get("wg_split") != "n" or n % 512 or k // 64 > kw.get("stages", 4):
+  """64 x 512 CTA tiles (sub_n=2): T <= SUB_N_MAX_TOKENS, wg_split "n", N % 512 == 0, all K / 64 chunks fit in
+  the ring, and halving the tile count saves a wave of CTAs."""
+  if t > SUB_N_MAX_TOKENS or kw.get("wg_split") != "n" or n % 512 or k // 64 > kw.get("stages", 4):
     return False
   tiles = -(-t // 64) * h * (n // 256)     # 64 x 256 tiles (64 rows of one head's tokens each)
   sms = kw["max_ctas"]
@@ -161,59 +143,46 @@ def _wide_tiles_save_a_wave(t, h, k, n, kw) -> bool:
 
 
 def _narrow_tiles_make_one_wave(t, h, n, kw) -> bool:
-  """True where 64 x 128 CTA tiles (two 64 x 64 consumer tiles, ``tile_n=64``) are the better default: at most one
-  wave of them over the SMs at T <= SUB_N_MAX_TOKENS. Only output projections qualify at the MLA shapes (N = 128:
-  DeepSeek W_UV, 128 tiles instead of 128 x 128 tiles with half their rows empty and no room for in-kernel
-  quantization; N = 256: GLM-5 W_UV, 128 CTAs instead of 64). H200 (benchmarks/RESULTS.md, run 2 of
-  2026-11-30g): 6.6-7.1 against 7.7-9.7 us at T = 1-8, 7.1 against 17.3 us (DeepSeek W_UV) at T = 64, with
-  in-kernel quantization; the pre-pass path (per-tensor scales, float32 ``a``) takes the same tiles (bitwise
-  checked on the GPU, not timed)."""
-  if t is None or h is None or t > SUB_N_MAX_TOKENS or n % 128 or any(
-      key in kw for key in ("tile_n", "wg_split", "sub_n")):
+  """64 x 128 CTA tiles (two 64 x 64 consumer tiles, ``tile_n=64``): at most one wave of them over the SMs at
+  T <= SUB_N_MAX_TOKENS, unless the tuning fixes the tile shape. At the MLA shapes only the output projections
+  (N = 128 / 256) qualify."""
+  if t > SUB_N_MAX_TOKENS or n % 128 or any(key in kw for key in ("tile_n", "wg_split", "sub_n")):
     return False
   return -(-t // 64) * h * (n // 128) <= kw["max_ctas"]
 
 
-# The producer warpgroup quantizes the few real rows (TuningConfig.producer_quant, kernels/bmm_row_quant.py) by
-# default at T <= PRODUCER_QUANT_MAX_TOKENS, and at K = 512 up to PRODUCER_QUANT_MAX_TOKENS_K512. H200
-# (benchmarks/RESULTS.md, 2026-11-30i, bitwise the register path; same-run XLA): W_UV T = 1 6.2 -> 3.8 us (DeepSeek)
-# and 5.9 -> 3.8 (GLM-5), T = 16 6.4 -> 4.5 / 6.0 -> 4.4; W_UK T = 1 4.4 -> 4.1 / 4.4 -> 3.6, T = 8 4.4 -> 4.3 /
-# 4.4 -> 3.6, but T = 16 4.5 -> 5.0 / 4.3 -> 4.4 (K = 128 / 192: four rows per producer warp cost more than the
-# register path's quantization saves). Only where every CTA gets one output tile (the measured and GPU-tested case;
-# :func:`_kernel_config`).
-PRODUCER_QUANT_MAX_TOKENS = 8
-PRODUCER_QUANT_MAX_TOKENS_K512 = 16
-
-
 def _producer_quant_is_faster(t, k) -> bool:
   from mla_pallas.kernels import bmm_row_quant
-  if t is None or k is None or k > bmm_row_quant.MAX_K:
+  if k > bmm_row_quant.MAX_K:
     return False
   return t <= (PRODUCER_QUANT_MAX_TOKENS_K512 if k == bmm_row_quant.MAX_K else PRODUCER_QUANT_MAX_TOKENS)
 
 
-def _kernel_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
-                   fusable: bool = False):
-  """:func:`_choose_config`, without the default producer_quant where a CTA would get more than one output tile:
-  it was measured (and tested on the GPU) with one tile per CTA only (every MLA shape at T <= 16)."""
-  cfg = _choose_config(n, tuning, t=t, k=k, h=h, fusable=fusable)
-  if cfg.producer_quant and "producer_quant" not in dict(tuning) and h is not None:
-    if -(-t // cfg.cta_m) * h * (n // cfg.cta_n) > cfg.max_ctas:
-      cfg = _choose_config(n, tuning, t=t, k=k, h=h, fusable=fusable, producer_quant_ok=False)
+def default_config(t: int, k: int, n: int, h: int, *, fusable: bool = True, tuning=()):
+  """The kernel's TuningConfig for ``a [T, H, K]``, ``w [H, N, K]``.
+
+  ``fusable``: ``a`` is bfloat16 with per-token scales (the kernel may quantize it; else the XLA pre-pass).
+  ``tuning``: tuple of (field, value) overrides (tests, :func:`sweep_configs`); the fields they name are kept and
+  the rules below pick the others.
+
+  Rules: ``max_ctas`` = the SM count; 64 x 128 tiles (``tile_n=64``) where :func:`_narrow_tiles_make_one_wave`;
+  wg_split "n" where N % (2 tile_n) == 0, else "m"; in-kernel quantization (``quantize_k=K``) when ``fusable``
+  and T <= FUSED_QUANT_MAX_TOKENS, by the producer (``a_quant="producer"``, wg_split "n") where
+  :func:`_producer_quant_is_faster` and every CTA gets one output tile, else in registers for K <= 512; 64 x 512
+  tiles (``sub_n=2``) where :func:`_wide_tiles_save_a_wave` and they fit in SMEM; two A buffers where they fit,
+  else one, else (unless ``quantize_k`` is given) the pre-pass.
+  Raises ValueError for overrides that make no valid config.
+  """
+  cfg = _apply_rules(t, k, n, h, fusable, tuning, producer_ok=True)
+  if (cfg.a_quant == "producer" and "a_quant" not in dict(tuning)
+      and -(-t // cfg.cta_m) * h * (n // cfg.cta_n) > cfg.max_ctas):   # measured / GPU-tested: one tile per CTA
+    cfg = _apply_rules(t, k, n, h, fusable, tuning, producer_ok=False)
   return cfg
 
 
-def _choose_config(n: int, tuning=(), *, t: int | None = None, k: int | None = None, h: int | None = None,
-                   fusable: bool = False, producer_quant_ok: bool = True):
-  """The kernel's TuningConfig: defaults from the shapes, then ``tuning`` overrides. In-kernel quantization
-  (``quantize_k``) by default when ``fusable`` (bf16 ``a``, per-token scales), T <= FUSED_QUANT_MAX_TOKENS and
-  its SMEM fits (two bf16 A buffers, else one, else the pre-pass), quantized by the producer warpgroup
-  (``producer_quant``) where :func:`_producer_quant_is_faster`, else kept in registers (``a_registers``) for
-  K <= 512; 64 x 128 CTA tiles (``tile_n=64``) where :func:`_narrow_tiles_make_one_wave`,
-  else 64 x 512 (``sub_n=2``) where :func:`_wide_tiles_save_a_wave` says so and they fit in SMEM with the same
-  quantization choice."""
+def _apply_rules(t, k, n, h, fusable, tuning, *, producer_ok: bool):
   from mla_pallas.kernels import bmm_fp8 as kbmm
-  kw = dict(max_ctas=_num_sms())
+  kw = dict(max_ctas=_dispatch.num_sms())
   kw.update(dict(tuning))
   if _narrow_tiles_make_one_wave(t, h, n, kw):
     kw["tile_n"] = 64
@@ -221,53 +190,73 @@ def _choose_config(n: int, tuning=(), *, t: int | None = None, k: int | None = N
   explicit = "quantize_k" in kw
   if not explicit and fusable and t <= FUSED_QUANT_MAX_TOKENS:
     kw["quantize_k"] = k
-  own_quant = any(key in kw for key in ("a_registers", "share_quant", "quant_passes", "producer_quant"))
-  if (kw.get("quantize_k") is not None and not own_quant and kw.get("wg_split") == "n" and producer_quant_ok
-      and _producer_quant_is_faster(t, kw["quantize_k"])):
-    kw.update(producer_quant=True, a_registers=False)
-  elif (kw.get("quantize_k") is not None and kw["quantize_k"] <= kbmm.MAX_REGISTER_K and not own_quant):
-    # H200 (2026-11-30g): faster or equal at every measured shape; with wg_split "m" (DeepSeek W_UV, T = 128 /
-    # 256) it frees the SMEM for in-kernel quantization: 13.4 / 22.1 against 25.4 / 46.0 us with the pre-pass.
-    kw["a_registers"] = True
+  if kw.get("quantize_k") is not None and "a_quant" not in kw:
+    if kw["wg_split"] == "n" and producer_ok and _producer_quant_is_faster(t, kw["quantize_k"]):
+      kw["a_quant"] = "producer"
+    elif kw["quantize_k"] <= kbmm.MAX_REGISTER_K:
+      kw["a_quant"] = "registers"
+  keep_quant = "a_quant" in dict(tuning)
   if "sub_n" not in kw and kw.get("tile_n", kbmm.TILE_N) == kbmm.TILE_N and _wide_tiles_save_a_wave(t, h, k, n, kw):
     try:
-      return _fit_a_buffers(kbmm, dict(kw, sub_n=2), drop_quantize=False)
+      return _fit_a_buffers(kbmm, dict(kw, sub_n=2), drop_quantize=False, keep_quant=keep_quant)
     except ValueError:
       pass     # e.g. an explicit a_buffers=2 next to 64 x 512 tiles exceeds SMEM: keep 64 x 256 tiles
-  return _fit_a_buffers(kbmm, kw, drop_quantize=not explicit)
+  return _fit_a_buffers(kbmm, kw, drop_quantize=not explicit, keep_quant=keep_quant)
 
 
-def _fit_a_buffers(kbmm, kw: dict, *, drop_quantize: bool):
-  """TuningConfig(**kw) with two bf16 A buffers where they fit in SMEM, else one (unless ``a_buffers`` is given);
-  where neither fits, in-kernel quantization is dropped (the XLA pre-pass) if ``drop_quantize``."""
+def _fit_a_buffers(kbmm, kw: dict, *, drop_quantize: bool, keep_quant: bool):
+  """TuningConfig(**kw) with two A buffers where they fit in SMEM, else one (unless ``a_buffers`` is given);
+  where neither fits, in-kernel quantization is dropped (the XLA pre-pass) if ``drop_quantize`` (and with it a
+  derived ``a_quant``)."""
   if kw.get("quantize_k") is not None and "a_buffers" not in kw:
-    for a_buffers in (2, 1):      # double-buffered bf16 A tiles where they fit in SMEM
+    for a_buffers in (2, 1):
       try:
         return kbmm.TuningConfig(**kw, a_buffers=a_buffers)
       except ValueError:
         pass
-    if drop_quantize:             # the bf16 A tile does not fit: quantize in the XLA pre-pass
+    if drop_quantize:
       kw = dict(kw, quantize_k=None)
+      if not keep_quant:
+        kw.pop("a_quant", None)
   return kbmm.TuningConfig(**kw)
 
 
-# Below this many tokens "auto" takes XLA. Since the register A operand and the 64 x 128 tiles (H200,
-# benchmarks/RESULTS.md, run 4 of 2026-11-30g) the kernel is faster at every measured T of the four MLA shapes,
-# T = 1 included (1.19-1.52x; 1.35-1.55x since the quantization dropped its redundant clip, 2026-11-30h); before,
-# it was at parity or slower at T = 1 for the two W_UV shapes (1.01x, 0.92x).
-AUTO_MIN_TOKENS = 1
+def sweep_configs(t: int, k: int, n: int, h: int) -> dict[str, tuple[tuple[str, object], ...]]:
+  """Labelled ``tuning`` overrides for a benchmark sweep of bf16 per-token ``a [T, H, K]`` against
+  ``w [H, N, K]``: ``"default": ()`` first, then every alternative design and tile of the kernel that makes a
+  valid config for this shape and differs from the default and from the earlier entries (pre-pass vs in-kernel
+  quantization, who quantizes, tile shape, ring depth, A buffers). Each value is accepted by ``_bmm_jit(...,
+  tuning=...)``."""
+  from mla_pallas.kernels import bmm_fp8 as kbmm
+  candidates = {
+      "default": (),
+      "prepass": (("quantize_k", None),),
+      "a_quant=smem": (("quantize_k", k), ("a_quant", "smem")),
+      "a_quant=registers": (("quantize_k", k), ("a_quant", "registers")),
+      "a_quant=producer": (("quantize_k", k), ("a_quant", "producer")),
+      "tile_n=64": (("tile_n", 64),),
+      "tile_n=128": (("tile_n", 128),),
+      "wg_split=m": (("wg_split", "m"),),
+      "sub_n=1": (("sub_n", 1),),
+      "sub_n=2": (("sub_n", 2),),
+      "stages=3": (("stages", 3),),
+      "stages=6": (("stages", 6),),
+      "a_buffers=1": (("a_buffers", 1),),
+  }
+  out, seen = {}, set()
+  for label, tuning in candidates.items():
+    try:
+      cfg = default_config(t, k, n, h, tuning=tuning)
+      kbmm.check_shapes(t, h, k, n, cfg)
+    except (ValueError, NotImplementedError):
+      continue
+    if cfg not in seen:
+      seen.add(cfg)
+      out[label] = tuning
+  return out
 
 
-def _slower_than_xla(tokens: int):
-  def reason():
-    if tokens < AUTO_MIN_TOKENS:
-      return (f"{OP}: T={tokens} < {AUTO_MIN_TOKENS} tokens, where the kernel measured slower than XLA "
-              "(benchmarks/RESULTS.md)")
-    return None
-  return reason
-
-
-def _kernel_supported(a_shape, n: int, interpret):
+def _kernel_supported(a_shape, n: int, fusable: bool, interpret):
   def check():
     from mla_pallas.kernels import bmm_fp8 as kbmm
     arch = _dispatch.mosaic_arch(interpret)
@@ -275,7 +264,7 @@ def _kernel_supported(a_shape, n: int, interpret):
       raise NotImplementedError(f"{OP} has a Mosaic GPU kernel for sm_90 (Hopper) only; this device needs the "
                                 f"{arch} kernel, which does not exist yet")
     t, h, k = a_shape
-    kbmm.check_shapes(t, h, k, n, _kernel_config(n))
+    kbmm.check_shapes(t, h, k, n, default_config(t, k, n, h, fusable=fusable))
   return check
 
 
@@ -285,7 +274,7 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
   w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
   n = w_t.shape[1]
   fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
-  cfg = _kernel_config(n, tuning, t=t, k=k, h=h, fusable=fusable)
+  cfg = default_config(t, k, n, h, fusable=fusable, tuning=tuning)
   if cfg.quantize_k is not None:   # the kernel quantizes a (the float32 operations of quant.quantize_rows_fp8)
     if not fusable:
       raise NotImplementedError(f"{OP}: in-kernel quantization (quantize_k) needs bfloat16 a and per-token scales")
@@ -310,7 +299,8 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
 
 @functools.partial(jax.jit, static_argnames=("act_scale", "weight_layout", "impl", "interpret", "tuning"))
 def _bmm_jit(a, w, w_scale, *, act_scale, weight_layout="hkn", impl="xla", interpret=False, tuning=()):
-  """``tuning``: tuple of (name, value) overrides of the kernel's TuningConfig (tests, benchmarks)."""
+  """``tuning``: tuple of (field, value) overrides of the kernel's TuningConfig (:func:`default_config`; tests,
+  :func:`sweep_configs`)."""
   if impl == "mosaic":
     return _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning)
   return _xla_bmm(a, w, w_scale, act_scale, weight_layout)
@@ -346,9 +336,8 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
   _dispatch.check_impl(impl)
   _check_args(a, w, w_scale, act_scale, weight_layout)
   n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
-  # Validated on an H200 (tests/test_bmm_fp8_kernel_gpu.py, 2026-11-30); "auto" takes XLA where it measured
-  # faster (AUTO_MIN_TOKENS).
-  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, interpret),
-                          validated_on=("sm90",), slower_than_xla=_slower_than_xla(a.shape[0]))
+  fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
+  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, fusable, interpret),
+                          validated_on=("sm90",))
   return _bmm_jit(a, w, w_scale, act_scale=act_scale, weight_layout=weight_layout, impl=used,
                   interpret=interpret if used == "mosaic" else False)
