@@ -58,12 +58,21 @@ ran (or was traced inside an outer jit), each step with the op and the implement
 ``reference.quantize_and_bmm_fp8``, i.e. the same activation quantization; bf16 weights as float32 einsums at
 ``precision=HIGHEST``) and return ``(out float32, new_pages)``.
 
+**Calling convention.** Every graph and oracle takes the tensors positionally (``weights, pages, kv_scale,
+q_nope, q_rope, kv, positions, slots, cos, sin``, then ``cu_seqlens`` or ``indices`` for the prefill branches)
+and the rest by keyword only: ``cfg`` (required), the attention choice (``indices=`` / ``topk_length=`` for
+top-k attention, ``block_table=`` / ``cache_seqlens=`` for dense decode), ``impl="auto"``, ``interpret=False``,
+``interleaved=True``, ``unique_slots=False``. The arguments are checked before tracing: a missing or
+contradictory argument, a wrong weights class or a shape / dtype that does not fit raises ``ValueError`` that
+starts with the public function's name and names the argument (``TypeError`` for a missing ``cfg``).
+
 Every graph is a Python function around a ``jax.jit`` with static ``cfg`` / ``impl`` / ``interpret`` /
 ``interleaved`` and donated ``pages``; it can be called inside an outer ``jax.jit`` (donation is then up to the
 outer jit) and under ``jax.shard_map``. No custom_vjp.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Mapping
 
@@ -71,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_pallas import _dispatch, reference
+from mla_pallas import _checks, _dispatch, reference
 from mla_pallas.config import MLAConfig
 from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
 from mla_pallas.ops.dense_decode import dense_mla_decode
@@ -282,9 +291,113 @@ def _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, si
   return new_pages, q_rot
 
 
+# ----------------------------------------------------------------------------------------------------------
+# argument checks (outside jit: every error names the public function and its argument)
+# ----------------------------------------------------------------------------------------------------------
+
+_ACT = (jnp.bfloat16, jnp.float32)
+_I32 = (jnp.int32,)
+_FP8 = jnp.float8_e4m3fn
+_BOTH = "pass either indices= (sparse) or block_table= and cache_seqlens= (dense)"
+
+
+@contextlib.contextmanager
+def _named(fn: str):
+  """ValueErrors raised inside (by the checks below or :mod:`mla_pallas._checks`) start with ``fn: ``."""
+  try:
+    yield
+  except ValueError as e:
+    raise ValueError(f"{fn}: {e}") from None
+
+
 def _check_cfg(cfg):
   if not isinstance(cfg, MLAConfig):
-    raise ValueError(f"cfg must be an MLAConfig; got {type(cfg).__name__}")
+    raise ValueError(f"cfg must be an MLAConfig (e.g. mla_pallas.deepseek_v32()); got {type(cfg).__name__}")
+
+
+def _check_bool(name, v) -> bool:
+  if not isinstance(v, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a python bool; got {type(v).__name__}")
+  return bool(v)
+
+
+def _check_weights(weights, cfg, fp8):
+  """Weights of the variant ``fp8`` (None: either) whose dims match ``cfg``; returns H (from the weights)."""
+  if _is_fp8(weights) != fp8 and fp8 is not None:
+    want = "MLAWeightsFP8" if fp8 else "MLAWeightsBF16"
+    raise ValueError(f"weights must be {want}; got {type(weights).__name__}")
+  nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+  _checks.check_array("weights.w_uk", weights.w_uk, ndim=3, shape=(None, nope, D_V),
+                      expect=f"[H, nope={nope} (cfg.qk_nope_head_dim), 512]")
+  h = int(weights.w_uk.shape[0])
+  _checks.check_array("weights.w_uv", weights.w_uv, ndim=3, shape=(h, D_V, v),
+                      expect=f"[H={h}, 512, v={v} (cfg.v_head_dim)]")
+  return h
+
+
+def _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
+                  decode: bool):
+  """The tensors every branch takes; returns the token axes: ``(B, s_q)`` (decode) or ``(T,)``."""
+  _check_cfg(cfg)
+  h = _check_weights(weights, cfg, fp8)
+  nope = cfg.qk_nope_head_dim
+  if decode:
+    _checks.check_array("q_nope", q_nope, ndim=4, shape=(None, None, h, nope), dtypes=_ACT,
+                        expect=f"[B, s_q, H={h}, nope={nope}]")
+    lead = tuple(q_nope.shape[:2])
+    axes = f"B={lead[0]}, s_q={lead[1]}"
+  else:
+    _checks.check_array("q_nope", q_nope, ndim=3, shape=(None, h, nope), dtypes=_ACT,
+                        expect=f"[T, H={h}, nope={nope}]")
+    lead = tuple(q_nope.shape[:1])
+    axes = f"T={lead[0]}"
+  _checks.check_array("q_rope", q_rope, shape=lead + (h, D_ROPE), dtypes=_ACT, expect=f"[{axes}, H={h}, 64]")
+  _checks.check_array("kv", kv, shape=lead + (D_QK,), dtypes=_ACT, expect=f"[{axes}, 576]")
+  _checks.check_array("positions", positions, shape=lead, dtypes=_I32, expect=f"[{axes}]")
+  _checks.check_array("slots", slots, shape=lead, dtypes=_I32, expect=f"[{axes}]")
+  _checks.check_array("pages", pages, ndim=3, shape=(None, None, D_QK), dtypes=(_FP8,),
+                      expect="[num_pages, page_size, 576]")
+  _checks.check_scalar("kv_scale", kv_scale, positive=True)
+  _checks.check_array("cos", cos, ndim=2, shape=(None, D_ROPE // 2), dtypes=(jnp.float32,),
+                      expect="[max_pos, 32]")
+  _checks.check_array("sin", sin, shape=tuple(cos.shape), dtypes=(jnp.float32,), expect=f"{list(cos.shape)} (as cos)")
+  return lead
+
+
+def _check_sparse(indices, topk_length, lead, axes):
+  _checks.check_array("indices", indices, shape=tuple(lead) + (None,), dtypes=_I32, expect=f"[{axes}, topk]")
+  if indices.shape[-1] < 1:
+    raise ValueError(f"indices must have topk >= 1 entries in its last axis; got shape {tuple(indices.shape)}")
+  if topk_length is not None:
+    _checks.check_array("topk_length", topk_length, shape=lead[:1], dtypes=_I32, expect=f"[{axes.split(',')[0]}]")
+
+
+def _check_decode_attention(lead, indices, topk_length, block_table, cache_seqlens):
+  """indices (sparse) XOR block_table + cache_seqlens (dense), for decode token axes ``lead = (B, s_q)``."""
+  dense = [n for n, x in (("block_table=", block_table), ("cache_seqlens=", cache_seqlens)) if x is not None]
+  if indices is not None and dense:
+    raise ValueError(f"{_BOTH}, not both; got indices= and {' and '.join(dense)}")
+  axes = f"B={lead[0]}, s_q={lead[1]}"
+  if indices is not None:
+    _check_sparse(indices, topk_length, lead, axes)
+    return
+  if not dense:
+    raise ValueError(f"{_BOTH}; got neither")
+  if len(dense) == 1:
+    raise ValueError(f"{_BOTH}; got {dense[0]} without "
+                     f"{'cache_seqlens=' if block_table is not None else 'block_table='}")
+  if topk_length is not None:
+    raise ValueError("topk_length= applies to sparse attention only (it counts the first topk_length[b] "
+                     "entries of indices=); dense attention reads cache_seqlens=")
+  _checks.check_array("block_table", block_table, ndim=2, shape=(lead[0], None), dtypes=_I32,
+                      expect=f"[B={lead[0]}, max_pages_per_seq]")
+  _checks.check_array("cache_seqlens", cache_seqlens, shape=(lead[0],), dtypes=_I32, expect=f"[B={lead[0]}]")
+
+
+def _check_cu_seqlens(cu_seqlens):
+  _checks.check_array("cu_seqlens", cu_seqlens, ndim=1, dtypes=_I32, expect="[B + 1]")
+  if cu_seqlens.shape[0] < 2:
+    raise ValueError(f"cu_seqlens must have shape [B + 1] with B >= 1; got shape {tuple(cu_seqlens.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -374,150 +487,207 @@ _sparse_prefill_jit = jax.jit(_sparse_prefill_body, static_argnames=_STATIC, don
 _prefill_jit = jax.jit(_prefill_body, static_argnames=_STATIC, donate_argnames=("pages",))
 
 
-def _run(jitted, graph, dyn, cfg, impl, interpret, interleaved, unique_slots=False):
-  _check_cfg(cfg)
+def _run(jitted, graph, dyn, cfg, impl, interpret, interleaved, unique_slots):
   impl = _freeze_impl(impl)
   key = (graph, _sig(dyn), cfg, impl, interpret, interleaved, unique_slots)
-  out = jitted(*dyn, cfg=cfg, impl=impl, interpret=interpret, interleaved=bool(interleaved), key=key,
+  out = jitted(*dyn, cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved, key=key,
                graph=graph, unique_slots=unique_slots)
   _LAST["report"] = _REPORTS.get(key)
   return out
 
 
-def _check_variant(weights, fp8, name):
-  if _is_fp8(weights) != fp8:
-    want = "MLAWeightsFP8" if fp8 else "MLAWeightsBF16"
-    raise ValueError(f"{name} needs {want} weights; got {type(weights).__name__}")
+def _check_options(interleaved, unique_slots):
+  return _check_bool("interleaved", interleaved), _check_bool("unique_slots", unique_slots)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # public graphs
 # ----------------------------------------------------------------------------------------------------------
 
-def _decode(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg, indices=None,
-            topk_length=None, block_table=None, cache_seqlens=None, impl="auto", interpret=False,
-            interleaved=True, unique_slots=False):
-  name = f"mla_decode_branch_{'fp8' if fp8 else 'bf16'}"
-  _check_variant(weights, fp8, name)
-  if indices is None and (block_table is None or cache_seqlens is None):
-    raise ValueError(f"{name} needs indices (sparse) or block_table and cache_seqlens (dense)")
-  if indices is not None:
-    block_table = cache_seqlens = None
+def _decode(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg, indices,
+            topk_length, block_table, cache_seqlens, impl, interpret, interleaved, unique_slots):
+  with _named(fn):
+    lead = _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                         decode=True)
+    _check_decode_attention(lead, indices, topk_length, block_table, cache_seqlens)
+    interleaved, unique_slots = _check_options(interleaved, unique_slots)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          indices, topk_length, block_table, cache_seqlens)
-  return _run(_decode_jit, name, dyn, cfg, impl, interpret, interleaved, unique_slots)
+  return _run(_decode_jit, f"mla_decode_branch_{'fp8' if fp8 else 'bf16'}", dyn, cfg, impl, interpret,
+              interleaved, unique_slots)
 
 
-_DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form); see the module doc for the steps.
+_DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form): ``s_q`` new tokens per sequence.
+
+  Attention is sparse with ``indices=`` (``sparse_mla_decode``) or dense with ``block_table=`` and
+  ``cache_seqlens=`` (``dense_mla_decode``, causal); exactly one of the two must be given.
 
   Args:
-    weights: :class:`{wcls}`.
-    pages: float8_e4m3fn cache ``[num_pages, page_size, 576]``. DONATED (do not use it afterwards).
-    kv_scale: per-tensor cache scale (python float or f32 scalar).
-    q_nope: ``[B, s_q, H, nope]`` bf16; q_rope: ``[B, s_q, H, 64]`` bf16 (before RoPE).
-    kv: ``[B, s_q, 576]`` bf16, the new tokens' rows before RMSNorm/RoPE (``x @ W_kv_a``).
-    positions: ``[B, s_q]`` int32 token positions; slots: ``[B, s_q]`` int32 flat cache slots of the new tokens
-      (-1: not written).
-    cos, sin: float32 ``[max_pos, 32]`` (:func:`mla_pallas.reference.rope_tables`).
-    cfg: :class:`~mla_pallas.config.MLAConfig` (static; eps, softmax_scale, dims).
-    indices: ``[B, s_q, topk]`` int32 flat slot ids (sparse attention), with optional ``topk_length [B]``; or
-    block_table: ``[B, P]`` int32 and cache_seqlens: ``[B]`` int32 lengths including the new tokens (dense).
-    impl: "auto" | "mosaic" | "xla", or a dict ``{{op: impl, "default": impl}}``; interpret: Pallas interpret mode.
-    interleaved: RoPE pairing (True: DeepSeek's interleaved pairs).
+    weights: :class:`{wcls}` (``H = weights.w_uk.shape[0]``: all heads, or one tensor-parallel shard's).
+    pages: float8_e4m3fn cache ``[num_pages, page_size, 576]`` (layout: :mod:`mla_pallas.cache`). DONATED: do not
+      use it after the call (inside an outer jit the donation is up to that jit).
+    kv_scale: per-tensor cache scale, python float > 0 or float32 scalar (``dequantized = fp8 * kv_scale``).
+    q_nope: ``[B, s_q, H, nope]`` bfloat16/float32 (``nope = cfg.qk_nope_head_dim``).
+    q_rope: ``[B, s_q, H, 64]`` bfloat16/float32, before RoPE.
+    kv: ``[B, s_q, 576]`` bfloat16/float32, the new tokens' rows before RMSNorm / RoPE (``x @ W_kv_a``: 512 latent
+      ‖ 64 k_rope).
+    positions: ``[B, s_q]`` int32 token positions (0-based within the sequence; RoPE and, for dense attention,
+      the causal limit).
+    slots: ``[B, s_q]`` int32 flat cache slots of the new tokens (``slot = page * page_size + offset``,
+      :func:`mla_pallas.cache.slots_for_positions`); a slot outside ``[0, num_slots)`` (e.g. -1) is not written.
+    cos, sin: float32 ``[max_pos, 32]`` RoPE tables (:func:`mla_pallas.reference.rope_tables`), rows indexed by
+      position.
+    cfg: :class:`~mla_pallas.config.MLAConfig` (static): ``rms_norm_eps``, ``softmax_scale``, head dims.
+    indices: sparse attention: ``[B, s_q, topk]`` int32 flat slot ids per new token (the indexer's top-k, which may
+      include the token's own slot: the cache write comes first); entries outside ``[0, num_slots)`` are masked,
+      duplicates count as often as they appear.
+    topk_length: sparse only, optional ``[B]`` int32: only the first ``topk_length[b]`` indices of sequence b count.
+    block_table: dense attention: ``[B, max_pages_per_seq]`` int32 page ids of each sequence.
+    cache_seqlens: dense attention: ``[B]`` int32 tokens of each sequence *including* the ``s_q`` new ones (which
+      are its last tokens: new token j of sequence b sees positions ``< cache_seqlens[b] - s_q + j + 1``).
+    impl: "auto" | "mosaic" | "xla", or a dict ``{{op_name: impl, "default": impl}}`` (per step).
+    interpret: run the Mosaic GPU kernels in Pallas' GPU interpret mode (tests, CPU).
+    interleaved: python bool, the RoPE pairing (True: DeepSeek's interleaved pairs ``(2i, 2i+1)``; False: halves).
     unique_slots: python bool; True promises that no two new tokens share a valid slot (as ``unique_indices`` of a
       JAX scatter), which skips the cache write's duplicate-slot scan (fused_rope_rmsnorm_quantization).
 
   Returns:
-    ``(out [B, s_q, H, v] bfloat16, new_pages)``. :func:`graph_report` says which implementation each step ran.
+    ``(out [B, s_q, H, v] bfloat16, new_pages)`` (``v = cfg.v_head_dim``; out is before ``W_o``).
+    :func:`graph_report` says which implementation each step ran.
+
+  Raises:
+    TypeError: ``cfg`` missing. ValueError naming this function and the argument: wrong weights variant, a
+      shape / dtype that does not match, both or neither of ``indices=`` / ``block_table=`` + ``cache_seqlens=``.
   """
 
 
-def mla_decode_branch_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw):
-  return _decode(True, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw)
+def mla_decode_branch_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
+                          cfg: MLAConfig, indices=None, topk_length=None, block_table=None, cache_seqlens=None,
+                          impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False):
+  return _decode(True, "mla_decode_branch_fp8", weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
+                 cos, sin, cfg=cfg, indices=indices, topk_length=topk_length, block_table=block_table,
+                 cache_seqlens=cache_seqlens, impl=impl, interpret=interpret, interleaved=interleaved,
+                 unique_slots=unique_slots)
 
 
-def mla_decode_branch_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw):
-  return _decode(False, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw)
+def mla_decode_branch_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
+                           cfg: MLAConfig, indices=None, topk_length=None, block_table=None, cache_seqlens=None,
+                           impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False):
+  return _decode(False, "mla_decode_branch_bf16", weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
+                 cos, sin, cfg=cfg, indices=indices, topk_length=topk_length, block_table=block_table,
+                 cache_seqlens=cache_seqlens, impl=impl, interpret=interpret, interleaved=interleaved,
+                 unique_slots=unique_slots)
 
 
 mla_decode_branch_fp8.__doc__ = _DECODE_DOC.format(variant="FP8", wcls="MLAWeightsFP8")
 mla_decode_branch_bf16.__doc__ = _DECODE_DOC.format(variant="BF16", wcls="MLAWeightsBF16")
 
 
-def _prefill(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *, cfg,
-             impl="auto", interpret=False, interleaved=True, unique_slots=False):
-  name = f"mla_prefill_branch_{'fp8' if fp8 else 'bf16'}"
-  _check_variant(weights, fp8, name)
+def _prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *,
+             cfg, impl, interpret, interleaved, unique_slots):
+  with _named(fn):
+    _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                  decode=False)
+    _check_cu_seqlens(cu_seqlens)
+    interleaved, unique_slots = _check_options(interleaved, unique_slots)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          cu_seqlens)
-  return _run(_prefill_jit, name, dyn, cfg, impl, interpret, interleaved, unique_slots)
+  return _run(_prefill_jit, f"mla_prefill_branch_{'fp8' if fp8 else 'bf16'}", dyn, cfg, impl, interpret,
+              interleaved, unique_slots)
 
 
-_PREFILL_DOC = """MLA dense prefill branch ({variant} weights, not absorbed); see the module doc.
+_PREFILL_DOC = """MLA dense prefill branch ({variant} weights, not absorbed): a packed batch of ``T`` new tokens.
+
+  Each sequence of the batch starts at position 0: its keys are its own new tokens (causal), read back from the
+  cache after the write. For prefill over earlier context use :func:`mla_prefill_branch_sparse_{v}`.
 
   Args:
-    weights: :class:`{wcls}`; pages (DONATED), kv_scale, cos, sin, cfg, impl, interpret, interleaved,
-      unique_slots: as in the decode branch.
-    q_nope: ``[T, H, nope]``, q_rope: ``[T, H, 64]``, kv: ``[T, 576]`` (bf16), positions: ``[T]`` int32 (each
-      sequence from 0), slots: ``[T]`` int32 (packed batch).
-    cu_seqlens: ``[B + 1]`` int32: sequence b owns tokens ``[cu_seqlens[b], cu_seqlens[b+1])``.
+    weights: :class:`{wcls}`; pages (DONATED), kv_scale, cos, sin: as in :func:`mla_decode_branch_{v}`.
+    q_nope: ``[T, H, nope]``, q_rope: ``[T, H, 64]``, kv: ``[T, 576]``: bfloat16/float32, the packed tokens.
+    positions: ``[T]`` int32 (sequence b's tokens at ``0, 1, ...``); slots: ``[T]`` int32 flat cache slots (-1:
+      padding, not written; :func:`mla_pallas.layer.token_slots`).
+    cu_seqlens: ``[B + 1]`` int32, nondecreasing: sequence b owns tokens ``[cu_seqlens[b], cu_seqlens[b+1])``;
+      tokens outside ``[cu_seqlens[0], cu_seqlens[B])`` get out = 0.
+    cfg, impl, interpret, interleaved, unique_slots: as in :func:`mla_decode_branch_{v}` (keyword-only).
 
   Returns:
     ``(out [T, H, v] bfloat16, new_pages)``.
+
+  Raises:
+    TypeError: ``cfg`` missing; ValueError naming this function and the argument (shapes, dtypes, weights).
   """
 
 
 def mla_prefill_branch_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
-                           **kw):
-  return _prefill(True, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
-                  **kw)
+                           *, cfg: MLAConfig, impl="auto", interpret=False, interleaved: bool = True,
+                           unique_slots: bool = False):
+  return _prefill(True, "mla_prefill_branch_fp8", weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
+                  cos, sin, cu_seqlens, cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved,
+                  unique_slots=unique_slots)
 
 
 def mla_prefill_branch_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
-                            **kw):
-  return _prefill(False, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
-                  **kw)
+                            *, cfg: MLAConfig, impl="auto", interpret=False, interleaved: bool = True,
+                            unique_slots: bool = False):
+  return _prefill(False, "mla_prefill_branch_bf16", weights, pages, kv_scale, q_nope, q_rope, kv, positions,
+                  slots, cos, sin, cu_seqlens, cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved,
+                  unique_slots=unique_slots)
 
 
-mla_prefill_branch_fp8.__doc__ = _PREFILL_DOC.format(variant="FP8", wcls="MLAWeightsFP8")
-mla_prefill_branch_bf16.__doc__ = _PREFILL_DOC.format(variant="BF16", wcls="MLAWeightsBF16")
+mla_prefill_branch_fp8.__doc__ = _PREFILL_DOC.format(variant="FP8", wcls="MLAWeightsFP8", v="fp8")
+mla_prefill_branch_bf16.__doc__ = _PREFILL_DOC.format(variant="BF16", wcls="MLAWeightsBF16", v="bf16")
 
 
-def _sparse_prefill(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, *,
-                    cfg, topk_length=None, impl="auto", interpret=False, interleaved=True, unique_slots=False):
-  name = f"mla_prefill_branch_sparse_{'fp8' if fp8 else 'bf16'}"
-  _check_variant(weights, fp8, name)
+def _sparse_prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices,
+                    *, cfg, topk_length, impl, interpret, interleaved, unique_slots):
+  with _named(fn):
+    lead = _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                         decode=False)
+    _check_sparse(indices, topk_length, lead, f"T={lead[0]}")
+    interleaved, unique_slots = _check_options(interleaved, unique_slots)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          indices, topk_length)
-  return _run(_sparse_prefill_jit, name, dyn, cfg, impl, interpret, interleaved, unique_slots)
+  return _run(_sparse_prefill_jit, f"mla_prefill_branch_sparse_{'fp8' if fp8 else 'bf16'}", dyn, cfg, impl,
+              interpret, interleaved, unique_slots)
 
 
-_SPARSE_PREFILL_DOC = """MLA sparse prefill branch ({variant} weights, absorbed); see the module doc.
+_SPARSE_PREFILL_DOC = """MLA sparse prefill branch ({variant} weights, absorbed): ``T`` packed tokens, top-k attention.
 
-  Args: as :func:`mla_prefill_branch_{v}` without cu_seqlens, plus indices: ``[T, topk]`` int32 flat slot ids
-    per token (e.g. the indexer's top-k, which may include the token's own slot: the cache write comes first),
-    optional topk_length ``[T]`` int32.
+  Args:
+    weights, pages (DONATED), kv_scale, q_nope ``[T, H, nope]``, q_rope ``[T, H, 64]``, kv ``[T, 576]``, positions
+      ``[T]``, slots ``[T]``, cos, sin: as in :func:`mla_prefill_branch_{v}` (positions are absolute, so a
+      sequence may continue earlier context).
+    indices: ``[T, topk]`` int32 flat slot ids per token (e.g. the indexer's top-k, which may include the token's
+      own slot: the cache write comes first); entries outside ``[0, num_slots)`` are masked.
+    topk_length: optional ``[T]`` int32: only the first ``topk_length[t]`` indices of token t count.
+    cfg, impl, interpret, interleaved, unique_slots: as in :func:`mla_decode_branch_{v}` (keyword-only).
 
   Returns:
     ``(out [T, H, v] bfloat16, new_pages)``.
+
+  Raises:
+    TypeError: ``cfg`` missing; ValueError naming this function and the argument (shapes, dtypes, weights).
   """
 
 
 def mla_prefill_branch_sparse_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                                  indices, **kw):
-  return _sparse_prefill(True, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices,
-                         **kw)
+                                  indices, *, cfg: MLAConfig, topk_length=None, impl="auto", interpret=False,
+                                  interleaved: bool = True, unique_slots: bool = False):
+  return _sparse_prefill(True, "mla_prefill_branch_sparse_fp8", weights, pages, kv_scale, q_nope, q_rope, kv,
+                         positions, slots, cos, sin, indices, cfg=cfg, topk_length=topk_length, impl=impl,
+                         interpret=interpret, interleaved=interleaved, unique_slots=unique_slots)
 
 
 def mla_prefill_branch_sparse_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                                   indices, **kw):
-  return _sparse_prefill(False, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                         indices, **kw)
+                                   indices, *, cfg: MLAConfig, topk_length=None, impl="auto", interpret=False,
+                                   interleaved: bool = True, unique_slots: bool = False):
+  return _sparse_prefill(False, "mla_prefill_branch_sparse_bf16", weights, pages, kv_scale, q_nope, q_rope, kv,
+                         positions, slots, cos, sin, indices, cfg=cfg, topk_length=topk_length, impl=impl,
+                         interpret=interpret, interleaved=interleaved, unique_slots=unique_slots)
 
 
-mla_prefill_branch_sparse_fp8.__doc__ = _SPARSE_PREFILL_DOC.format(variant="FP8", wcls="MLAWeightsFP8", v="fp8")
-mla_prefill_branch_sparse_bf16.__doc__ = _SPARSE_PREFILL_DOC.format(variant="BF16", wcls="MLAWeightsBF16",
-                                                                    v="bf16")
+mla_prefill_branch_sparse_fp8.__doc__ = _SPARSE_PREFILL_DOC.format(variant="FP8", v="fp8")
+mla_prefill_branch_sparse_bf16.__doc__ = _SPARSE_PREFILL_DOC.format(variant="BF16", v="bf16")
 
 
 def choose_branch(max_seqlen: int, *, sparse: bool = False) -> str:
@@ -530,58 +700,117 @@ def choose_branch(max_seqlen: int, *, sparse: bool = False) -> str:
   return "decode"
 
 
-def _prefill_decode(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg,
-                    max_seqlen, cu_seqlens=None, block_table=None, cache_seqlens=None, indices=None,
-                    topk_length=None, impl="auto", interpret=False, interleaved=True, unique_slots=False):
-  branch = choose_branch(max_seqlen, sparse=indices is not None)
+def _pd_plan(fn, max_seqlen, cu_seqlens, block_table, cache_seqlens, indices, topk_length):
+  """The branch of a prefill-decode call and the attention arguments it uses (the others are dropped)."""
+  with _named(fn):
+    branch = choose_branch(max_seqlen, sparse=indices is not None)
+    if indices is None and topk_length is not None:
+      raise ValueError("topk_length= applies to sparse attention only (with indices=)")
+    if branch == "prefill" and cu_seqlens is None:
+      raise ValueError("the dense prefill branch (max_seqlen > 1, no indices=) needs cu_seqlens=")
+    if branch == "decode" and indices is None and (block_table is None or cache_seqlens is None):
+      got = [n for n, x in (("block_table=", block_table), ("cache_seqlens=", cache_seqlens)) if x is not None]
+      raise ValueError(f"the decode branch (max_seqlen == 1) needs indices= (sparse) or block_table= and "
+                       f"cache_seqlens= (dense); got {got[0] if got else 'neither'}")
+  if indices is not None:
+    block_table = cache_seqlens = None
+  return branch, dict(cu_seqlens=cu_seqlens, block_table=block_table, cache_seqlens=cache_seqlens,
+                      indices=indices, topk_length=topk_length)
+
+
+def _pd_check(fn, fp8, branch, a, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cfg):
+  """Checks of a prefill-decode call at its own shapes (``[T, ...]``, also for the decode branch)."""
+  with _named(fn):
+    lead = _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                         decode=False)
+    if a["indices"] is not None:
+      _check_sparse(a["indices"], a["topk_length"], lead, f"T={lead[0]}")
+    elif branch == "prefill":
+      _check_cu_seqlens(a["cu_seqlens"])
+    else:
+      _checks.check_array("block_table", a["block_table"], ndim=2, shape=(lead[0], None), dtypes=_I32,
+                          expect=f"[T={lead[0]}, max_pages_per_seq] (decode: one sequence per token)")
+      _checks.check_array("cache_seqlens", a["cache_seqlens"], shape=lead, dtypes=_I32, expect=f"[T={lead[0]}]")
+
+
+def _prefill_decode(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg,
+                    max_seqlen, cu_seqlens, block_table, cache_seqlens, indices, topk_length, impl, interpret,
+                    interleaved, unique_slots):
+  branch, a = _pd_plan(fn, max_seqlen, cu_seqlens, block_table, cache_seqlens, indices, topk_length)
+  _pd_check(fn, fp8, branch, a, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cfg)
   common = dict(cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved, unique_slots=unique_slots)
+  v = "fp8" if fp8 else "bf16"
   if branch == "prefill":
-    if cu_seqlens is None:
-      raise ValueError("the prefill branch (max_seqlen > 1) needs cu_seqlens")
-    out, pages = _prefill(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                          cu_seqlens, **common)
+    out, pages = _prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                          a["cu_seqlens"], **common)
   elif branch == "sparse_prefill":
-    out, pages = _sparse_prefill(fp8, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                                 indices, topk_length=topk_length, **common)
+    out, pages = _sparse_prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos,
+                                 sin, a["indices"], topk_length=a["topk_length"], **common)
   else:  # one new token per sequence: B = T, s_q = 1
     t = q_nope.shape[0]
-    out, pages = _decode(fp8, weights, pages, kv_scale, q_nope[:, None], q_rope[:, None], kv[:, None],
+    idx = a["indices"]
+    out, pages = _decode(fp8, fn, weights, pages, kv_scale, q_nope[:, None], q_rope[:, None], kv[:, None],
                          positions[:, None], slots[:, None], cos, sin,
-                         indices=None if indices is None else indices[:, None], topk_length=topk_length,
-                         block_table=block_table, cache_seqlens=cache_seqlens, **common)
+                         indices=None if idx is None else idx[:, None], topk_length=a["topk_length"],
+                         block_table=a["block_table"], cache_seqlens=a["cache_seqlens"], **common)
     out = out.reshape(t, *out.shape[2:])
   rep = _LAST["report"]
   if rep is not None:
-    _LAST["report"] = {**rep, "graph": f"mla_prefill_decode_graph_{'fp8' if fp8 else 'bf16'}"}
+    _LAST["report"] = {**rep, "graph": f"mla_prefill_decode_graph_{v}"}
   return out, pages
 
 
 _PD_DOC = """Prefill-or-decode MLA graph ({variant} weights): a static choice from ``max_seqlen``.
 
+  One call site for both phases: ``indices=`` selects sparse attention in either branch; the arrays the chosen
+  branch does not read are ignored (``cu_seqlens`` in decode, ``block_table`` / ``cache_seqlens`` in prefill, both
+  with ``indices=``), so an engine may pass everything it has.
+
   Args:
-    weights, pages (DONATED), kv_scale, cos, sin, cfg, impl, interpret, interleaved, unique_slots: as in the
-      branches.
-    q_nope ``[T, H, nope]``, q_rope ``[T, H, 64]``, kv ``[T, 576]``, positions ``[T]``, slots ``[T]``: packed
-      tokens (decode: one per sequence, ``T = B``).
+    weights, pages (DONATED), kv_scale, cos, sin: as in :func:`mla_decode_branch_{v}`.
+    q_nope ``[T, H, nope]``, q_rope ``[T, H, 64]``, kv ``[T, 576]`` (bfloat16/float32), positions ``[T]`` int32,
+      slots ``[T]`` int32: packed tokens (decode: one per sequence, ``T = B``).
+    cfg: :class:`~mla_pallas.config.MLAConfig` (static).
     max_seqlen: python int (static), the most new tokens of one sequence: ``> 1`` -> prefill (dense with
-      ``cu_seqlens``, or sparse with ``indices [T, topk]``), ``1`` -> decode (``indices [T, topk]``, or
-      ``block_table [T, P]`` and ``cache_seqlens [T]``).
+      ``cu_seqlens [B + 1]``, or sparse with ``indices [T, topk]``); ``1`` -> decode (sparse with
+      ``indices [T, topk]``, or dense with ``block_table [T, P]`` and ``cache_seqlens [T]``, lengths including the
+      new token).
+    topk_length: sparse only, optional ``[T]`` int32.
+    impl, interpret, interleaved, unique_slots: as in the branches.
 
   Returns:
     ``(out [T, H, v] bfloat16, new_pages)``; :func:`graph_report` names the branch and the implementations.
+
+  Raises:
+    TypeError: ``cfg`` or ``max_seqlen`` missing; ValueError naming this function and the argument (e.g. the
+      dense prefill branch without ``cu_seqlens=``, the dense decode branch without ``block_table=``).
   """
 
 
-def mla_prefill_decode_graph_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw):
-  return _prefill_decode(True, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw)
+def mla_prefill_decode_graph_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
+                                 cfg: MLAConfig, max_seqlen: int, cu_seqlens=None, block_table=None,
+                                 cache_seqlens=None, indices=None, topk_length=None, impl="auto", interpret=False,
+                                 interleaved: bool = True, unique_slots: bool = False):
+  return _prefill_decode(True, "mla_prefill_decode_graph_fp8", weights, pages, kv_scale, q_nope, q_rope, kv,
+                         positions, slots, cos, sin, cfg=cfg, max_seqlen=max_seqlen, cu_seqlens=cu_seqlens,
+                         block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
+                         topk_length=topk_length, impl=impl, interpret=interpret, interleaved=interleaved,
+                         unique_slots=unique_slots)
 
 
-def mla_prefill_decode_graph_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw):
-  return _prefill_decode(False, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, **kw)
+def mla_prefill_decode_graph_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
+                                  cfg: MLAConfig, max_seqlen: int, cu_seqlens=None, block_table=None,
+                                  cache_seqlens=None, indices=None, topk_length=None, impl="auto",
+                                  interpret=False, interleaved: bool = True, unique_slots: bool = False):
+  return _prefill_decode(False, "mla_prefill_decode_graph_bf16", weights, pages, kv_scale, q_nope, q_rope, kv,
+                         positions, slots, cos, sin, cfg=cfg, max_seqlen=max_seqlen, cu_seqlens=cu_seqlens,
+                         block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
+                         topk_length=topk_length, impl=impl, interpret=interpret, interleaved=interleaved,
+                         unique_slots=unique_slots)
 
 
-mla_prefill_decode_graph_fp8.__doc__ = _PD_DOC.format(variant="FP8")
-mla_prefill_decode_graph_bf16.__doc__ = _PD_DOC.format(variant="BF16")
+mla_prefill_decode_graph_fp8.__doc__ = _PD_DOC.format(variant="FP8", v="fp8")
+mla_prefill_decode_graph_bf16.__doc__ = _PD_DOC.format(variant="BF16", v="bf16")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -629,25 +858,36 @@ def _ref_decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, sl
 _ref_decode_jit = jax.jit(_ref_decode_body, static_argnames=("cfg", "interleaved"))
 
 
-def reference_decode_branch(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg,
-                            indices=None, topk_length=None, block_table=None, cache_seqlens=None,
-                            interleaved=True):
-  """Float32 oracle of :func:`mla_decode_branch_fp8` / ``_bf16`` (same arguments, nothing donated; jitted).
+def reference_decode_branch(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
+                            cfg: MLAConfig, indices=None, topk_length=None, block_table=None, cache_seqlens=None,
+                            interleaved: bool = True):
+  """Float32 oracle of :func:`mla_decode_branch_fp8` / ``_bf16`` (jitted; nothing donated).
+
+  Same arguments, shapes and checks as the graph (either ``indices=`` or ``block_table=`` + ``cache_seqlens=``),
+  without ``impl`` / ``interpret`` / ``unique_slots``, which choose implementations the oracle does not have.
   Returns ``(out float32 [B, s_q, H, v], new_pages)``."""
-  _is_fp8(weights)
-  if indices is not None:
-    block_table = cache_seqlens = None
+  with _named("reference_decode_branch"):
+    lead = _check_tokens(weights, cfg, None, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                         decode=True)
+    _check_decode_attention(lead, indices, topk_length, block_table, cache_seqlens)
+    interleaved = _check_bool("interleaved", interleaved)
   return _ref_decode_jit(weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots,
                          cos, sin, indices, topk_length, block_table, cache_seqlens, cfg=cfg,
-                         interleaved=bool(interleaved))
+                         interleaved=interleaved)
 
 
 def reference_prefill_branch_sparse(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                                    indices, *, cfg, topk_length=None, interleaved=True):
-  """Float32 oracle of :func:`mla_prefill_branch_sparse_fp8` / ``_bf16``: ``(out f32 [T, H, v], new_pages)``."""
-  out, new_pages = reference_decode_branch(
-      weights, pages, kv_scale, q_nope[:, None], q_rope[:, None], kv[:, None], positions[:, None],
-      slots[:, None], cos, sin, cfg=cfg, indices=indices[:, None], topk_length=topk_length,
+                                    indices, *, cfg: MLAConfig, topk_length=None, interleaved: bool = True):
+  """Float32 oracle of :func:`mla_prefill_branch_sparse_fp8` / ``_bf16`` (same arguments and checks, without
+  ``impl`` / ``interpret`` / ``unique_slots``): ``(out float32 [T, H, v], new_pages)``."""
+  with _named("reference_prefill_branch_sparse"):
+    lead = _check_tokens(weights, cfg, None, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                         decode=False)
+    _check_sparse(indices, topk_length, lead, f"T={lead[0]}")
+    interleaved = _check_bool("interleaved", interleaved)
+  out, new_pages = _ref_decode_jit(
+      weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope[:, None], q_rope[:, None], kv[:, None],
+      positions[:, None], slots[:, None], cos, sin, indices[:, None], topk_length, None, None, cfg=cfg,
       interleaved=interleaved)
   return out[:, 0], new_pages
 
@@ -673,27 +913,36 @@ _ref_prefill_jit = jax.jit(_ref_prefill_body, static_argnames=("cfg", "interleav
 
 
 def reference_prefill_branch(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                             cu_seqlens, *, cfg, interleaved=True):
-  """Float32 oracle of :func:`mla_prefill_branch_fp8` / ``_bf16`` (jitted): ``(out f32 [T, H, v], new_pages)``."""
-  _is_fp8(weights)
+                             cu_seqlens, *, cfg: MLAConfig, interleaved: bool = True):
+  """Float32 oracle of :func:`mla_prefill_branch_fp8` / ``_bf16`` (jitted; same arguments and checks, without
+  ``impl`` / ``interpret`` / ``unique_slots``): ``(out float32 [T, H, v], new_pages)``."""
+  with _named("reference_prefill_branch"):
+    _check_tokens(weights, cfg, None, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
+                  decode=False)
+    _check_cu_seqlens(cu_seqlens)
+    interleaved = _check_bool("interleaved", interleaved)
   return _ref_prefill_jit(weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions,
-                          slots, cos, sin, cu_seqlens, cfg=cfg, interleaved=bool(interleaved))
+                          slots, cos, sin, cu_seqlens, cfg=cfg, interleaved=interleaved)
 
 
 def reference_prefill_decode_graph(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
-                                   cfg, max_seqlen, cu_seqlens=None, block_table=None, cache_seqlens=None,
-                                   indices=None, topk_length=None, interleaved=True):
-  """Float32 oracle of :func:`mla_prefill_decode_graph_fp8` / ``_bf16``: ``(out f32 [T, H, v], new_pages)``."""
-  branch = choose_branch(max_seqlen, sparse=indices is not None)
+                                   cfg: MLAConfig, max_seqlen: int, cu_seqlens=None, block_table=None,
+                                   cache_seqlens=None, indices=None, topk_length=None, interleaved: bool = True):
+  """Float32 oracle of :func:`mla_prefill_decode_graph_fp8` / ``_bf16`` (same arguments, branch choice and checks,
+  without ``impl`` / ``interpret`` / ``unique_slots``): ``(out float32 [T, H, v], new_pages)``."""
+  fn = "reference_prefill_decode_graph"
+  branch, a = _pd_plan(fn, max_seqlen, cu_seqlens, block_table, cache_seqlens, indices, topk_length)
+  _pd_check(fn, None, branch, a, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cfg)
+  args = (weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin)
   if branch == "prefill":
-    return reference_prefill_branch(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                                    cu_seqlens, cfg=cfg, interleaved=interleaved)
+    return reference_prefill_branch(*args, a["cu_seqlens"], cfg=cfg, interleaved=interleaved)
   if branch == "sparse_prefill":
-    return reference_prefill_branch_sparse(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos,
-                                           sin, indices, cfg=cfg, topk_length=topk_length,
+    return reference_prefill_branch_sparse(*args, a["indices"], cfg=cfg, topk_length=a["topk_length"],
                                            interleaved=interleaved)
+  idx = a["indices"]
   out, new_pages = reference_decode_branch(
       weights, pages, kv_scale, q_nope[:, None], q_rope[:, None], kv[:, None], positions[:, None],
-      slots[:, None], cos, sin, cfg=cfg, indices=None if indices is None else indices[:, None],
-      topk_length=topk_length, block_table=block_table, cache_seqlens=cache_seqlens, interleaved=interleaved)
+      slots[:, None], cos, sin, cfg=cfg, indices=None if idx is None else idx[:, None],
+      topk_length=a["topk_length"], block_table=a["block_table"], cache_seqlens=a["cache_seqlens"],
+      interleaved=interleaved)
   return out[:, 0], new_pages

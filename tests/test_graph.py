@@ -321,3 +321,171 @@ def test_decode_graph_runs_attention_kernel_in_interpret_mode(rng):
   assert time.perf_counter() - t0 < 60
   _check_report("sparse_mla_decode", interpret_attention=True)
   testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), min_cos=0.97, what="interpret decode")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# signatures and argument errors (raised before tracing: nothing compiles, nothing is donated)
+# ----------------------------------------------------------------------------------------------------------
+
+_DECODE_KW = ["indices", "topk_length", "block_table", "cache_seqlens"]
+_PD_KW = ["max_seqlen", "cu_seqlens", "block_table", "cache_seqlens", "indices", "topk_length"]
+# public function -> (positional arguments after the ten tensors, keyword-only attention arguments)
+SIGNATURES = {
+    "mla_decode_branch_fp8": ([], _DECODE_KW), "mla_decode_branch_bf16": ([], _DECODE_KW),
+    "reference_decode_branch": ([], _DECODE_KW),
+    "mla_prefill_branch_fp8": (["cu_seqlens"], []), "mla_prefill_branch_bf16": (["cu_seqlens"], []),
+    "reference_prefill_branch": (["cu_seqlens"], []),
+    "mla_prefill_branch_sparse_fp8": (["indices"], ["topk_length"]),
+    "mla_prefill_branch_sparse_bf16": (["indices"], ["topk_length"]),
+    "reference_prefill_branch_sparse": (["indices"], ["topk_length"]),
+    "mla_prefill_decode_graph_fp8": ([], _PD_KW), "mla_prefill_decode_graph_bf16": ([], _PD_KW),
+    "reference_prefill_decode_graph": ([], _PD_KW),
+}
+TENSORS = ["weights", "pages", "kv_scale", "q_nope", "q_rope", "kv", "positions", "slots", "cos", "sin"]
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_public_signatures_are_explicit(name):
+  """Tensors positional, then keyword-only cfg (required), the attention choice and the options; no **kw."""
+  import inspect
+  P = inspect.Parameter
+  params = inspect.signature(getattr(graph, name)).parameters
+  kinds = {n: p.kind for n, p in params.items()}
+  assert P.VAR_KEYWORD not in kinds.values() and P.VAR_POSITIONAL not in kinds.values()
+  more, attention = SIGNATURES[name]
+  assert [n for n, k in kinds.items() if k == P.POSITIONAL_OR_KEYWORD] == TENSORS + more
+  assert kinds["cfg"] == P.KEYWORD_ONLY and params["cfg"].default is P.empty
+  assert params["interleaved"].default is True
+  for a in attention:
+    assert kinds[a] == P.KEYWORD_ONLY, a
+    assert params[a].default is (P.empty if a == "max_seqlen" else None), a
+  if name.startswith("reference_"):   # the oracles have no implementations to choose
+    assert not {"impl", "interpret", "unique_slots"} & set(params)
+  else:
+    assert params["impl"].default == "auto" and params["interpret"].default is False
+    assert params["unique_slots"].default is False
+  assert name in graph.__all__
+
+
+def _error_case(rng, fp8=True):
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, fp8)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=False, B=2, s_q=1)
+  idx = jnp.zeros((2, 1, 4), jnp.int32)
+  return cfg, w, pages, kv_scale, case, kw, idx
+
+
+def _raises(exc, match, fn, *args, **kw):
+  with pytest.raises(exc, match=match):
+    fn(*args, **kw)
+
+
+def test_decode_argument_errors_name_the_public_argument(rng):
+  cfg, w, pages, kv_scale, case, dense, idx = _error_case(rng)
+  f = graph.mla_decode_branch_fp8
+  both = "mla_decode_branch_fp8: pass either indices= \\(sparse\\) or block_table= and cache_seqlens= \\(dense\\)"
+  _raises(TypeError, "mla_decode_branch_fp8.*'cfg'", f, w, pages, kv_scale, **case, indices=idx)
+  _raises(ValueError, both + "; got neither", f, w, pages, kv_scale, **case, cfg=cfg)
+  _raises(ValueError, both + ", not both", f, w, pages, kv_scale, **case, cfg=cfg, indices=idx, **dense)
+  _raises(ValueError, both + ", not both; got indices= and cache_seqlens=", f, w, pages, kv_scale, **case,
+          cfg=cfg, indices=idx, cache_seqlens=dense["cache_seqlens"])
+  _raises(ValueError, both + "; got block_table= without cache_seqlens=", f, w, pages, kv_scale, **case, cfg=cfg,
+          block_table=dense["block_table"])
+  _raises(ValueError, both + "; got cache_seqlens= without block_table=", f, w, pages, kv_scale, **case, cfg=cfg,
+          cache_seqlens=dense["cache_seqlens"])
+  _raises(ValueError, "mla_decode_branch_fp8: topk_length= applies to sparse attention only", f, w, pages,
+          kv_scale, **case, cfg=cfg, topk_length=jnp.ones((2,), jnp.int32), **dense)
+  _raises(ValueError, "mla_decode_branch_fp8: cfg must be an MLAConfig", f, w, pages, kv_scale, **case,
+          cfg="glm5", indices=idx)
+  _raises(ValueError, "mla_decode_branch_fp8: weights must be MLAWeightsFP8; got MLAWeightsBF16", f,
+          _weights(rng, cfg, False), pages, kv_scale, **case, cfg=cfg, indices=idx)
+  # cfg of another model (nope 128, the weights have 192)
+  _raises(ValueError, r"mla_decode_branch_fp8: weights.w_uk must have shape \[H, nope=128", f, w, pages,
+          kv_scale, **case, cfg=CFGS["deepseek_v32"], indices=idx)
+  bad = {
+      "q_nope": (case["q_nope"][:, :, :4], r"q_nope must have shape \[B, s_q, H=8, nope=192\]"),
+      "q_rope": (case["q_rope"][0], r"q_rope must have shape \[B=2, s_q=1, H=8, 64\]"),
+      "kv": (case["kv"][..., :512], r"kv must have shape \[B=2, s_q=1, 576\]"),
+      "positions": (case["positions"].astype(jnp.float32), "positions must have dtype int32"),
+      "slots": (case["slots"][:, 0], r"slots must have shape \[B=2, s_q=1\]"),
+      "cos": (case["cos"][:, :16], r"cos must have shape \[max_pos, 32\]"),
+  }
+  for arg, (value, match) in bad.items():
+    _raises(ValueError, "mla_decode_branch_fp8: " + match, f, w, pages, kv_scale, **{**case, arg: value}, cfg=cfg,
+            indices=idx)
+  _raises(ValueError, r"mla_decode_branch_fp8: indices must have shape \[B=2, s_q=1, topk\]", f, w, pages,
+          kv_scale, **case, cfg=cfg, indices=idx[:, 0])
+  _raises(ValueError, r"mla_decode_branch_fp8: topk_length must have shape \[B=2\]", f, w, pages, kv_scale,
+          **case, cfg=cfg, indices=idx, topk_length=jnp.ones((3,), jnp.int32))
+  _raises(ValueError, r"mla_decode_branch_fp8: block_table must have shape \[B=2, max_pages_per_seq\]", f, w,
+          pages, kv_scale, **case, cfg=cfg, **{**dense, "block_table": dense["block_table"][:1]})
+  _raises(ValueError, "mla_decode_branch_fp8: pages must have", f, w, pages.astype(jnp.bfloat16), kv_scale,
+          **case, cfg=cfg, indices=idx)
+  _raises(ValueError, "mla_decode_branch_fp8: kv_scale must be > 0", f, w, pages, -1.0, **case, cfg=cfg,
+          indices=idx)
+  _raises(ValueError, "mla_decode_branch_fp8: interleaved must be a python bool", f, w, pages, kv_scale, **case,
+          cfg=cfg, indices=idx, interleaved=1)
+  # the oracle checks the same way, under its own name
+  _raises(ValueError, "reference_decode_branch: pass either indices=", graph.reference_decode_branch, w, pages,
+          kv_scale, **case, cfg=cfg, indices=idx, **dense)
+  _raises(TypeError, "reference_decode_branch.*'cfg'", graph.reference_decode_branch, w, pages, kv_scale, **case,
+          indices=idx)
+  assert not pages.is_deleted(), "a call refused by its checks must not consume the cache"
+
+
+def test_prefill_argument_errors_name_the_public_argument(rng):
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, False)
+  pages, kv_scale, case, extra, max_len = _prefill_case(rng, cfg)
+  cu = extra["cu_seqlens"]
+  idx = jnp.zeros((case["q_nope"].shape[0], 4), jnp.int32)
+  _raises(TypeError, "mla_prefill_branch_bf16.*'cfg'", graph.mla_prefill_branch_bf16, w, pages, kv_scale, **case,
+          cu_seqlens=cu)
+  _raises(ValueError, r"mla_prefill_branch_bf16: cu_seqlens must have dtype int32", graph.mla_prefill_branch_bf16,
+          w, pages, kv_scale, **case, cu_seqlens=cu.astype(jnp.float32), cfg=cfg)
+  _raises(ValueError, r"mla_prefill_branch_bf16: q_nope must have rank 3 with shape \[T, H=8, nope=192\]",
+          graph.mla_prefill_branch_bf16, w, pages, kv_scale, **{**case, "q_nope": case["q_nope"][None]},
+          cu_seqlens=cu, cfg=cfg)
+  _raises(ValueError, r"mla_prefill_branch_sparse_bf16: indices must have shape \[T=18, topk\]",
+          graph.mla_prefill_branch_sparse_bf16, w, pages, kv_scale, **case, indices=idx[:, 0], cfg=cfg)
+  _raises(ValueError, r"mla_prefill_branch_sparse_bf16: topk_length must have shape \[T=18\]",
+          graph.mla_prefill_branch_sparse_bf16, w, pages, kv_scale, **case, indices=idx, cfg=cfg,
+          topk_length=jnp.ones((2,), jnp.int32))
+  _raises(ValueError, "reference_prefill_branch_sparse: indices must have",
+          graph.reference_prefill_branch_sparse, w, pages, kv_scale, **case, indices=idx[:, 0], cfg=cfg)
+  pd = graph.mla_prefill_decode_graph_bf16
+  _raises(TypeError, "mla_prefill_decode_graph_bf16.*'max_seqlen'", pd, w, pages, kv_scale, **case, cfg=cfg,
+          cu_seqlens=cu)
+  _raises(ValueError, "mla_prefill_decode_graph_bf16: the dense prefill branch .* needs cu_seqlens=", pd, w, pages,
+          kv_scale, **case, cfg=cfg, max_seqlen=max_len)
+  _raises(ValueError, "mla_prefill_decode_graph_bf16: the decode branch .* got neither", pd, w, pages, kv_scale,
+          **case, cfg=cfg, max_seqlen=1, cu_seqlens=cu)
+  _raises(ValueError, "mla_prefill_decode_graph_bf16: the decode branch .* got block_table=", pd, w, pages,
+          kv_scale, **case, cfg=cfg, max_seqlen=1, block_table=jnp.zeros((18, 2), jnp.int32))
+  _raises(ValueError, r"mla_prefill_decode_graph_bf16: cache_seqlens must have shape \[T=18\]", pd, w, pages,
+          kv_scale, **case, cfg=cfg, max_seqlen=1, block_table=jnp.zeros((18, 2), jnp.int32),
+          cache_seqlens=jnp.ones((2,), jnp.int32))
+  _raises(ValueError, "mla_prefill_decode_graph_bf16: topk_length= applies to sparse attention only", pd, w, pages,
+          kv_scale, **case, cfg=cfg, max_seqlen=max_len, cu_seqlens=cu, topk_length=jnp.ones((18,), jnp.int32))
+  _raises(ValueError, "mla_prefill_decode_graph_bf16: max_seqlen must be a positive python int", pd, w, pages,
+          kv_scale, **case, cfg=cfg, max_seqlen=0, cu_seqlens=cu)
+  _raises(ValueError, "reference_prefill_decode_graph: the dense prefill branch",
+          graph.reference_prefill_decode_graph, w, pages, kv_scale, **case, cfg=cfg, max_seqlen=max_len)
+  assert not pages.is_deleted()
+
+
+def test_prefill_decode_graph_ignores_arrays_the_branch_does_not_read(rng):
+  """One call site for both phases: with indices= the decode branch is sparse even when the dense arrays (and
+  cu_seqlens) are passed too, and equals the sparse decode branch called directly."""
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True, B=2, s_q=1)
+  _, _, _, dense = _decode_case(rng, cfg, sparse=False, B=2, s_q=1)
+  flat = {k: (v[:, 0] if k not in ("cos", "sin") else v) for k, v in case.items()}
+  want, _ = graph.mla_decode_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, cfg=cfg, impl="xla", **kw)
+  out, _ = graph.mla_prefill_decode_graph_fp8(w, pages, kv_scale, **flat, cfg=cfg, max_seqlen=1, impl="xla",
+                                              indices=kw["indices"][:, 0], cu_seqlens=jnp.arange(3, dtype=jnp.int32),
+                                              **dense)
+  rep = graph.graph_report()
+  assert rep["branch"] == "decode" and "sparse_mla_decode" in [s["op"] for s in rep["steps"]]
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want[:, 0], np.float32))
