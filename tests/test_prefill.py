@@ -1,0 +1,202 @@
+"""mla_prefill's XLA backends on the CPU: the dispatch picks the float32 path here and it is the one that always ran;
+the cuDNN backend's packing / unpacking (segments, V padding, lse gather, padding tokens, non-finite v, the two
+``lax.cond`` branches) against the reference with a jnp stand-in for the cuDNN call.
+
+The stand-in (:func:`_attend_standin`) implements what ``_cudnn_attend`` is documented to return (packed layout:
+out rows outside every segment unwritten, softmax statistics ``[M, H, T]`` by segment and position) and is
+deliberately hostile where that contract leaves things undefined: unwritten output rows and unused statistics are
+NaN, and it multiplies *every* key's v by its (possibly 0) probability, so a non-finite v anywhere in the packed
+batch reaches every output unless the backend sanitized it. The real cuDNN call is compared with the reference in
+tests/test_prefill_gpu.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_pallas import _dispatch, reference as ref
+from mla_pallas.ops import prefill as pf
+from mla_pallas.ops.prefill import mla_prefill
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _attend_standin(q4, k4, v4, lens, offsets, *, scale, causal):
+  """float32 jnp model of ``_cudnn_attend`` (see the module docstring)."""
+  _, t, h, d = q4.shape
+  assert k4.shape == q4.shape and v4.shape == q4.shape, "the cuDNN backend must hand cuDNN one head dim"
+  m = lens.shape[1]
+  assert offsets.shape == (1, m + 1) and m >= 2
+  lens, offs = lens[0], offsets[0, :m]
+  tok = jnp.arange(t)
+  pos = jnp.arange(t)
+  in_seg = pos[None, :] < lens[:, None]                                  # [M, P]
+  rows = jnp.clip(offs[:, None] + pos[None, :], 0, t - 1)                # [M, P] token of (segment, position)
+  qs = q4[0].astype(jnp.float32)[rows]                                   # [M, P, H, D]
+  ks = k4[0].astype(jnp.float32)[rows]
+  valid = in_seg[:, :, None] & in_seg[:, None, :]                        # [M, Pq, Pk]
+  if causal:
+    valid = valid & (pos[None, None, :] <= pos[None, :, None])
+  s = jnp.einsum("mqhd,mkhd->mhqk", qs, ks, precision=_HI) * scale
+  s = jnp.where(valid[:, None], s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  p = jnp.where(valid[:, None], jnp.exp(s - mx), 0.0)
+  l = jnp.sum(p, axis=-1)                                                # [M, H, P]
+  stats = jnp.where(in_seg[:, None, :], jnp.log(l) + mx[..., 0], jnp.nan)
+  # hostile P·V: every key of the packed batch, weight 0 outside the segment (0 * NaN = NaN leaks)
+  w = jnp.zeros((m, h, t, t), jnp.float32)
+  w = w.at[jnp.arange(m)[:, None, None, None], jnp.arange(h)[None, :, None, None],
+           pos[None, None, :, None], rows[:, None, None, :]].add(p)
+  o = jnp.einsum("mhqk,khd->mqhd", w, v4[0].astype(jnp.float32), precision=_HI)
+  o = o / jnp.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
+  out = jnp.full((t, h, d), jnp.nan, jnp.float32)
+  dest = jnp.where(in_seg, rows, t)                                      # rows past the segment: dropped
+  out = out.at[dest].set(o, mode="drop")
+  del tok
+  return out[None].astype(q4.dtype), stats
+
+
+def _case(rng, t, h, dqk, dv, cu, dtype=jnp.bfloat16, bad=()):
+  q = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
+  k = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
+  v = rng.normal(size=(t, h, dv)).astype(np.float32)
+  for idx, val in bad:
+    v[idx] = val
+  return q, k, jnp.asarray(v, dtype), jnp.asarray(np.asarray(cu, np.int32))
+
+
+def _assert_close(out, lse, r_out, r_lse, *, out_rel, lse_abs):
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
+  fin = np.isfinite(r)
+  assert np.all(np.isfinite(o[fin]))
+  err = np.abs(o[fin] - r[fin])
+  assert np.all(err <= out_rel * np.abs(r[fin]) + 1e-5), err.max()
+  g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
+  np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
+  fin = np.isfinite(w)
+  assert np.all(np.isfinite(g[fin]))
+  assert np.all(np.abs(g[fin] - w[fin]) <= lse_abs), np.max(np.abs(g[fin] - w[fin]))
+
+
+def _standin(q, k, v, cu, scale, causal, static=True):
+  return pf._cudnn_jit(q, k, v, cu, jnp.float32(scale), causal=causal, scale=float(scale) if static else None,
+                       attend=_attend_standin)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dispatch: the float32 path on the CPU
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_cpu_runs_the_f32_path_unchanged(rng, impl):
+  q, k, v, cu = _case(rng, 40, 2, 16, 8, [2, 9, 30, 37])
+  assert pf.xla_backend(q, k, v, cu) == "f32"
+  assert "CUDA" in pf._backend_reason(q, k, v, cu)
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.3, impl=impl)
+  assert _dispatch.last_impl("mla_prefill") == "xla"
+  f_out, f_lse = pf._f32_jit(q, k, v, cu, jnp.float32(0.3), causal=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(f_out, np.float32))   # the same program
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(f_lse))
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3)
+  # f32 math in another order (~1e-6 relative), both rounded to bf16: one bf16 ulp (2^-7 relative); lse ~1e-6
+  _assert_close(out, lse, r_out, r_lse, out_rel=2.0 ** -7, lse_abs=1e-4)
+
+
+def test_cudnn_shape_rules():
+  bf, f32 = jnp.bfloat16, jnp.float32
+  assert pf._cudnn_shape_reason((bf,) * 3, 8192, 128, 192, 128, 2) is None         # DeepSeek-V3.2
+  assert pf._cudnn_shape_reason((bf,) * 3, 8192, 64, 256, 256, 2) is None          # GLM-5
+  assert "bfloat16" in pf._cudnn_shape_reason((bf, bf, f32), 64, 2, 64, 64, 1)
+  assert "multiples of 8" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 264, 64, 1)
+  assert "multiples of 8" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 60, 64, 1)
+  assert "multiples of 8" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 64, 20, 1)
+  assert "Dv <= Dqk" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 64, 128, 1)
+  assert "int32" in pf._cudnn_shape_reason((bf,) * 3, 2 ** 20, 128, 256, 256, 1)
+  assert "statistics" in pf._cudnn_shape_reason((bf,) * 3, 8192, 128, 192, 128, 1024)
+
+
+def test_static_scale():
+  assert pf._static_scale(0.5) == 0.5 and pf._static_scale(jnp.float32(0.25)) == 0.25
+  assert jax.jit(lambda s: jnp.float32(pf._static_scale(s) is None))(jnp.float32(1.0)) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cuDNN backend: packing and unpacking with the stand-in
+# ------------------------------------------------------------------------------------------------------------
+
+# bf16 inputs, f32 math in both (different order): outputs one bf16 ulp apart (2^-7 relative bound), lse ~1e-6
+EXACT = dict(out_rel=2.0 ** -7, lse_abs=1e-4)
+
+CASES = {
+    # name: (T, cu_seqlens, bad v entries (index, value), (Dqk, Dv)); Dv < Dqk: v zero-padded for cuDNN
+    "ragged": (61, [0, 1, 2, 19, 19, 60, 61], (), (24, 16)),                 # lengths 1, 1, 17, 0, 41, 1
+    "one_sequence": (33, [0, 33], (), (16, 16)),                             # B = 1: a zero-length 2nd segment
+    "single_token": (1, [0, 1], (), (24, 16)),
+    "padding_tokens": (40, [3, 10, 10, 31, 37], (), (16, 16)),               # leading / trailing padding tokens
+    "nonfinite_v": (45, [0, 12, 30, 45], [((14, 1, 3), np.inf), ((31, 0, 0), np.nan)], (24, 16)),
+    "nonfinite_padding": (30, [2, 20, 26], [((0,), np.nan), ((28,), np.inf), ((5, 0, 1), -np.inf)], (16, 16)),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_standin_matches_reference(rng, name, causal):
+  t, cu, bad, (dqk, dv) = CASES[name]
+  q, k, v, cu = _case(rng, t, 2, dqk, dv, cu, bad=bad)
+  out, lse = _standin(q, k, v, cu, 0.3, causal)
+  assert out.shape == (t, 2, dv) and out.dtype == jnp.bfloat16 and lse.shape == (t, 2) and lse.dtype == jnp.float32
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal)
+  _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_standin_no_sequences(rng):
+  q, k, v, cu = _case(rng, 9, 2, 16, 8, [0])
+  out, lse = _standin(q, k, v, cu, 0.3, True)
+  assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_clean_predicate(rng):
+  """The clean branch (cuDNN's rows returned as they are) only where no token is padding and v is finite; the
+  cases above with padding tokens or non-finite v fail against the hostile stand-in unless the general branch ran."""
+  v = jnp.ones((20, 2, 8), jnp.bfloat16)
+  cu = lambda c: jnp.asarray(c, jnp.int32)
+  assert bool(pf._is_clean(v, cu([0, 10, 20])))
+  assert not bool(pf._is_clean(v, cu([1, 10, 20])))
+  assert not bool(pf._is_clean(v, cu([0, 10, 19])))
+  assert not bool(pf._is_clean(v.at[3, 1, 2].set(jnp.inf), cu([0, 10, 20])))
+
+
+def test_cudnn_never_sees_nonfinite_v(rng):
+  seen = []
+
+  def spy(q4, k4, v4, lens, offsets, *, scale, causal):
+    jax.debug.callback(lambda fin: seen.append(bool(fin)), jnp.all(jnp.isfinite(v4)))
+    return _attend_standin(q4, k4, v4, lens, offsets, scale=scale, causal=causal)
+
+  for cu, bad in [([0, 10, 20], ()), ([1, 10, 20], [((0,), np.nan)]), ([0, 10, 20], [((4, 0, 0), np.inf)])]:
+    q, k, v, cu = _case(rng, 20, 2, 16, 16, cu, bad=bad)
+    out, lse = pf._cudnn_jit(q, k, v, cu, jnp.float32(0.3), causal=True, scale=0.3, attend=spy)
+    r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3)
+    _assert_close(out, lse, r_out, r_lse, **EXACT)
+  assert len(seen) == 3 and all(seen)
+
+
+def test_standin_traced_scale(rng):
+  scale = 0.3
+  q, k, v, cu = _case(rng, 50, 2, 24, 16, [0, 7, 50])
+  out, lse = jax.jit(lambda q, k, v, cu, s: _standin(q, k, v, cu, s, True, static=False))(q, k, v, cu, scale)
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale)
+  # Error model: q · scale is rounded to bf16 (each element off by <= 2^-9 relative), so a logit q·k moves by at
+  # most eps = 2^-9 · scale · max_{i,j} sum_d |q_id k_jd|. lse is a smooth max of the logits: off by <= eps (plus
+  # f32 rounding, 1e-5). Each softmax weight moves by a factor within e^(+-2 eps), so an output moves by
+  # <= (e^(2 eps) - 1) · max |v|, on top of one bf16 ulp (2^-7 relative) between the two roundings to bf16.
+  qa, ka = np.abs(np.asarray(q, np.float64)), np.abs(np.asarray(k, np.float64))
+  eps = 2.0 ** -9 * scale * np.einsum("ihd,jhd->hij", qa, ka).max()
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  bound = 2.0 ** -7 * np.abs(r) + np.expm1(2 * eps) * np.abs(np.asarray(v, np.float64)).max() + 1e-5
+  assert np.all(np.abs(o - r) <= bound), np.max(np.abs(o - r) - bound)
+  assert np.all(np.abs(np.asarray(lse) - np.asarray(r_lse)) <= eps + 1e-5)
