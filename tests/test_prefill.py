@@ -1,6 +1,7 @@
 """mla_prefill's XLA backends on the CPU: the dispatch picks the float32 path here and it is the one that always ran
-(its tests against the reference, argument validation); the cuDNN backend's packing / unpacking (segments, V padding, lse gather, padding tokens, non-finite v, the two
-``lax.cond`` branches) against the reference with a jnp stand-in for the cuDNN call.
+(its tests against the reference, argument validation); the cuDNN backend's packing / unpacking (segments, V
+padding, lse gather, padding tokens, non-finite v, the two ``lax.cond`` branches) against the reference with a jnp
+stand-in for the cuDNN call.
 
 The stand-in (:func:`_attend_standin`) implements what ``_cudnn_attend`` is documented to return (packed layout:
 out rows outside every segment unwritten, softmax statistics ``[M, H, T]`` by segment and position) and is

@@ -11,7 +11,8 @@ an output moves by <= u · sum_j p_j |v_j| / l <= u · max |v| (worst case) and 
   * rel-L2: three independent terms of RMS u / sqrt(3) each: sqrt(3) · u / sqrt(3) = u ~ 3.9e-3; asserted <= 3u.
 lse: cuDNN's f32 softmax statistics; the logits are summed in another order than the reference's: each off by
 <= Dqk · 2^-24 · scale · sum_d |q_d k_d| (f32 accumulation bound), and the log-sum-exp moves by at most the largest
-logit error; with exp2 / log2 arithmetic in between, asserted <= 4 · Dqk · 2^-24 · scale · max sum_d |q_d k_d| + 1e-5.
+logit error; with exp2 / log2 arithmetic in between, asserted <= 4 · Dqk · 2^-24 · scale · max sum_d |q_d k_d|
++ 1e-5.
 
 Run with ``-s`` to see the measured errors.
 """
