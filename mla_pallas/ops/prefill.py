@@ -14,7 +14,8 @@ cuDNN backend (see :func:`_cudnn_prefill`):
   * Packing: the packed batch goes to cuDNN as is, in its packed ("ragged") layout: q, k, v viewed as
     ``[1, T, H, D]`` (no copy), the sequences as M = max(B, 2) segments with token offsets ``cu_seqlens`` and
     lengths ``diff(cu_seqlens)`` (a zero-length segment is appended when B = 1: with one segment per batch row
-    JAX ignores the offsets). Work is ``sum_b len_b^2`` (causal: half), as in the f32 path; no padding to the longest sequence.
+    JAX ignores the offsets). Work is ``sum_b len_b^2`` (causal: half), as in the f32 path; no padding to the
+    longest sequence.
   * V is zero-padded from Dv to Dqk when they differ: JAX's packed layout scales the token offsets of k and v by
     the same row stride (H · Dqk), so v and the output must have q's head dim. Cost: one copy of v
     ``[T, H, Dqk]`` and one slice of the output (DeepSeek-V3.2 at T = 8192, H = 128: 0.40 GB and 0.27 GB written)
