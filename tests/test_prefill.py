@@ -7,8 +7,9 @@ The stand-in (:func:`_attend_standin`) implements what ``_cudnn_attend`` is docu
 out rows outside every segment unwritten, softmax statistics ``[M, H, T]`` by segment and position) and is
 deliberately hostile where that contract leaves things undefined: unwritten output rows and unused statistics are
 NaN, and it multiplies *every* key's v by its (possibly 0) probability, so a non-finite v anywhere in the packed
-batch reaches every output unless the backend sanitized it. The real cuDNN call is compared with the reference in
-tests/test_prefill_gpu.py.
+batch reaches every output unless the backend sanitized it. The real cuDNN call is lowered for CUDA here (JAX's
+shape / layout checks and the custom call's operand and result types: packed layout, padded v, statistics
+``[M, H, T]``) and compared with the reference on a GPU in tests/test_prefill_gpu.py.
 """
 from __future__ import annotations
 
@@ -252,3 +253,45 @@ def test_standin_traced_scale(rng):
   bound = 2.0 ** -7 * np.abs(r) + np.expm1(2 * eps) * np.abs(np.asarray(v, np.float64)).max() + 1e-5
   assert np.all(np.abs(o - r) <= bound), np.max(np.abs(o - r) - bound)
   assert np.all(np.abs(np.asarray(lse) - np.asarray(r_lse)) <= eps + 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cuDNN backend: the real call, lowered for CUDA on the CPU (JAX's own shape / layout checks run; cuDNN does not)
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+  """Pretend cuDNN 9.10 on an sm_90 GPU for JAX's trace-time checks, so the call can be lowered for CUDA here."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
+
+
+def _fmha_calls(t, h, dqk, dv, nseq, *, causal, scale):
+  avals = (jax.ShapeDtypeStruct((t, h, dqk), jnp.bfloat16), jax.ShapeDtypeStruct((t, h, dqk), jnp.bfloat16),
+           jax.ShapeDtypeStruct((t, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct((nseq + 1,), jnp.int32),
+           jax.ShapeDtypeStruct((), jnp.float32))
+  fn = jax.jit(lambda q, k, v, cu, s: pf._cudnn_jit(q, k, v, cu, s, causal=causal, scale=scale))
+  hlo = fn.trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+  return [line for line in hlo.splitlines() if "custom_call @__cudnn$fmha" in line]
+
+
+@pytest.mark.parametrize("t,h,dqk,dv,nseq,causal", [(64, 4, 192, 128, 3, True), (48, 2, 256, 256, 1, False)])
+def test_cudnn_call_lowers_for_cuda(cuda_lowering, t, h, dqk, dv, nseq, causal):
+  calls = _fmha_calls(t, h, dqk, dv, nseq, causal=causal, scale=0.125)
+  m = max(nseq, 2)
+  assert len(calls) == 2                                     # one per lax.cond branch
+  for c in calls:
+    assert "custom_call @__cudnn$fmhaSoftmax(" in c           # forward with softmax statistics, no bias/dropout
+    assert f"max_seg_per_batch\\22: {m}" in c                  # packed layout, M segments
+    assert ("PADDING_CAUSAL" if causal else "PADDING\\22") in c
+    assert "fmha_scale\\22: 0.125" in c
+    qkv = f"tensor<1x{t}x{h}x{dqk}xbf16>"                     # v zero-padded to Dqk
+    assert f"({qkv}, {qkv}, {qkv}, tensor<1x{m}xi32>, tensor<1x{m}xi32>, tensor<1x{m + 1}xi32>, " \
+           f"tensor<1x{m + 1}xi32>) -> (tensor<1x{h}x{t}x{dqk}xbf16>, tensor<{m}x{h}x{t}xf32>" in c
+
+
+def test_cudnn_call_traced_scale_folds_into_q(cuda_lowering):
+  calls = _fmha_calls(32, 2, 64, 64, 2, causal=True, scale=None)
+  assert len(calls) == 2 and all("fmha_scale\\22: 1.0" in c for c in calls)
