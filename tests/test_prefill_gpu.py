@@ -82,8 +82,9 @@ def test_backend_is_cudnn_and_lowers_to_cudnn(rng):
   h, dqk, dv = PRESETS["deepseek_v32"]
   q, k, v, cu = _inputs(rng, 64, h, dqk, dv, _cu([30, 34]))
   assert pf.xla_backend(q, k, v, cu) == "cudnn", pf._backend_reason(q, k, v, cu)
-  hlo = jax.jit(lambda *a: mla_prefill(*a, softmax_scale=0.1, impl="xla")).lower(q, k, v, cu).compile().as_text()
-  assert "__cudnn$fmha" in hlo
+  fn = jax.jit(lambda *a: mla_prefill(*a, softmax_scale=0.1, impl="xla"))
+  assert "custom_call @__cudnn$fmhaSoftmax" in fn.lower(q, k, v, cu).as_text()
+  jax.block_until_ready(fn(q, k, v, cu))                             # XLA builds the cuDNN graphs and runs them
   assert pf.xla_backend(q.astype(jnp.float32), k, v, cu) == "f32"   # float32 inputs keep float32 math
 
 
