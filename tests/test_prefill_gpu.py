@@ -1,7 +1,7 @@
 """mla_prefill's cuDNN backend on a Hopper GPU against reference.mla_prefill (float32 math on the same bf16 inputs):
 random inputs with ragged lengths (incl. 0 and 1), both presets' head dims (DeepSeek-V3.2 qk 192 / v 128, GLM-5
 256 / 256), causal and not, padding tokens and non-finite v (the general branch), one sequence, no sequence, a
-traced softmax scale, and the lse.
+traced softmax scale, and the lse; at the models' head counts and 2 x 4096 tokens against the float32 backend.
 
 Error model (bf16 operands; u = 2^-8, bf16's unit roundoff). cuDNN computes the logits from the same bf16 q, k with
 f32 accumulation and the softmax in f32, but rounds P to bf16 for P·V: each weight p_j is off by <= u relative, so
@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 U = 2.0 ** -8
 PRESETS = {"deepseek_v32": (16, 192, 128), "glm5": (8, 256, 256)}     # (H, Dqk, Dv); fewer heads than the models
 LENS = [1, 517, 1, 300, 0, 381]                                       # T = 1200
+MODEL_T = 8192                                                        # two sequences of 4096
 
 
 def _inputs(rng, t, h, dqk, dv, cu, bad=()):
@@ -138,3 +139,33 @@ def test_cudnn_traced_scale(rng):
   # the scale is folded into q (q · scale rounded to bf16, <= u relative per element): logits move by <= eps
   eps = U * scale * _logit_l1(q, k)
   _check(out, lse, r_out, r_lse, q, k, v, scale, extra_logit_err=eps)
+
+
+@pytest.mark.parametrize("preset,h", [("deepseek_v32", 128), ("glm5", 64)])
+def test_cudnn_matches_f32_path_at_model_size(preset, h):
+  """Two causal 4096-token sequences with the models' head counts (the benchmark shape), against the float32
+  backend (the reference's [H, T, T] logits would take 32 GiB; the f32 backend agrees with the reference within one
+  bf16 ulp, tests/test_prefill.py), same error model."""
+  _, dqk, dv = PRESETS[preset]
+  t = MODEL_T
+  kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(kq, (t, h, dqk), jnp.bfloat16)
+  k = jax.random.normal(kk, (t, h, dqk), jnp.bfloat16)
+  v = jax.random.normal(kv, (t, h, dv), jnp.bfloat16)
+  cu = jnp.asarray([0, t // 2, t], jnp.int32)
+  scale = dqk ** -0.5
+  assert pf.xla_backend(q, k, v, cu) == "cudnn"
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=scale, impl="xla")
+  r_out, r_lse = pf._f32_jit(q, k, v, cu, jnp.float32(scale), causal=True)
+  o, r = out.astype(jnp.float32), r_out.astype(jnp.float32)
+  rel_l2 = float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r))
+  excess = float(jnp.max(jnp.abs(o - r) - (2 * U * jnp.abs(r) + U * jnp.max(jnp.abs(v.astype(jnp.float32))) + 1e-5)))
+  # lse bound of the module docstring with sum_d |q_d k_d| <= |q|_2 |k|_2 (Cauchy-Schwarz; no [H, T, T] tensor)
+  norms = lambda x: jnp.linalg.norm(x.astype(jnp.float32), axis=-1)                 # [T, H]
+  l1 = float(jnp.max(jnp.max(norms(q), axis=0) * jnp.max(norms(k), axis=0)))
+  lse_err = float(jnp.max(jnp.abs(lse - r_lse)))
+  lse_tol = 4 * dqk * 2.0 ** -24 * scale * l1 + 2e-4        # + the f32 backend's own lse tolerance (1e-4, twice)
+  print(f"{preset} H{h}: out rel-L2 {rel_l2:.2e} (<= {3 * U:.2e}), max excess over bound {excess:.2e}; "
+        f"lse max err {lse_err:.2e} (<= {lse_tol:.2e})")
+  assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
+  assert excess <= 0 and rel_l2 <= 3 * U and lse_err <= lse_tol
