@@ -1,4 +1,4 @@
-"""Public ops of mla_pallas.ops (dense decode, prefill, rope/rms norm, fused cache write, FP8 bmm, weight conversion)
+"""Public ops of mla_pallas.ops (dense decode, rope/rms norm, fused cache write, FP8 bmm, weight conversion)
 against the float32 references in mla_pallas.reference, plus dispatch and validation.
 
 Tolerance model (the reason is also written next to each assertion):
@@ -7,7 +7,7 @@ Tolerance model (the reason is also written next to each assertion):
   Output rel-L2 bound from :func:`mla_pallas.testing.fp8_budget` (fp8_mma=False: no wgmma accumulation error) ~0.1.
   lse only sees the Q rounding (the row sum is taken on unquantized p): |d lse| <= max_j |d s_j| <=
   2^-4 * softmax_scale * kv_scale * max_j sum_d |q_d k_jd| (plus f32 noise).
-* Same math in a different order (prefill flash scan vs full softmax, bmm fp8 products vs dequantized f32 products):
+* Same math in a different order (bmm fp8 products vs dequantized f32 products):
   f32 accumulation differences ~1e-6 relative, then both rounded to bf16: at most one bf16 ulp apart
   (<= 2^-7 relative per element, rel-L2 <= 2^-8).
 * Elementwise ops that call the reference formulation (rope, rms norm, fused write, conversion): bitwise equal to
@@ -24,12 +24,10 @@ from mla_pallas import _dispatch, quant, testing
 from mla_pallas import reference as ref
 from mla_pallas.ops import bmm_fp8 as bmm_mod
 from mla_pallas.ops import dense_decode as dd_mod
-from mla_pallas.ops import prefill as pf_mod
 from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
 from mla_pallas.ops.convert import (convert_bf16_to_fp8_e4m3fn, convert_fp8_e4m3fn_to_bf16,
                                     load_block_scaled_checkpoint)
 from mla_pallas.ops.dense_decode import dense_mla_decode
-from mla_pallas.ops.prefill import mla_prefill
 from mla_pallas.ops.rope_rmsnorm import fused_rope_rmsnorm_quantization, rms_norm, rope, rope_rmsnorm
 
 FP8 = quant.FP8
@@ -212,69 +210,6 @@ def test_dense_decode_under_jit(rng):
   # same computation traced twice: identical
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
-
-
-# ------------------------------------------------------------------------------------------------------------
-# mla_prefill
-# ------------------------------------------------------------------------------------------------------------
-
-def prefill_case(rng, t, h, dqk, dv, cu, dtype=jnp.bfloat16):
-  q = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
-  k = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
-  v = rng.normal(size=(t, h, dv)).astype(np.float32)
-  cu = np.asarray(cu, np.int32)
-  # NaN/inf in padding tokens (outside [cu[0], cu[-1])) must never leak
-  v[: cu[0]] = np.nan
-  v[cu[-1]:] = np.inf
-  return q, k, jnp.asarray(v, dtype), jnp.asarray(cu)
-
-
-def assert_prefill_close(out, lse, r_out, r_lse):
-  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
-  np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
-  fin = np.isfinite(r)
-  # same f32 math in a different order (~1e-6 relative), then both rounded to bf16: one bf16 ulp (2^-7 relative)
-  assert np.all(np.abs(o[fin] - r[fin]) <= 2.0 ** -7 * np.abs(r[fin]) + 1e-5)
-  assert_lse_close(lse, r_lse, 1e-4)   # f32 log-sum-exp of O(1) logits: ~1e-6 apart
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("blk", [None, 16])
-def test_mla_prefill_xla_matches_reference(rng, monkeypatch, causal, blk):
-  if blk is not None:                   # several query and key blocks, sequences straddling block edges
-    monkeypatch.setattr(pf_mod, "_MAX_BLOCK", blk)
-  t, h = 53, 3
-  cu = [3, 10, 10, 31, 50]              # 3 leading padding tokens, an empty sequence, 3 trailing padding tokens
-  q, k, v, cu = prefill_case(rng, t, h, 24, 16, cu)
-  v = v.at[12, 1, 5].set(jnp.nan)      # NaN inside sequence 2: its own queries' outputs (that see it) are NaN
-  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal, impl="xla")
-  assert _dispatch.last_impl("mla_prefill") == "xla"
-  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal)
-  assert out.shape == (t, h, 16) and out.dtype == jnp.bfloat16 and lse.shape == (t, h)
-  assert_prefill_close(out, lse, r_out, r_lse)
-
-
-def test_mla_prefill_f32_single_sequence(rng, monkeypatch):
-  monkeypatch.setattr(pf_mod, "_MAX_BLOCK", 32)
-  q, k, v, cu = prefill_case(rng, 70, 2, 8, 8, [0, 70], dtype=jnp.float32)
-  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.5, impl="auto")
-  assert _dispatch.last_impl("mla_prefill") == "xla"      # no kernel: auto runs XLA
-  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.5)
-  assert_prefill_close(out, lse, r_out, r_lse)
-
-
-def test_mla_prefill_dispatch_and_validation(rng):
-  q, k, v, cu = prefill_case(rng, 8, 2, 8, 4, [0, 8])
-  with pytest.raises(NotImplementedError, match="mla_prefill has no Mosaic GPU kernel yet"):
-    mla_prefill(q, k, v, cu, softmax_scale=1.0, impl="mosaic", interpret=True)
-  with pytest.raises(ValueError, match="impl"):
-    mla_prefill(q, k, v, cu, softmax_scale=1.0, impl="triton")
-  for name, args in [("q", (q[0], k, v, cu)), ("k", (q, k[:, :1], v, cu)), ("v", (q, k, v[:4], cu)),
-                     ("cu_seqlens", (q, k, v, cu.astype(jnp.float32))), ("cu_seqlens", (q, k, v, cu[:0]))]:
-    with pytest.raises(ValueError, match=name):
-      mla_prefill(*args, softmax_scale=1.0, impl="xla")
-  with pytest.raises(ValueError, match="causal"):
-    mla_prefill(q, k, v, cu, softmax_scale=1.0, causal=None, impl="xla")
 
 
 # ------------------------------------------------------------------------------------------------------------

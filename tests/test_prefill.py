@@ -1,0 +1,297 @@
+"""mla_prefill's XLA backends on the CPU: the dispatch picks the float32 path here and it is the one that always ran
+(its tests against the reference, argument validation); the cuDNN backend's packing / unpacking (segments, V
+padding, lse gather, padding tokens, non-finite v, the two ``lax.cond`` branches) against the reference with a jnp
+stand-in for the cuDNN call.
+
+The stand-in (:func:`_attend_standin`) implements what ``_cudnn_attend`` is documented to return (packed layout:
+out rows outside every segment unwritten, softmax statistics ``[M, H, T]`` by segment and position) and is
+deliberately hostile where that contract leaves things undefined: unwritten output rows and unused statistics are
+NaN, and it multiplies *every* key's v by its (possibly 0) probability, so a non-finite v anywhere in the packed
+batch reaches every output unless the backend sanitized it. The real cuDNN call is lowered for CUDA here (JAX's
+shape / layout checks and the custom call's operand and result types: packed layout, padded v, statistics
+``[M, H, T]``) and compared with the reference on a GPU in tests/test_prefill_gpu.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_pallas import _dispatch, reference as ref
+from mla_pallas.ops import prefill as pf
+from mla_pallas.ops.prefill import mla_prefill
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _attend_standin(q4, k4, v4, lens, offsets, *, scale, causal):
+  """float32 jnp model of ``_cudnn_attend`` (see the module docstring)."""
+  _, t, h, d = q4.shape
+  assert k4.shape == q4.shape and v4.shape == q4.shape, "the cuDNN backend must hand cuDNN one head dim"
+  m = lens.shape[1]
+  assert offsets.shape == (1, m + 1) and m >= 2
+  lens, offs = lens[0], offsets[0, :m]
+  tok = jnp.arange(t)
+  pos = jnp.arange(t)
+  in_seg = pos[None, :] < lens[:, None]                                  # [M, P]
+  rows = jnp.clip(offs[:, None] + pos[None, :], 0, t - 1)                # [M, P] token of (segment, position)
+  qs = q4[0].astype(jnp.float32)[rows]                                   # [M, P, H, D]
+  ks = k4[0].astype(jnp.float32)[rows]
+  valid = in_seg[:, :, None] & in_seg[:, None, :]                        # [M, Pq, Pk]
+  if causal:
+    valid = valid & (pos[None, None, :] <= pos[None, :, None])
+  s = jnp.einsum("mqhd,mkhd->mhqk", qs, ks, precision=_HI) * scale
+  s = jnp.where(valid[:, None], s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  p = jnp.where(valid[:, None], jnp.exp(s - mx), 0.0)
+  l = jnp.sum(p, axis=-1)                                                # [M, H, P]
+  stats = jnp.where(in_seg[:, None, :], jnp.log(l) + mx[..., 0], jnp.nan)
+  # hostile P·V: every key of the packed batch, weight 0 outside the segment (0 * NaN = NaN leaks)
+  w = jnp.zeros((m, h, t, t), jnp.float32)
+  w = w.at[jnp.arange(m)[:, None, None, None], jnp.arange(h)[None, :, None, None],
+           pos[None, None, :, None], rows[:, None, None, :]].add(p)
+  o = jnp.einsum("mhqk,khd->mqhd", w, v4[0].astype(jnp.float32), precision=_HI)
+  o = o / jnp.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
+  out = jnp.full((t, h, d), jnp.nan, jnp.float32)
+  dest = jnp.where(in_seg, rows, t)                                      # rows past the segment: dropped
+  out = out.at[dest].set(o, mode="drop")
+  del tok
+  return out[None].astype(q4.dtype), stats
+
+
+def _case(rng, t, h, dqk, dv, cu, dtype=jnp.bfloat16, bad=()):
+  q = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
+  k = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
+  v = rng.normal(size=(t, h, dv)).astype(np.float32)
+  for idx, val in bad:
+    v[idx] = val
+  return q, k, jnp.asarray(v, dtype), jnp.asarray(np.asarray(cu, np.int32))
+
+
+def _assert_close(out, lse, r_out, r_lse, *, out_rel, lse_abs):
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
+  fin = np.isfinite(r)
+  assert np.all(np.isfinite(o[fin]))
+  err = np.abs(o[fin] - r[fin])
+  assert np.all(err <= out_rel * np.abs(r[fin]) + 1e-5), err.max()
+  g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
+  np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
+  fin = np.isfinite(w)
+  assert np.all(np.isfinite(g[fin]))
+  assert np.all(np.abs(g[fin] - w[fin]) <= lse_abs), np.max(np.abs(g[fin] - w[fin]))
+
+
+def _standin(q, k, v, cu, scale, causal, static=True):
+  return pf._cudnn_jit(q, k, v, cu, jnp.float32(scale), causal=causal, scale=float(scale) if static else None,
+                       attend=_attend_standin)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dispatch: the float32 path on the CPU
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def f32_backend(monkeypatch):
+  """The float32 backend even on a GPU host (the tests below are about that path)."""
+  monkeypatch.setattr(pf, "_cudnn_device_reason", lambda: "forced float32 backend (test)")
+
+
+def _padding_poisoned(rng, t, h, dqk, dv, cu, dtype=jnp.bfloat16):
+  """Inputs whose padding tokens (outside [cu[0], cu[-1])) carry NaN / inf v, which must never leak."""
+  bad = [((slice(0, cu[0]),), np.nan), ((slice(cu[-1], t),), np.inf)]
+  return _case(rng, t, h, dqk, dv, cu, dtype=dtype, bad=bad)
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_cpu_runs_the_f32_path_unchanged(rng, impl):
+  q, k, v, cu = _case(rng, 40, 2, 16, 8, [2, 9, 30, 37])
+  assert pf.xla_backend(q, k, v, cu) == "f32"
+  assert "CUDA" in pf._backend_reason(q, k, v, cu)
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.3, impl=impl)
+  assert _dispatch.last_impl("mla_prefill") == "xla"
+  f_out, f_lse = pf._f32_jit(q, k, v, cu, jnp.float32(0.3), causal=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(f_out, np.float32))   # the same program
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(f_lse))
+
+
+# f32 math in both, in a different order (~1e-6 relative), then both rounded to bf16: outputs at most one bf16 ulp
+# apart (2^-7 relative, + 1e-5 absolute near 0); lse: f32 log-sum-exp of O(1) logits, ~1e-6 apart.
+EXACT = dict(out_rel=2.0 ** -7, lse_abs=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("blk", [None, 16])
+def test_f32_backend_matches_reference(rng, monkeypatch, f32_backend, causal, blk):
+  if blk is not None:                   # several query and key blocks, sequences straddling block edges
+    monkeypatch.setattr(pf, "_MAX_BLOCK", blk)
+  t, h = 53, 3
+  cu = [3, 10, 10, 31, 50]              # 3 leading padding tokens, an empty sequence, 3 trailing padding tokens
+  q, k, v, cu = _padding_poisoned(rng, t, h, 24, 16, cu)
+  v = v.at[12, 1, 5].set(jnp.nan)      # NaN inside sequence 2: its own queries' outputs (that see it) are NaN
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal, impl="xla")
+  assert _dispatch.last_impl("mla_prefill") == "xla"
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal)
+  assert out.shape == (t, h, 16) and out.dtype == jnp.bfloat16 and lse.shape == (t, h)
+  _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_f32_inputs_single_sequence(rng, monkeypatch):
+  monkeypatch.setattr(pf, "_MAX_BLOCK", 32)
+  q, k, v, cu = _padding_poisoned(rng, 70, 2, 8, 8, [0, 70], dtype=jnp.float32)
+  assert pf.xla_backend(q, k, v, cu) == "f32"                # float32 inputs keep float32 math on every device
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.5, impl="auto")
+  assert _dispatch.last_impl("mla_prefill") == "xla"      # no kernel: auto runs XLA
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.5)
+  _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_dispatch_and_validation(rng):
+  q, k, v, cu = _case(rng, 8, 2, 8, 4, [0, 8])
+  with pytest.raises(NotImplementedError, match="mla_prefill has no Mosaic GPU kernel yet"):
+    mla_prefill(q, k, v, cu, softmax_scale=1.0, impl="mosaic", interpret=True)
+  with pytest.raises(ValueError, match="impl"):
+    mla_prefill(q, k, v, cu, softmax_scale=1.0, impl="triton")
+  for name, args in [("q", (q[0], k, v, cu)), ("k", (q, k[:, :1], v, cu)), ("v", (q, k, v[:4], cu)),
+                     ("cu_seqlens", (q, k, v, cu.astype(jnp.float32))), ("cu_seqlens", (q, k, v, cu[:0]))]:
+    with pytest.raises(ValueError, match=name):
+      mla_prefill(*args, softmax_scale=1.0, impl="xla")
+  with pytest.raises(ValueError, match="causal"):
+    mla_prefill(q, k, v, cu, softmax_scale=1.0, causal=None, impl="xla")
+
+
+def test_cudnn_shape_rules():
+  bf, f32 = jnp.bfloat16, jnp.float32
+  assert pf._cudnn_shape_reason((bf,) * 3, 8192, 128, 192, 128, 2) is None         # DeepSeek-V3.2
+  assert pf._cudnn_shape_reason((bf,) * 3, 8192, 64, 256, 256, 2) is None          # GLM-5
+  assert "bfloat16" in pf._cudnn_shape_reason((bf, bf, f32), 64, 2, 64, 64, 1)
+  assert "multiples of 8" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 264, 64, 1)
+  assert "multiples of 8" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 60, 64, 1)
+  assert "multiples of 8" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 64, 20, 1)
+  assert "Dv <= Dqk" in pf._cudnn_shape_reason((bf,) * 3, 64, 2, 64, 128, 1)
+  assert "int32" in pf._cudnn_shape_reason((bf,) * 3, 2 ** 20, 128, 256, 256, 1)
+  assert "statistics" in pf._cudnn_shape_reason((bf,) * 3, 8192, 128, 192, 128, 1024)
+
+
+def test_static_scale():
+  assert pf._static_scale(0.5) == 0.5 and pf._static_scale(jnp.float32(0.25)) == 0.25
+  assert jax.jit(lambda s: jnp.float32(pf._static_scale(s) is None))(jnp.float32(1.0)) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cuDNN backend: packing and unpacking with the stand-in
+# ------------------------------------------------------------------------------------------------------------
+
+CASES = {
+    # name: (T, cu_seqlens, bad v entries (index, value), (Dqk, Dv)); Dv < Dqk: v zero-padded for cuDNN
+    "ragged": (61, [0, 1, 2, 19, 19, 60, 61], (), (24, 16)),                 # lengths 1, 1, 17, 0, 41, 1
+    "one_sequence": (33, [0, 33], (), (16, 16)),                             # B = 1: a zero-length 2nd segment
+    "single_token": (1, [0, 1], (), (24, 16)),
+    "padding_tokens": (40, [3, 10, 10, 31, 37], (), (16, 16)),               # leading / trailing padding tokens
+    "nonfinite_v": (45, [0, 12, 30, 45], [((14, 1, 3), np.inf), ((31, 0, 0), np.nan)], (24, 16)),
+    "nonfinite_padding": (30, [2, 20, 26], [((0,), np.nan), ((28,), np.inf), ((5, 0, 1), -np.inf)], (16, 16)),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_standin_matches_reference(rng, name, causal):
+  t, cu, bad, (dqk, dv) = CASES[name]
+  q, k, v, cu = _case(rng, t, 2, dqk, dv, cu, bad=bad)
+  out, lse = _standin(q, k, v, cu, 0.3, causal)
+  assert out.shape == (t, 2, dv) and out.dtype == jnp.bfloat16 and lse.shape == (t, 2) and lse.dtype == jnp.float32
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal)
+  _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_standin_no_sequences(rng):
+  q, k, v, cu = _case(rng, 9, 2, 16, 8, [0])
+  out, lse = _standin(q, k, v, cu, 0.3, True)
+  assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_clean_predicate(rng):
+  """The clean branch (cuDNN's rows returned as they are) only where no token is padding and v is finite; the
+  cases above with padding tokens or non-finite v fail against the hostile stand-in unless the general branch ran."""
+  v = jnp.ones((20, 2, 8), jnp.bfloat16)
+  cu = lambda c: jnp.asarray(c, jnp.int32)
+  assert bool(pf._is_clean(v, cu([0, 10, 20])))
+  assert not bool(pf._is_clean(v, cu([1, 10, 20])))
+  assert not bool(pf._is_clean(v, cu([0, 10, 19])))
+  assert not bool(pf._is_clean(v.at[3, 1, 2].set(jnp.inf), cu([0, 10, 20])))
+
+
+def test_cudnn_never_sees_nonfinite_v(rng):
+  seen = []
+
+  def spy(q4, k4, v4, lens, offsets, *, scale, causal):
+    jax.debug.callback(lambda fin: seen.append(bool(fin)), jnp.all(jnp.isfinite(v4)))
+    return _attend_standin(q4, k4, v4, lens, offsets, scale=scale, causal=causal)
+
+  for cu, bad in [([0, 10, 20], ()), ([1, 10, 20], [((0,), np.nan)]), ([0, 10, 20], [((4, 0, 0), np.inf)])]:
+    q, k, v, cu = _case(rng, 20, 2, 16, 16, cu, bad=bad)
+    out, lse = pf._cudnn_jit(q, k, v, cu, jnp.float32(0.3), causal=True, scale=0.3, attend=spy)
+    r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3)
+    _assert_close(out, lse, r_out, r_lse, **EXACT)
+  assert len(seen) == 3 and all(seen)
+
+
+def test_standin_traced_scale(rng):
+  scale = 0.3
+  q, k, v, cu = _case(rng, 50, 2, 24, 16, [0, 7, 50])
+  out, lse = jax.jit(lambda q, k, v, cu, s: _standin(q, k, v, cu, s, True, static=False))(q, k, v, cu, scale)
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale)
+  # Error model: q · scale is rounded to bf16 (each element off by <= u = 2^-8 relative), so a logit q·k moves by
+  # at most eps = u · scale · max_{i,j} sum_d |q_id k_jd|. lse is a smooth max of the logits: off by <= eps (plus
+  # f32 rounding, 1e-5). Each softmax weight moves by a factor within e^(+-2 eps), so an output moves by
+  # <= (e^(2 eps) - 1) · max |v|, on top of one bf16 ulp (2^-7 relative) between the two roundings to bf16.
+  qa, ka = np.abs(np.asarray(q, np.float64)), np.abs(np.asarray(k, np.float64))
+  eps = 2.0 ** -8 * scale * np.einsum("ihd,jhd->hij", qa, ka).max()
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  bound = 2.0 ** -7 * np.abs(r) + np.expm1(2 * eps) * np.abs(np.asarray(v, np.float64)).max() + 1e-5
+  assert np.all(np.abs(o - r) <= bound), np.max(np.abs(o - r) - bound)
+  assert np.all(np.abs(np.asarray(lse) - np.asarray(r_lse)) <= eps + 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cuDNN backend: the real call, lowered for CUDA on the CPU (JAX's own shape / layout checks run; cuDNN does not)
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+  """Pretend cuDNN 9.10 on an sm_90 GPU for JAX's trace-time checks, so the call can be lowered for CUDA here."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
+
+
+def _fmha_calls(t, h, dqk, dv, nseq, *, causal, scale):
+  avals = (jax.ShapeDtypeStruct((t, h, dqk), jnp.bfloat16), jax.ShapeDtypeStruct((t, h, dqk), jnp.bfloat16),
+           jax.ShapeDtypeStruct((t, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct((nseq + 1,), jnp.int32),
+           jax.ShapeDtypeStruct((), jnp.float32))
+  fn = jax.jit(lambda q, k, v, cu, s: pf._cudnn_jit(q, k, v, cu, s, causal=causal, scale=scale))
+  hlo = fn.trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+  return [line for line in hlo.splitlines() if "custom_call @__cudnn$fmha" in line]
+
+
+@pytest.mark.parametrize("t,h,dqk,dv,nseq,causal", [(64, 4, 192, 128, 3, True), (48, 2, 256, 256, 1, False)])
+def test_cudnn_call_lowers_for_cuda(cuda_lowering, t, h, dqk, dv, nseq, causal):
+  calls = _fmha_calls(t, h, dqk, dv, nseq, causal=causal, scale=0.125)
+  m = max(nseq, 2)
+  assert len(calls) == 2                                     # one per lax.cond branch
+  for c in calls:
+    assert "custom_call @__cudnn$fmhaSoftmax(" in c           # forward with softmax statistics, no bias/dropout
+    assert f"max_seg_per_batch\\22: {m}" in c                  # packed layout, M segments
+    assert ("PADDING_CAUSAL" if causal else "PADDING\\22") in c
+    assert "fmha_scale\\22: 0.125" in c
+    qkv = f"tensor<1x{t}x{h}x{dqk}xbf16>"                     # v zero-padded to Dqk
+    assert f"({qkv}, {qkv}, {qkv}, tensor<1x{m}xi32>, tensor<1x{m}xi32>, tensor<1x{m + 1}xi32>, " \
+           f"tensor<1x{m + 1}xi32>) -> (tensor<1x{h}x{t}x{dqk}xbf16>, tensor<{m}x{h}x{t}xf32>" in c
+
+
+def test_cudnn_call_traced_scale_folds_into_q(cuda_lowering):
+  calls = _fmha_calls(32, 2, 64, 64, 2, causal=True, scale=None)
+  assert len(calls) == 2 and all("fmha_scale\\22: 1.0" in c for c in calls)
