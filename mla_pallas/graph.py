@@ -44,7 +44,8 @@ weights with ``jnp.einsum`` (bf16 operands, ``preferred_element_type=float32``, 
 dense prefill the dequantized latent is rounded to bf16 before the matmuls (the FP8 variant quantizes it per
 token inside the BMM). Both variants write the same FP8 cache (the cache format is FP8) through the same fused op
 and run attention through the same ops (whose implementations quantize q and P to FP8, see
-:mod:`mla_pallas.ops.sparse_decode`); ``mla_prefill`` is float32 math on bf16 inputs in both.
+:mod:`mla_pallas.ops.sparse_decode`); ``mla_prefill`` runs cuDNN flash attention on a CUDA GPU (bf16 operands,
+P rounded to bf16) and float32 math elsewhere (:mod:`mla_pallas.ops.prefill`).
 
 **Which implementation ran.** Every step goes through a public op with ``impl=`` (a string for all steps, or a
 dict ``{op_name: impl, "default": impl}``); after the call :func:`graph_report` returns, for the last graph that
