@@ -51,3 +51,23 @@ def make_case(rng: np.random.Generator, *, B=2, s_q=1, H=16, topk=37, page_size=
 def logit_std(case: SparseCase) -> float:
   """Standard deviation of the logits for N(0, 1) q and rows: softmax_scale * sqrt(576) * kv_scale."""
   return case.softmax_scale * 576 ** 0.5 * case.kv_scale
+
+
+def run_kernel(case: SparseCase, *, interpret, tuning=(), heads_on_n_max: int | None = None):
+  """The op's Mosaic path (sm_90 kernels) on ``case`` with kernel TuningConfig overrides ``tuning``, traced afresh.
+
+  ``heads_on_n_max``: the op's rule HEADS_ON_N_MAX for this call; 0 runs the heads-on-M design at any H (the
+  same products as the heads-on-N design, for cross-checks between the two designs). The function is jitted
+  anew on every call, so no trace made under another rule is reused.
+  """
+  import unittest.mock
+
+  import jax
+  from mla_pallas.ops import sparse_decode as sd
+
+  rule = sd.HEADS_ON_N_MAX if heads_on_n_max is None else heads_on_n_max
+  with unittest.mock.patch.object(sd, "HEADS_ON_N_MAX", rule):
+    fn = jax.jit(lambda q, kv, idx, scale, tl: sd._mosaic_sparse_decode(
+        q, kv, idx, case.softmax_scale, scale, tl, interpret, tuple(tuning), "sm90"))
+    return fn(case.q, case.kv.reshape(-1, case.kv.shape[-1]), case.indices, jnp.float32(case.kv_scale),
+              case.topk_length)

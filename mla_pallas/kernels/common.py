@@ -1,16 +1,21 @@
 """Pieces shared by the Mosaic GPU kernels of mla_pallas.
 
-* Constants of the latent row format (576 fp8 values = 9 chunks of 64 bytes; TMA slots padded to 640 bytes).
+* Constants of the latent row format (576 fp8 values = 9 chunks of 64 bytes).
 * :class:`TuningConfigBase`: frozen tuning-config base whose subclasses validate themselves.
 * SMEM transforms for wgmma-ready tiles, SMEM budget accounting.
-* Row-gather and staging helpers used inside kernel bodies (per-row TMA into 128-byte-aligned slots, K re-swizzle,
-  V transpose), the interpret-mode barrier drain, one online-softmax step (:func:`online_softmax_tile`) and the
-  interpret keyword of ``plgpu.kernel`` (:func:`interpret_kwargs`).
+* Helpers used inside kernel bodies: per-warp row issue, invalid-key handling, the interpret-mode barrier drain,
+  one online-softmax step (:func:`online_softmax_tile`) and the interpret keyword of ``plgpu.kernel``
+  (:func:`interpret_kwargs`).
+* The pieces of the two sm_90 sparse decode designs (``sparse_sm90_heads_m``, ``sparse_sm90_heads_n``): their
+  config base :class:`SparseSm90Config`, the swizzled row gather (:func:`gather_tiles`) and its SMEM views
+  (:func:`k_scratch`, :func:`q_scratch`), the f16 V upcast (:func:`stage_v16`), register-seeded wgmma
+  accumulation (:func:`accumulate`) and the lse store (:func:`store_lse`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 from jax import lax
 import jax.numpy as jnp
@@ -22,12 +27,19 @@ D_QK = 576            # latent (512) + rope (64)
 D_V = 512             # value = first 512 latent values
 CHUNK = 64            # bytes per chunk of an fp8 row; wgmma K-chunk with 64-byte swizzle
 N_CHUNKS = D_QK // CHUNK      # 9
-V_CHUNKS = D_V // CHUNK       # 8
-SLOT_CHUNKS = N_CHUNKS + 1    # 640-byte slot: every per-row TMA destination is 128-byte aligned
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = 227 * 1024       # usable dynamic SMEM per CTA on sm_90 / sm_100
 P_SCALE = 256.0               # softmax P in [0, 1] is stored as fp8(256 p): exact power of two, max 256 < 448
+
+# sm_90 sparse decode (both designs)
+TILE = 64          # gathered keys per pipeline step; query rows per CTA of the heads-on-M design
+SW_CHUNK = 128     # bytes per gathered TMA box / per wgmma K chunk (128-byte swizzle)
+SW_CHUNKS = 5      # latent chunks 0-3 (columns 0-511) + tail (columns 448-575: latent 448-511 and rope)
+SW_TAIL_COL = D_QK - SW_CHUNK      # 448: first cache column of the tail chunk
+Q_SW_COLS = SW_CHUNKS * SW_CHUNK   # 640: Q as latent | 64 zeros | rope (the zeros meet latent 448-511 in the tail)
+CONSUMER_REGS = 224   # 2 x 128 x 224 + 128 x 56 <= 65536 registers per SM (setmaxnreg within the launch allocation)
+LOADER_REGS = 56
 
 LANE = plgpu.LoweringSemantics.Lane
 WARPGROUP = plgpu.LoweringSemantics.Warpgroup
@@ -71,27 +83,11 @@ def smem_bytes(*buffers: tuple[tuple[int, ...], object], align: int = 1024) -> i
   return sum(-(-math.prod(s) * jnp.dtype(d).itemsize // align) * align for s, d in buffers)
 
 
-def gather_rows(kv_rows, row_of, lin_slot, barrier, *, tile: int):
-  """Issue one TMA per gathered row into a linear, 640-byte-padded SMEM slot.
-
-  Args:
-    kv_rows: GMEM ref of the cache viewed as [num_slots * 9, 64] fp8. Row ``i`` is chunks [9 i, 9 i + 9); the box
-      copied is 10 chunks (640 bytes, the next row's first chunk rides along, zero-filled past the end). A row id
-      of ``num_slots`` (the sanitised "invalid" marker) lies wholly past the end, so TMA zero-fills it: nothing is
-      read out of bounds.
-    row_of: function r -> scalar int32 row id of tile row ``r``.
-    lin_slot: SMEM ref [tile, 10, 64] fp8 (one ring slot).
-    barrier: barrier ref receiving one arrival per copy (``num_arrivals=tile``).
-  """
-  for_rows_per_warp(tile, lambda r: plgpu.copy_gmem_to_smem(
-      kv_rows.at[pl.ds(row_of(r) * N_CHUNKS, SLOT_CHUNKS)], lin_slot.at[r], barrier))
-
-
 def for_rows_per_warp(tile: int, issue_row) -> None:
   """Call ``issue_row(r)`` for the ``tile`` rows of a gather, issued per warp (warp w takes rows
   [w · tile/4, (w + 1) · tile/4)). In Lane semantics a warpgroup-level copy adds a warpgroup barrier and 128
   barrier arrivals per row, which made the first version issue-bound at ~12 us per 64-row tile on an H200
-  (2026-11-29)."""
+  (docs/kernels/sparse_decode_sm90.md)."""
   per_warp = tile // 4
 
   @plgpu.warp_map
@@ -100,39 +96,6 @@ def for_rows_per_warp(tile: int, issue_row) -> None:
     def _(r0):
       issue_row(w * per_warp + r0)
 
-
-def stage_k(lin_slot, k_sw, chunks=range(N_CHUNKS)):
-  """K re-swizzle: linear [T, 10, 64] fp8 rows -> nine swizzled [T, 64] tiles (k_sw [9, T, 64]), no dtype cast."""
-  for c in chunks:
-    k_sw.at[c][...] = plgpu.load(lin_slot.at[:, c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
-
-
-def stage_vt(k_sw, vt_sw, chunks=range(V_CHUNKS)):
-  """V transpose: the first 512 values of the staged K tiles (k_sw [9, T, 64], swizzled) -> V^T [512, T].
-
-  V^T is the K-major B operand of P.V that FP8 wgmma requires on Hopper. The transpose uses the vector-length-1
-  layout (``Layout._WGMMA_ACC_32BIT``), the only FP8 transpose Mosaic GPU lowers on Hopper in JAX 0.11.2
-  (../shared/mgpu/README.md section 6). It reads the *swizzled* K tiles, not the linear rows: linear rows are
-  128-byte aligned, so a column of them sits in one SMEM bank (16-way conflicts); the 64-byte swizzle spreads
-  a column over 8 banks groups. On an H200 the transpose from linear rows cost ~665 of 1172 us at the
-  FlashMLA headline shape (ablation, 2026-11-29).
-  """
-  for c in chunks:
-    vt_sw.at[pl.ds(c * CHUNK, CHUNK)].T[...] = plgpu.load(
-        k_sw.at[c], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
-
-
-def stage_v16(k_sw, v16, chunks=range(V_CHUNKS), width: int = CHUNK):
-  """V as float16, un-transposed: swizzled K tiles (k_sw [9, T, 64] fp8, or [5, T, 128] with ``width=128``) ->
-  v16 [T, 512] f16 (swizzle 128).
-
-  16-bit wgmma accepts an MN-major B operand, so P.V in f16 needs no transpose: a vectorised load of each 64 x 64
-  fp8 tile, an exact e4m3 -> f16 conversion (every e4m3 value is an f16 value) and a store. (e4m3 -> bf16 has no
-  hardware conversion on sm_90 with this ptxas; f16 has.)
-  """
-  for c in chunks:
-    v16.at[:, pl.ds(c * width, width)][...] = plgpu.load(
-        k_sw.at[c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False).astype(jnp.float16)
 
 
 def safe_row(i, num_slots: int):
@@ -146,21 +109,11 @@ def valid_keys(ids, num_slots: int):
   return (ids >= 0) & (ids < num_slots)
 
 
-def drain(barrier, n_steps, n_slots: int, slot_of=lambda s: s):
+def drain(barrier, n_steps: int, n_slots: int):
   """Observe the last completed phase of each ring slot (required by the interpret-mode barrier rule; harmless on
-  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps. ``n_steps``
-  may be a traced int32 (a persistent kernel's step count)."""
-  if isinstance(n_steps, int):
-    for s in range(max(n_steps - n_slots, 0), n_steps):
-      plgpu.barrier_wait(barrier.at[slot_of(s) % n_slots])
-    return
-  for i in range(n_slots):
-    s = n_steps - n_slots + i
-
-    @pl.when(s >= 0)
-    def _():
-      plgpu.barrier_wait(barrier.at[lax.rem(slot_of(s), n_slots)])
-
+  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps."""
+  for s in range(max(n_steps - n_slots, 0), n_steps):
+    plgpu.barrier_wait(barrier.at[s % n_slots])
 
 def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
@@ -193,3 +146,129 @@ def interpret_kwargs(interpret) -> dict:
   if not interpret:
     return {}
   return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sm_90 sparse decode: shared by kernels/sparse_sm90_heads_m.py and kernels/sparse_sm90_heads_n.py
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSm90Config(TuningConfigBase):
+  """Config of an sm_90 sparse decode design.
+
+  tiles_per_split: 64-key tiles one CTA processes (the split length is 64 · tiles_per_split keys; the op's split
+    plan sets it).
+  k_buffers: gathered K tiles in flight (the loader runs k_buffers - 1 tiles ahead of the consumers); one of the
+    design's ``K_BUFFERS``.
+  """
+  K_BUFFERS: ClassVar[tuple[int, ...]] = ()
+  tiles_per_split: int = 32
+  k_buffers: int = 2
+
+  def validate(self):
+    if self.k_buffers not in self.K_BUFFERS:
+      raise ValueError(f"{type(self).__name__}.k_buffers must be one of {self.K_BUFFERS}; got {self.k_buffers}")
+    self.check_split()
+    self.check_smem(self.smem_budget())
+
+  def smem_budget(self) -> int:  # pragma: no cover - overridden
+    raise NotImplementedError
+
+
+def q_scratch(rows: int):
+  """Q as five 128-column chunks [5, rows, 128] fp8 (latent | 0 | rope), 128-byte swizzled: wgmma-ready."""
+  return plgpu.SMEM((SW_CHUNKS, rows, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
+
+
+def k_scratch(k_buffers: int, interpret: bool):
+  """The gathered K tiles [k_buffers, 5, 64, 128] fp8, 128-byte swizzled (wgmma operands). On hardware a
+  ``RefUnion`` with a swizzle-only view [k_buffers, 5, 8, 8, 128] of the same bytes, the TMA destination of one
+  gathered row (see :func:`gather_tiles`); interpret mode keeps union members apart, so there the tiled view only.
+  """
+  tiled = plgpu.SMEM((k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
+  if interpret:
+    return tiled
+  rows = plgpu.SMEM((k_buffers, SW_CHUNKS, TILE // 8, 8, SW_CHUNK), FP8, transforms=(plgpu.SwizzleTransform(SW_CHUNK),))
+  return plgpu.RefUnion(tiled, rows)
+
+
+def gather_tiles(kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int,
+                 k_buffers: int, interpret: bool, before_gather=lambda t: None):
+  """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
+  (``k_empty``), five 128-byte TMAs per gathered row (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575)
+  straight into the 128-byte-swizzled K tiles, issued by the loader's 4 warps (16 rows each), all arriving on
+  ``k_full`` (5 · 64 arrivals). Row ids come from ``idx_smem[t]``; an id outside [0, num_slots) gathers row
+  ``num_slots``, wholly past the end of ``kv_gmem`` [num_slots, 576], so the hardware zero-fills its box.
+
+  On hardware a row lands through ``k_rows``, the swizzle-only view of :func:`k_scratch`: the TMA unit applies
+  the 128-byte swizzle from the destination address, so a one-row box lands where the tiled view expects it.
+  Interpret mode (``k_rows=None``) copies each row into a one-row slice of ``k_sw`` instead. ``before_gather(t)``
+  runs after buffer t % k_buffers is free and before tile t's gather.
+  """
+  def gather(t, kb):
+    def issue_row(r):
+      row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
+      for c in range(SW_CHUNKS):
+        src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
+        if interpret:
+          dst = k_sw.at[kb, c, pl.ds(r, 1)]
+        else:
+          dst = k_rows.at[kb, c, lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
+        plgpu.copy_gmem_to_smem(src, dst, k_full.at[kb])
+    for_rows_per_warp(TILE, issue_row)
+
+  @pl.loop(0, n_tiles)
+  def _(t):
+    kb = lax.rem(t, k_buffers)
+
+    @pl.when(t >= k_buffers)
+    def _():
+      plgpu.barrier_wait(k_empty.at[kb])
+    before_gather(t)
+    gather(t, kb)
+
+  drain(k_empty, n_tiles, k_buffers)
+
+
+def stage_v16(k_tiles, v16, chunks):
+  """V as float16, un-transposed: the 128-column ``chunks`` of the swizzled K tiles (k_tiles [5, T, 128] fp8) ->
+  the same columns of v16 [T, 512] f16.
+
+  16-bit wgmma accepts an MN-major operand, so P.V in f16 needs no transpose: a vectorised load of each chunk, an
+  exact e4m3 -> f16 conversion (every e4m3 value is an f16 value) and a store. (e4m3 -> bf16 has no hardware
+  conversion on sm_90 with this ptxas; f16 has.)
+  """
+  for c in chunks:
+    v16.at[:, pl.ds(c * SW_CHUNK, SW_CHUNK)][...] = plgpu.load(
+        k_tiles.at[c], layout=plgpu.Layout.WGMMA_8BIT, optimized=False).astype(jnp.float16)
+
+
+def accumulate(issue, accs, interpret: bool):
+  """``accs`` (f32 register tiles, WGMMA layout) plus the wgmmas ``issue(acc_refs)`` issues into them, waited for.
+
+  On hardware the accumulators are seeded from the registers and the wgmmas accumulate in place (a second
+  64 x 256 f32 accumulator would spill); the interpreter cannot seed an accumulator from registers, so there the
+  wgmmas go into fresh zero accumulators that are then added.
+  """
+  if interpret:
+    def fresh(*refs):
+      issue(refs)
+      return tuple(r[...] for r in refs)
+    return tuple(a + f for a, f in zip(accs, pl.run_scoped(fresh, *[plgpu.ACC(a.shape, jnp.float32)
+                                                                    for a in accs])))
+
+  def in_place(refs):
+    issue(refs)
+    plgpu.wgmma_wait(0)
+  return tuple(pl.run_state(in_place)(tuple(plgpu.ACC.init(a) for a in accs)))
+
+
+def store_lse(wg, m, l, lse_smem, lse_dst):
+  """Consumer 0 writes the split's lse = (m + log2 l) · ln 2 (natural log) through SMEM and one TMA (of the first
+  ``lse_dst.shape[0]`` rows)."""
+  @pl.when(wg == 0)
+  def _():
+    lse_smem[...] = (m + jnp.log2(l)) * LN2
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_dst.shape[0])], lse_dst)
+    plgpu.wait_smem_to_gmem(0)

@@ -1,16 +1,12 @@
 """Native-FP8 sparse MLA decode for Blackwell (sm_100a): TMA gather4, FP8 re-swizzle, FP8 tcgen05 MMA into TMEM.
 
 Status: **lowered for sm_100a, run in interpret mode, and compiled by ptxas for sm_100a — never run on Blackwell
-silicon** (no Blackwell GPU was available). Compiled on an H200 machine (2026-11-30, CUDA 13.0 ptxas,
-``benchmarks/sm100_ptxas_attempt.py``, log ``benchmarks/raw/sm100_ptxas_attempt_2026-11-30.log``, H = 64, s_q = 1,
-top-k 256): Mosaic's pipeline with the device reported as 10.0 and the toolkit's ``ptxas -arch=sm_100a`` both
-succeeded: 168 registers, 20 bytes of spill stores / 12 of loads, 16 barriers; SASS with 120 UTC*MMA
-(tcgen05.mma), 110 UTMALDG (TMA loads incl. gather4). The binary cannot load on the H200, so nothing ran.
-``impl="auto"`` therefore never picks it on hardware (``mla_pallas.ops.sparse_decode``:
-``validated_on=("sm90",)``); ``impl="mosaic"`` on a compute-capability-10.x GPU runs it.
+silicon** (details: docs/kernels/sparse_decode_sm100.md). ``impl="auto"`` therefore never picks it on hardware
+(``mla_pallas.ops.sparse_decode``: ``validated_on=("sm90",)``); ``impl="mosaic"`` on a compute-capability-10.x GPU
+runs it.
 
-What one CTA computes (same semantics, same outputs as :mod:`mla_pallas.kernels.sparse_decode_sm90`)
-----------------------------------------------------------------------------------------------------
+What one CTA computes (same semantics and outputs as the sm_90 kernels)
+----------------------------------------------------------------------
 One *query tile* of 64 rows (the heads of one query token; H < 64 is zero-padded to 64 rows, H = 128 is two tiles)
 against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of the token's top-k):
 
@@ -49,34 +45,9 @@ Warpgroup roles (``num_threads=3``, Lane semantics)
   TMEM (4 column blocks of 128: load, multiply, ``async_store_tmem``, ``commit_tmem``); write P(t) as fp8 to SMEM;
   arrive ``p_full``. Epilogue: O / l from TMEM straight to GMEM, lse through SMEM + TMA.
 
-Why 32-byte swizzle: with M = 64, tcgen05 splits N over two TMEM lane groups and Mosaic GPU requires the B swizzle
-(in elements) to be at most N / 2 (``tcgen05.py``, "Swizzle=... is too big for MMA with M=64"): N = 64 keys
-allows 32 bytes of fp8. One swizzled tile serves both products (QKᵀ takes it as ``.T``, P·V as MN-major B).
-Why O is four (64, 128) TMEM accumulators: a 64-row TMEM accumulator is stored "half-lane" (columns folded over the
-lane halves), so column slices of one (64, 512) accumulator are not accumulators themselves; four of them let the
-correction and the epilogue work on 128 columns (64 registers per thread) at a time.
-
-Why a loader *warpgroup* and not a load warp: ``copy_gmem_to_smem(kv.at[idxs], ...)`` with ``Layout.TMA_INDICES``
-is a warpgroup-level operation in Mosaic GPU 0.11.2 (the 64 indices are spread over the 4 warps, each warp's elected
-thread issues its gather4s; ``launch_context.py``), and it takes no warp context (``plgpu.warp_map``).
-Not tried: gather4 straight into the swizzled tile (Mosaic GPU lowers gather4 into a swizzled destination; README
-§7), which would remove the re-swizzle stage; this kernel follows the design (linear gather, then re-swizzle),
-which is also what keeps interpret mode (per-row TMA into the linear buffer) identical to hardware past the gather.
-
-Interpret mode (JAX 0.11.2), what was found:
-* tcgen05 MMAs, TMEM loads/stores and ``commit_tmem`` are modelled (synchronously), and race detection covers TMEM.
-* The barrier argument of ``tcgen05_mma`` is modelled as tracking that one MMA only, whereas ``tcgen05.commit``
-  on hardware tracks every earlier MMA of the thread: with the barrier on the last of the four P·V MMAs the
-  race detector reported reads of O blocks 0-2 racing with their MMAs. The kernel therefore issues the four
-  MMAs without a barrier and then ``tcgen05_commit_arrive(pv_done)``, which both model as "all earlier MMAs".
-* ``async_load_tmem`` followed by ``async_store_tmem`` to the same columns needs ``wait_load_tmem`` in between
-  (reported as a race otherwise; also required on hardware).
-* Stall on small hosts: with two CTAs per token (H = 128) and the default single CPU device, the interpreted
-  kernel stalls on a 2-core machine: in the first CTA the re-swizzle/MMA warpgroup's thread never reaches its first
-  barrier (it sits in XLA native code) while the other two block in barrier-wait callbacks. With
-  ``--xla_force_host_platform_device_count=4`` (more XLA:CPU threads) the same kernel runs and matches the
-  reference, so this is thread starvation in the interpreter's host, not a protocol deadlock; the H = 128 test
-  runs that way (tests/test_sparse_decode_sm100.py).
+Interpret mode runs per-row TMAs in place of gather4 (above); what the interpreter models and what it does not,
+and why the kernel is built this way (32-byte swizzle, four O accumulators, a loader warpgroup): see
+docs/kernels/sparse_decode_sm100.md.
 
 Pipeline stages: ``stages`` linear slots (gather ahead of the re-swizzle), 2 swizzled KV tiles (re-swizzle of t + 1
 and QKᵀ(t + 1) overlap softmax(t) and P·V(t)), 2 S accumulators, 1 P tile, 1 O accumulator.

@@ -1,11 +1,11 @@
 """Vᵀ as a register A operand of the f16 P·V wgmmas, read straight from a gathered fp8 K tile (sm_90).
 
-The sm_90 sparse decode kernel with the heads on the MMAs' N side computes Oᵀ [512, N] += Vᵀ [512, 64 keys] ·
-Pᵀ [64 keys, N]. Vᵀ is the A operand. From SMEM it has to be an f16 copy of the tile (fp8 wgmma takes only
-K-major operands, and the gathered tile is [keys, latent], MN-major for Vᵀ), which costs an upcast pass with
-64 KB of bank-conflicted SMEM stores per tile and a 64 KB buffer. A register A operand has no major-ness: each
-thread only has to hold its elements of the WGMMA fragment. So the consumer loads its bytes of the tile with
-64-bit SMEM loads, pairs the bytes of two keys with one ``prmt`` and converts them with one
+The sm_90 sparse decode kernel with the heads on the MMAs' N side (``kernels/sparse_sm90_heads_n.py``) computes Oᵀ
+[512, N] += Vᵀ [512, 64 keys] · Pᵀ [64 keys, N]. Vᵀ is the A operand. From SMEM it has to be an f16 copy of the tile
+(fp8 wgmma takes only K-major operands, and the gathered tile is [keys, latent], MN-major for Vᵀ), which costs an
+upcast pass with 64 KB of bank-conflicted SMEM stores per tile and a 64 KB buffer. A register A operand has no
+major-ness: each thread only has to hold its elements of the WGMMA fragment. So the consumer loads its bytes of the
+tile with 64-bit SMEM loads, pairs the bytes of two keys with one ``prmt`` and converts them with one
 ``cvt.rn.f16x2.e4m3x2`` per f16 pair (exact: every e4m3 value is an f16 value).
 
 Row permutation (why the loads are wide): the A fragment gives thread (warp w, lane 4q + t) rows
@@ -18,8 +18,7 @@ two 64-bit loads (conflict-free: the four keys of one load instruction pair up o
 8 consecutive latent columns of each of its heads, one 16-byte row store each (:func:`store_rows`).
 
 Per thread and 64 x 512 tile: 32 ``ld.shared.v2.b32``, 64 ``prmt``, 128 ``cvt.rn.f16x2.e4m3x2`` and the 32
-m64nNk16 wgmmas (8 M blocks x 4 k16 steps). H200, benchmarks/RESULTS.md run 19: the GLM-5 TP-8 shape (b) went
-from 305.5 to 278.2 us with it (the 64 KB freed hold a fourth K buffer).
+m64nNk16 wgmmas (8 M blocks x 4 k16 steps). What it measured: docs/kernels/sparse_decode_sm90.md (v8).
 
 Everything here is raw Mosaic GPU (``plgpu.inline_mgpu``, inline PTX). Interpret mode has no ``inline_mgpu``: the
 kernel keeps the SMEM upcast there (same products, natural row order), so this module is checked by lowering on

@@ -3,12 +3,14 @@
 Semantics are exactly those of :func:`mla_pallas.reference.sparse_mla_decode`; the implementations differ only in
 where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
 
-* ``impl="mosaic"``: the native-FP8 Mosaic GPU kernel of the device's family: sm_90a
-  (:mod:`mla_pallas.kernels.sparse_decode_sm90`, validated on an H200) or sm_100a
-  (:mod:`mla_pallas.kernels.sparse_decode_sm100`: lowered and interpreted only, never run on Blackwell silicon, so
-  ``impl="auto"`` does not pick it on hardware). Q is quantized to e4m3 per (token, head) row with a dynamic
-  scale folded into the logits; QKᵀ runs on FP8 tensor cores with f32 accumulation; P·V too (P as
-  fp8(256·p)), except in the sm_90 kernel's default f16 P·V.
+* ``impl="mosaic"``: the native-FP8 Mosaic GPU kernel of the device's family. sm_90a (validated on an H200):
+  :mod:`mla_pallas.kernels.sparse_sm90_heads_n` for H <= 16 (the heads on the MMAs' N side) and
+  :mod:`mla_pallas.kernels.sparse_sm90_heads_m` above (the heads on the 64 MMA rows); P·V in f16 (P kept in
+  f16, V upcast exactly). sm_100a (:mod:`mla_pallas.kernels.sparse_decode_sm100`: lowered and interpreted only,
+  never run on Blackwell silicon, so ``impl="auto"`` does not pick it on hardware): P·V in FP8 with P as
+  fp8(256·p). Q is quantized to e4m3 per (token, head) row with a dynamic scale folded into the logits; QKᵀ
+  runs on FP8 tensor cores with f32 accumulation. :func:`default_config` maps a shape to the kernel, its config
+  and the split plan; :func:`sweep_configs` lists the tuning candidates beside it.
   In interpret mode the family is that of :func:`mla_pallas._dispatch.mosaic_arch` ("sm90" on a CPU; tests
   select "sm100" by faking ``_dispatch.gpu_arch``) or the ``arch=`` argument of ``_sparse_decode_jit``.
 * ``impl="xla"``: the same quantization of Q and P with FP8 ``einsum``s in XLA (cuBLASLt on a GPU), so both paths
@@ -21,6 +23,7 @@ out [B, s_q, H, 512] bf16 and lse [B, s_q, H] f32 (natural log; −inf and out 0
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -29,7 +32,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from mla_pallas import _checks, _dispatch, quant
-from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E, P_SCALE   # the XLA path quantizes P as the kernels
+from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E, P_SCALE, Q_SW_COLS, TILE   # P_SCALE: XLA path's P
 
 KERNEL_HEADS = (8, 16, 32, 64, 128)
 KERNEL_ARCHS = ("sm90", "sm100")
@@ -114,130 +117,168 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False):
   return check
 
 
-def _num_sms() -> int:
-  """Streaming multiprocessors of the default GPU (132 on an H100/H200 SXM when the device does not say)."""
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+# ----------------------------------------------------------------------------------------------------------------
+# Shape -> kernel config (the one place), sweep candidates, split plan
+
+HEADS_ON_N_MAX = 16     # sm_90: kernels/sparse_sm90_heads_n.py up to this many heads, sparse_sm90_heads_m.py above
+MAX_SPLIT_TILES = 32    # <= 2048 keys per split (the index SMEM budget)
+MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys
+DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """A shape's kernel choice: ``design`` (one of DESIGNS, i.e. a kernel module), ``num_splits`` (top-k splits per
+  query tile, merged by lse) and ``kernel``, that module's frozen ``TuningConfig`` (its ``tiles_per_split`` is the
+  split length in 64-key tiles)."""
+  design: str
+  num_splits: int
+  kernel: object
+
+  @property
+  def module(self):
+    return _kernel_module(self.design)
+
+
+def _kernel_module(design: str):
+  if design == "sm90_heads_m":
+    from mla_pallas.kernels import sparse_sm90_heads_m as mod
+  elif design == "sm90_heads_n":
+    from mla_pallas.kernels import sparse_sm90_heads_n as mod
+  elif design == "sm100":
+    from mla_pallas.kernels import sparse_decode_sm100 as mod
+  else:
+    raise ValueError(f"design must be one of {DESIGNS}; got {design!r}")
+  return mod
+
+
+def _design(h: int, arch: str) -> str:
+  if arch == "sm100":
+    return "sm100"
+  if arch == "sm90":
+    return "sm90_heads_n" if h <= HEADS_ON_N_MAX else "sm90_heads_m"
+  raise NotImplementedError(f"sparse_mla_decode has Mosaic GPU kernels for {KERNEL_ARCHS} only; got {arch!r}")
+
+
+def _tiles_per_token(h: int, design: str) -> int:
+  """Query tiles per token: 64-row tiles of heads (H = 128: two), one with the heads on the MMAs' N side."""
+  return 1 if design == "sm90_heads_n" else max(1, h // TILE)
 
 
 def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132):
   """Choose (num_splits, tiles_per_split) so that CTAs fill the GPU and each split is <= 2048 keys.
 
   One CTA per SM fits (SMEM), so splitting stops once there are at least ``num_sms`` CTAs or a split would be
-  shorter than 4 tiles (256 keys).
+  shorter than MIN_SPLIT_TILES tiles.
   """
-  from mla_pallas.kernels import sparse_decode_sm90 as sm90
-  k_tiles = max(1, -(-topk // sm90.TILE))
+  k_tiles = max(1, -(-topk // TILE))
   ctas = batch_tokens * tiles_per_token
-  splits = max(1, -(-k_tiles // 32))                        # <= 2048 keys per split (index SMEM budget)
-  while ctas * splits < num_sms and k_tiles // (splits * 2) >= 4:
+  splits = max(1, -(-k_tiles // MAX_SPLIT_TILES))
+  while ctas * splits < num_sms and k_tiles // (splits * 2) >= MIN_SPLIT_TILES:
     splits *= 2
   tps = -(-k_tiles // splits)
   return splits, tps
 
 
-# sm_90 kernel: head_axis="n" (the heads on the MMAs' N side, N = 16) with 3 K buffers by default up to this many
-# heads. H200, benchmarks/RESULTS.md run 14: (b) H = 8 425.1 us with the heads on the 64 MMA rows -> 372.3 us
-# (head_axis="n") -> 351.3 us (+ k_buffers=3); H = 16 224.1 -> 190.7 -> 183.0 us. At H = 32 (N = 32) head_axis="n"
-# measured 131.4 against 129.7 us, so H = 32 keeps head_axis="m". v7 (run 17): consumer 1 owns all of V
-# (v_owners), staging half of it under its P.V wgmmas (v_overlap), and lazy softmax sums (l_partial):
-# (b) 329.6 -> 316.7 -> 310.1 us with the leaner pre-pass of the same run. v8 (run 19): consumer 1 takes Vᵀ from
-# the K tile into registers (v_regs) and the freed 64 KB hold a fourth K buffer: (b) 307.6 -> 285.6 us.
-HEADS_ON_N_MAX = 16
+def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90") -> KernelConfig:
+  """The kernel, its config and the split plan for H heads, ``batch_tokens`` = B · s_q query tokens and a top-k
+  of ``topk`` keys on kernel family ``arch`` ("sm90" | "sm100"), for this device's SM count
+  (:func:`mla_pallas._dispatch.num_sms`). Rules: sm_90 puts H <= HEADS_ON_N_MAX heads on the MMAs' N side
+  (sparse_sm90_heads_n, 4 K buffers), more on the 64 MMA rows (sparse_sm90_heads_m, 2 K buffers); the top-k is
+  split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys."""
+  design = _design(h, arch)
+  splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms())
+  return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps))
 
 
-def _default_tuning(arch: str, h: int, tuning=()) -> dict:
-  """Kernel TuningConfig overrides: ``tuning`` plus the op's shape-dependent defaults. sm_90, H <= HEADS_ON_N_MAX
-  (unless ``tuning`` names head_axis or k_gather="linear"): head_axis="n"; consumer 0 runs only QKᵀ and the
-  softmax while consumer 1 does all of P.V (v_owners, only when ``tuning`` does not name consumers) with Vᵀ read
-  from the K tile straight into registers (v_regs), which frees the f16 V tile's 64 KB for a fourth K buffer
-  (k_buffers=4; 3 without v_regs: the 16-row Q leaves room for a third); the softmax sums are kept per element
-  (l_partial); v_overlap for the SMEM-staged V (v_regs=False, and interpret mode). Each unless named in
-  ``tuning``."""
+def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> KernelConfig:
+  """:func:`default_config` with ``tuning`` ((field, value) pairs of the kernel's TuningConfig) applied; a
+  ``tiles_per_split`` override re-plans the number of splits."""
+  cfg = default_config(h, batch_tokens, topk, arch)
   kw = dict(tuning)
-  if (arch == "sm90" and "head_axis" not in kw and h <= HEADS_ON_N_MAX
-      and kw.get("k_gather", "swizzled") == "swizzled"):
-    kw["head_axis"] = "n"
-    if "consumers" not in kw:     # consumer 0: QKᵀ + softmax only; consumer 1: all of V and P.V
-      kw.setdefault("v_owners", ((), (0, 1, 2, 3)))
-      if kw["v_owners"] == ((), (0, 1, 2, 3)):
-        kw.setdefault("v_regs", True)
-    kw.setdefault("k_buffers", 4 if kw.get("v_regs") else 3)
-    kw.setdefault("l_partial", True)
-    kw.setdefault("v_overlap", True)
-  return kw
+  if not kw:
+    return cfg
+  fields = {f.name for f in dataclasses.fields(cfg.kernel)}
+  if set(kw) - fields:
+    raise ValueError(f"tuning names {sorted(set(kw) - fields)}, which the {cfg.design} kernel's TuningConfig does "
+                     f"not have (fields: {sorted(fields)})")
+  kernel = dataclasses.replace(cfg.kernel, **kw)
+  splits = -(-max(1, -(-topk // TILE)) // kernel.tiles_per_split) if "tiles_per_split" in kw else cfg.num_splits
+  return KernelConfig(cfg.design, splits, kernel)
 
 
-def _kernel_module(arch: str):
-  if arch == "sm100":
-    from mla_pallas.kernels import sparse_decode_sm100 as mod
-  elif arch == "sm90":
-    from mla_pallas.kernels import sparse_decode_sm90 as mod
-  else:
-    raise NotImplementedError(f"sparse_mla_decode has Mosaic GPU kernels for {KERNEL_ARCHS} only; got {arch!r}")
-  return mod
+def sweep_configs(h: int, batch_tokens: int, topk: int,
+                  arch: str = "sm90") -> dict[str, tuple[tuple[str, object], ...]]:
+  """Labelled tuning overrides for benchmark sweeps (each a valid ``tuning=`` of :func:`_sparse_decode_jit`),
+  first ``"default": ()``: the other K-buffer counts (sm_90) or gather ring depths (sm_100), and split lengths of
+  8, 16 and 32 tiles where they differ from the default plan."""
+  cfg = default_config(h, batch_tokens, topk, arch)
+  out = {"default": ()}
+  field = "stages" if cfg.design == "sm100" else "k_buffers"
+  current = getattr(cfg.kernel, field)
+  candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
+  k_tiles = max(1, -(-topk // TILE))
+  candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES)
+                 if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
+  for tuning in candidates:
+    try:
+      _config(h, batch_tokens, topk, arch, tuning)
+    except ValueError:      # not a valid config of this design (K_BUFFERS, SMEM)
+      continue
+    out[", ".join(f"{k}={v}" for k, v in tuning)] = tuning
+  return out
 
 
 def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning=(),
                           arch="sm90"):
-  kmod = _kernel_module(arch)
   b, s_q, h, _ = q.shape
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
-  tile = kmod.TILE
-  tiles_per_token = max(1, h // tile)
   n_tok = b * s_q
-  splits, tps = _plan(n_tok, tiles_per_token, topk, _num_sms())
-  kw = _default_tuning(arch, h, tuning)
-  if kw.get("persistent") and "k_buffers" not in dict(tuning):   # its index prefetch needs tps >= 2 k_buffers + 2
-    kw["k_buffers"] = min(kw.get("k_buffers", 2), max(1, (tps - 2) // 2))
-  heads_on_n = kw.get("head_axis") == "n"
-  if heads_on_n:        # the heads are the MMAs' N: H padded to the smallest of kmod.HEADS_ON_N that holds it
-    fits = [n for n in kmod.HEADS_ON_N if n >= h]
-    if not fits:
-      raise ValueError(f"TuningConfig.head_axis='n' needs H <= {max(kmod.HEADS_ON_N)} (the heads are the MMA's N "
-                       f"side); got H={h}")
-    kw.setdefault("heads_n", fits[0])
-  cfg = kmod.TuningConfig(tiles_per_split=tps, **kw)
-  if heads_on_n and cfg.heads_n < h:
-    raise ValueError(f"TuningConfig.heads_n={cfg.heads_n} must be >= H={h}")
-  k_pad = splits * tps * tile
+  cfg = _config(h, n_tok, topk, arch, tuning)
+  heads_on_n = cfg.design == "sm90_heads_n"
+  tiles_per_token = _tiles_per_token(h, cfg.design)
+  splits, tps = cfg.num_splits, cfg.kernel.tiles_per_split
+  k_pad = splits * tps * TILE
 
-  # Pre-pass (fused XLA ops): per-row quantized Q with folded scales (padded to the 64-row tile with
-  # head_axis="m", flat and unpadded with head_axis="n"); the indices only where needed: the sm_90 kernel masks
-  # ids outside [0, num_slots) itself, so they pass through unless topk_length masks a tail or the split grid
-  # needs padding (the sm_100 kernel takes sanitised unsigned ids).
+  # Pre-pass (fused XLA ops): per-row quantized Q with folded scales (padded to the 64-row tile with the heads on
+  # M, flat and unpadded with the heads on N); the indices only where needed: the sm_90 kernels mask ids outside
+  # [0, num_slots) themselves, so they pass through unless topk_length masks a tail or the split grid needs
+  # padding (the sm_100 kernel takes sanitised unsigned ids).
   rows = indices
   if arch == "sm100" or topk_length is not None:
     rows = jnp.where(_valid_mask(indices, num_slots, topk_length), indices, num_slots)
   rows = rows.reshape(n_tok, topk)
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
-  rows = rows.reshape(n_tok, splits * tps, tile)
+  rows = rows.reshape(n_tok, splits * tps, TILE)
   q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
   row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
-  build_kw = {}
-  if heads_on_n:        # flat, unpadded Q rows (the kernel reads heads_n rows from row token · H) and O written
-    q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)   # as [.., out_heads, 512]
-    build_kw.update(q_stride=h, out_heads=-(-h // 8) * 8, num_ctas=_num_sms())
-  else:
-    if h < tile:
-      q8 = jnp.pad(q8, ((0, 0), (0, tile - h), (0, 0)))
-      row_scale = jnp.pad(row_scale, ((0, 0), (0, tile - h)))
-    q8 = q8.reshape(n_tok * tiles_per_token, tile, D_QK)
-    row_scale = row_scale.reshape(n_tok * tiles_per_token, tile)
   out_dtype = "bfloat16" if splits == 1 else "float32"
-  kern = kmod.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype, cfg,
-                    interpret=interpret, **build_kw)
+  if heads_on_n:        # flat, unpadded Q rows (the kernel reads 16 rows from row token · H); O [.., out_heads, 512]
+    q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)
+    kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
+                            interpret=interpret)
+  else:
+    if h < TILE:
+      q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))
+      row_scale = jnp.pad(row_scale, ((0, 0), (0, TILE - h)))
+    q8 = q8.reshape(n_tok * tiles_per_token, TILE, D_QK)
+    row_scale = row_scale.reshape(n_tok * tiles_per_token, TILE)
+    if arch == "sm100":
+      kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
+                              cfg.kernel, interpret=interpret)
+    else:
+      kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
+                              interpret=interpret)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
-  elif getattr(cfg, "k_gather", "linear") == "swizzled":   # 128-byte boxes of the 2-D cache; Q as latent | 0 | rope
-    zeros = jnp.zeros(q8.shape[:-1] + (kmod.Q_SW_COLS - D_QK,), q8.dtype)
+  else:                 # 128-byte boxes of the 2-D cache; Q as latent | 0 | rope
+    zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
     q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
-  else:                 # per-row TMA of 640-byte boxes from the cache viewed as 64-byte chunks
-    o, lse = kern(q8, row_scale, kv_flat.reshape(num_slots * 9, 64), rows, scal)
-  out_rows = o.shape[-2]   # 64, or with head_axis="n" out_heads (the kernel's first H rounded up to 8)
+  out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
   if splits > 1:
     o, lse = combine_splits(o, lse)
   else:
@@ -264,7 +305,8 @@ def combine_splits(o, lse):
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret", "tuning", "arch"))
 def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, impl, interpret,
                        tuning=(), arch=None):
-  """``tuning``: tuple of (name, value) overrides of the kernel's TuningConfig (benchmarks).
+  """``tuning``: tuple of (field, value) overrides of the kernel's TuningConfig (benchmarks; see
+  :func:`sweep_configs`), applied by :func:`_config` to :func:`default_config`.
 
   ``arch``: kernel family "sm90" | "sm100" (None: :func:`mla_pallas._dispatch.mosaic_arch` at trace time; pass it
   explicitly when the family can change between calls, since it is part of the jit cache key only when given).
