@@ -9,30 +9,41 @@ MLA in the "absorbed" (MQA) form that the decode kernels use: every token stores
 is the compressed latent ("nope" part, also the value V) and ``[kv_lora_rank, latent_dim)`` the
 shared rope key. The queries are projected into the same 576-wide space, so a query-key logit is one
 576-long dot product and the output is 512 wide (``d_v = kv_lora_rank``) before the per-head
-``v_head_dim`` up-projection. The softmax scale is still ``qk_head_dim ** -0.5`` with
-``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim`` (the head dim of the un-absorbed model),
-not ``576 ** -0.5`` (YaRN's mscale correction, when a checkpoint uses it, is applied by the caller).
+``v_head_dim`` up-projection. The softmax scale is ``qk_head_dim ** -0.5`` with
+``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim`` (the head dim of the un-absorbed model), not
+``576 ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` when the config has a
+``rope_scaling`` (:mod:`mla_pallas.rope_scaling`; x1.874 for DeepSeek-V3 / V3.2). The rope tables of a
+config come from :meth:`MLAConfig.rope_tables` (YaRN tables under ``rope_scaling``, plain ones otherwise).
+
+Norm epsilon: the layer's two RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``) use ``rms_norm_eps``. The
+published model code builds both with eps 1e-6 whatever the checkpoint's ``config.json`` says
+(``rms_norm_eps`` there is the decoder layers' norms' eps: 1e-5 for GLM-5), so the presets and
+:meth:`MLAConfig.from_hf_config` set 1e-6.
 
 The kernels need ``kv_lora_rank == 512`` and ``qk_rope_head_dim == 64`` (576-wide rows); other
 values are valid configurations, but the ops raise ``NotImplementedError`` for them (see
 :meth:`MLAConfig.check_kernel_supported`).
 
-Presets (the numbers fixed by the project contract for the two target models):
+Presets (the published checkpoints' values):
   * :func:`deepseek_v32` -- DeepSeek-V3.2: 128 heads, q_lora_rank 1536, qk_nope 128, v_head 128,
-    index_topk 2048, hidden 7168.
+    index_topk 2048, hidden 7168, rope_theta 10000, YaRN (factor 40, original 4096 positions, beta_fast 32,
+    beta_slow 1, mscale 1, mscale_all_dim 1).
   * :func:`glm5` -- GLM-5: 64 heads, q_lora_rank 2048, qk_nope 192, v_head 256, index_topk 2048,
-    hidden 6144.
+    hidden 6144, rope_theta 1e6, plain rope.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["MLAConfig", "deepseek_v32", "glm5", "PRESETS", "preset", "KERNEL_KV_LORA_RANK",
-           "KERNEL_ROPE_DIM", "DTYPES"]
+from mla_pallas import rope_scaling as _rs
+from mla_pallas.rope_scaling import RopeScaling
+
+__all__ = ["MLAConfig", "RopeScaling", "deepseek_v32", "glm5", "PRESETS", "preset", "from_hf_config",
+           "KERNEL_KV_LORA_RANK", "KERNEL_ROPE_DIM", "DTYPES"]
 
 # What the Mosaic GPU kernels are written for.
 KERNEL_KV_LORA_RANK = 512
@@ -65,8 +76,11 @@ class MLAConfig:
     index_topk: tokens kept per query by the sparse-attention indexer (DSA top-k).
     hidden_size: model width.
     page_size: tokens per KV-cache page; a positive multiple of 16.
-    rms_norm_eps: epsilon of the latent RMSNorm (> 0).
-    rope_theta: rope base (> 0).
+    rms_norm_eps: epsilon of the layer's q_a and kv_a RMSNorms (> 0; 1e-6 in the published model code, see
+      the module docstring).
+    rope_theta: rope base (> 0; > 1 with ``rope_scaling``).
+    rope_scaling: :class:`~mla_pallas.rope_scaling.RopeScaling` (YaRN), a Hugging Face ``rope_scaling`` dict
+      (converted), or None for plain rope.
     dtype: activation dtype name, one of ``DTYPES`` (a numpy/jax dtype is normalized to its name).
 
   Raises:
@@ -83,6 +97,7 @@ class MLAConfig:
   page_size: int = 64
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
   dtype: str = "bfloat16"
 
   def __post_init__(self):
@@ -114,6 +129,11 @@ class MLAConfig:
       if not _is_real(v) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{field_name(name)} must be a finite number > 0; got {v!r}")
       set_(name, float(v))
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+    if self.rope_scaling is not None and self.rope_theta <= 1:
+      raise ValueError(f"{field_name('rope_theta')} must be > 1 with rope_scaling (YaRN divides by "
+                       f"ln rope_theta); got {self.rope_theta!r}")
     try:
       dt = np.dtype(self.dtype).name if not isinstance(self.dtype, str) else self.dtype
     except TypeError:
@@ -146,8 +166,17 @@ class MLAConfig:
 
   @property
   def softmax_scale(self) -> float:
-    """``qk_head_dim ** -0.5`` (the un-absorbed head dim, not 576)."""
-    return self.qk_head_dim ** -0.5
+    """``qk_head_dim ** -0.5`` (the un-absorbed head dim, not 576), times ``mscale(factor, mscale_all_dim)
+    ** 2`` under YaRN (:attr:`RopeScaling.attention_factor`: 1.874 for DeepSeek-V3 / V3.2)."""
+    scale = self.qk_head_dim ** -0.5
+    if self.rope_scaling is not None:
+      scale *= self.rope_scaling.attention_factor
+    return scale
+
+  def rope_tables(self, max_pos: int):
+    """Rope tables ``(cos, sin)`` float32 ``[max_pos, qk_rope_head_dim // 2]`` of this config: YaRN tables
+    (:func:`mla_pallas.rope_scaling.yarn_rope_tables`) under ``rope_scaling``, plain ones otherwise."""
+    return _rs.rope_tables(max_pos, self.qk_rope_head_dim, self.rope_theta, self.rope_scaling)
 
   @property
   def kv_bytes_per_token(self) -> int:
@@ -208,7 +237,14 @@ class MLAConfig:
 
   def summary(self, name: str | None = None) -> str:
     """A small aligned table of the fields and derived sizes (for logs and the demo)."""
-    rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+    def shown(name):
+      v = getattr(self, name)
+      if name == "rope_scaling" and v is not None:
+        return (f"{v.type} factor={v.factor:g} original_max_pos={v.original_max_position_embeddings} "
+                f"beta_fast/slow={v.beta_fast:g}/{v.beta_slow:g} mscale/all_dim={v.mscale:g}/{v.mscale_all_dim:g}")
+      return v
+
+    rows = [(f.name, shown(f.name)) for f in dataclasses.fields(self)]
     rows += [
         ("qk_head_dim", self.qk_head_dim),
         ("latent_dim (d_qk)", self.latent_dim),
@@ -227,20 +263,32 @@ class MLAConfig:
     return self.summary()
 
 
+# DeepSeek-V3 / V3.2 config.json ``rope_scaling`` (also DeepSeek's inference/model.py ModelArgs defaults).
+_DEEPSEEK_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=1.0)
+
+
 def deepseek_v32(**overrides: Any) -> MLAConfig:
   """DeepSeek-V3.2 MLA layer: 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
-  qk_rope 64, v_head 128, index_topk 2048, hidden 7168 (``overrides`` replace fields)."""
+  qk_rope 64, v_head 128, index_topk 2048, hidden 7168, rope_theta 10000 with YaRN (factor 40,
+  original_max_position_embeddings 4096, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1),
+  norm eps 1e-6 (``overrides`` replace fields)."""
   return MLAConfig(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                   qk_rope_head_dim=64, v_head_dim=128, index_topk=2048,
-                   hidden_size=7168).replace(**overrides)
+                   qk_rope_head_dim=64, v_head_dim=128, index_topk=2048, hidden_size=7168,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=_DEEPSEEK_YARN).replace(**overrides)
 
 
 def glm5(**overrides: Any) -> MLAConfig:
   """GLM-5 MLA layer: 64 heads, q_lora_rank 2048, kv_lora_rank 512, qk_nope 192, qk_rope 64,
-  v_head 256, index_topk 2048, hidden 6144 (``overrides`` replace fields)."""
+  v_head 256, index_topk 2048, hidden 6144, plain rope with rope_theta 1e6, norm eps 1e-6
+  (``overrides`` replace fields)."""
+  # rope_theta 1e6: the GLM-5 training recipes (THUDM/slime, radixark/miles scripts/models/glm5-744B-A40B.sh:
+  # --rotary-base 1000000, no rope scaling); zai-org/GLM-5's config.json itself was not read. The q_a / kv_a
+  # norms: GlmMoeDsaRMSNorm(q_lora_rank) / (kv_lora_rank) with the default eps 1e-6 in transformers'
+  # modeling_glm_moe_dsa.py (its config's rms_norm_eps, 1e-5, is for the decoder-layer norms).
   return MLAConfig(num_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
-                   qk_rope_head_dim=64, v_head_dim=256, index_topk=2048,
-                   hidden_size=6144).replace(**overrides)
+                   qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, hidden_size=6144,
+                   rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None).replace(**overrides)
 
 
 PRESETS: dict[str, Callable[..., MLAConfig]] = {"deepseek_v32": deepseek_v32, "glm5": glm5}
@@ -257,3 +305,38 @@ def preset(name: str, **overrides: Any) -> MLAConfig:
   if key is None:
     raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {name!r}")
   return PRESETS[key](**overrides)
+
+
+def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> MLAConfig:
+  """An :class:`MLAConfig` from a Hugging Face ``config.json`` dict (DeepSeek-V3 / V3.2, GLM-MoE-DSA).
+
+  Reads ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+  ``v_head_dim``, ``index_topk``, ``hidden_size``, ``rope_theta`` and ``rope_scaling`` (or the newer
+  ``rope_parameters``, whose ``rope_type: "default"`` means plain rope). ``rms_norm_eps`` is NOT read: the q_a /
+  kv_a norms use 1e-6 in the published model code (module docstring). ``overrides`` replace fields (e.g.
+  ``page_size``, ``dtype``, or ``index_topk`` for a config without one).
+
+  Raises:
+    ValueError: a needed key is missing (named) or a value is invalid.
+  """
+  if not isinstance(hf, Mapping):
+    raise ValueError(f"hf must be a dict (a parsed config.json); got {type(hf).__name__}")
+  keys = {"num_heads": "num_attention_heads", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+          "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim",
+          "v_head_dim": "v_head_dim", "index_topk": "index_topk", "hidden_size": "hidden_size"}
+  kw: dict[str, Any] = {"rms_norm_eps": 1e-6}
+  for field, key in keys.items():
+    if key in hf:
+      kw[field] = hf[key]
+    elif field not in overrides:
+      raise ValueError(f"hf config has no {key!r} (pass {field}= to supply it)")
+  params = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling")
+  if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+    scaling = params
+  if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+    scaling = None
+  kw["rope_theta"] = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+  kw["rope_scaling"] = scaling
+  kw.update(overrides)
+  return MLAConfig(**kw)

@@ -23,7 +23,13 @@ and the output projection's partial sums (over the shard's heads) are combined w
 (:func:`mla_pallas.convert_bf16_to_fp8_e4m3fn`; the ``*_scale`` fields, ``fp8=True``). Every matmul of an FP8
 layer goes through ``quantize_and_bmm_fp8`` (per-token dynamic activation quantization; the 2-D projections as a
 1-head BMM, the per-head ones with the activation broadcast over heads); a bf16 layer uses bf16 einsums with f32
-accumulation. The attention part is :mod:`mla_pallas.graph` (the FP8 or BF16 graph by the flag).
+accumulation. The attention part is :mod:`mla_pallas.graph` (the FP8 or BF16 graph by the flag); its softmax scale
+is ``cfg.softmax_scale`` (YaRN's mscale included when ``cfg.rope_scaling`` is set) and its rope tables default to
+``cfg.rope_tables(capacity)`` (YaRN tables under ``cfg.rope_scaling``), ``capacity = block_table.shape[1] *
+page_size`` positions; pass ``cos`` / ``sin`` built once with :meth:`MLAAttention.rope_tables` to avoid rebuilding
+them (as jit constants) per traced call.
+
+:func:`mla_pallas.checkpoint.load_hf_attention` builds a layer from a Hugging Face safetensors checkpoint.
 
 :class:`PagedCache` bundles the FP8 pages, the per-tensor scale, the block table and the sequence lengths.
 :func:`reference_prefill` / :func:`reference_decode` are the float32 oracles of :meth:`MLAAttention.prefill` /
@@ -205,6 +211,11 @@ class MLAAttention:
       kw[name + "_scale"] = None
     return dataclasses.replace(self, fp8=False, **kw)
 
+  def rope_tables(self, max_pos: int):
+    """``cfg.rope_tables(max_pos)``: the rope tables ``(cos, sin)`` float32 ``[max_pos, 32]`` of this layer's
+    config (YaRN under ``cfg.rope_scaling``, plain rope otherwise)."""
+    return self.cfg.rope_tables(max_pos)
+
   def graph_weights(self):
     """The attention graph's weights (:class:`~mla_pallas.graph.MLAWeightsFP8` or ``MLAWeightsBF16``)."""
     if self.fp8:
@@ -271,15 +282,16 @@ class MLAAttention:
 
   # ---- forward -----------------------------------------------------------------------------------------
 
-  def prefill(self, x, positions, cache: PagedCache, cu_seqlens, *, cos, sin, indices=None, topk_length=None,
-              impl="auto", interpret=False, tp_axis=None, interleaved=True):
+  def prefill(self, x, positions, cache: PagedCache, cu_seqlens, *, cos=None, sin=None, indices=None,
+              topk_length=None, impl="auto", interpret=False, tp_axis=None, interleaved=True):
     """Prefill a packed batch (each sequence from position ``cache.seq_lens[b]``; the dense branch needs 0).
 
     Args:
       x: ``[T, hidden]`` bf16 packed hidden states; positions: ``[T]`` int32.
       cache: :class:`PagedCache` (its pages are DONATED).
       cu_seqlens: ``[B + 1]`` int32 (tokens of sequence b: ``[cu_seqlens[b], cu_seqlens[b+1])``).
-      cos, sin: rope tables ``[max_pos, 32]`` float32.
+      cos, sin: rope tables ``[max_pos, 32]`` float32 (:meth:`rope_tables`), or both None: the config's tables
+        for the cache's capacity (``block_table.shape[1] * page_size`` positions).
       indices: optional ``[T, topk]`` int32 flat slot ids: the sparse (absorbed) prefill branch; without it the
         dense (un-absorbed) branch.
       impl, interpret: as in :mod:`mla_pallas.graph` (``impl`` also applies to the projections).
@@ -288,6 +300,7 @@ class MLAAttention:
     Returns:
       ``(y [T, hidden] bf16, new_cache)`` (``seq_lens`` advanced by each sequence's token count).
     """
+    cos, sin = _tables(self.cfg, cache, cos, sin)
     q_nope, q_rope, kv = self._project(x, _proj_impl(impl), interpret)
     slots = token_slots(cache.block_table, cu_seqlens, positions, cache.page_size)
     gw = self.graph_weights()
@@ -303,8 +316,8 @@ class MLAAttention:
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).astype(jnp.int32)
     return y, cache.replace(pages=pages, seq_lens=cache.seq_lens + lens)
 
-  def decode(self, x, positions, cache: PagedCache, *, cos, sin, indices=None, topk_length=None, impl="auto",
-             interpret=False, tp_axis=None, interleaved=True):
+  def decode(self, x, positions, cache: PagedCache, *, cos=None, sin=None, indices=None, topk_length=None,
+             impl="auto", interpret=False, tp_axis=None, interleaved=True):
     """Decode ``s_q`` new tokens per sequence.
 
     Args:
@@ -319,6 +332,7 @@ class MLAAttention:
       ``(y [B, s_q, hidden] bf16, new_cache)`` (``seq_lens + s_q``).
     """
     b, s_q, hid = x.shape
+    cos, sin = _tables(self.cfg, cache, cos, sin)
     q_nope, q_rope, kv = self._project(x.reshape(b * s_q, hid), _proj_impl(impl), interpret)
     h = self.num_heads
     q_nope = q_nope.reshape(b, s_q, h, -1)
@@ -333,6 +347,15 @@ class MLAAttention:
                   cfg=self.cfg, impl=impl, interpret=interpret, interleaved=interleaved, **kw)
     y = self._out_proj(o.reshape(b * s_q, h, -1), _proj_impl(impl), interpret, tp_axis)
     return y.reshape(b, s_q, -1), cache.replace(pages=pages, seq_lens=new_lens)
+
+
+def _tables(cfg: MLAConfig, cache: PagedCache, cos, sin):
+  """The rope tables to use: ``(cos, sin)`` as given, or the config's for the cache's capacity when both are None."""
+  if (cos is None) != (sin is None):
+    raise ValueError("cos and sin must be given together (or both None: the config's tables)")
+  if cos is None:
+    return cfg.rope_tables(int(cache.block_table.shape[1]) * cache.page_size)
+  return cos, sin
 
 
 def _proj_impl(impl):
@@ -376,9 +399,10 @@ def _ref_out(layer, o):
   return jnp.einsum("thv,hvd->td", o.astype(jnp.float32), layer.w_o.astype(jnp.float32), precision=_HI)
 
 
-def reference_prefill(layer: MLAAttention, x, positions, cache: PagedCache, cu_seqlens, *, cos, sin, indices=None,
-                      topk_length=None, interleaved=True):
+def reference_prefill(layer: MLAAttention, x, positions, cache: PagedCache, cu_seqlens, *, cos=None, sin=None,
+                      indices=None, topk_length=None, interleaved=True):
   """Float32 oracle of :meth:`MLAAttention.prefill`: ``(y float32 [T, hidden], new_cache)`` (nothing donated)."""
+  cos, sin = _tables(layer.cfg, cache, cos, sin)
   q_nope, q_rope, kv = _ref_project(layer, x)
   slots = token_slots(cache.block_table, cu_seqlens, positions, cache.page_size)
   args = (layer.graph_weights(), cache.pages, cache.kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin)
@@ -391,9 +415,10 @@ def reference_prefill(layer: MLAAttention, x, positions, cache: PagedCache, cu_s
   return _ref_out(layer, o), cache.replace(pages=pages, seq_lens=cache.seq_lens + lens)
 
 
-def reference_decode(layer: MLAAttention, x, positions, cache: PagedCache, *, cos, sin, indices=None,
+def reference_decode(layer: MLAAttention, x, positions, cache: PagedCache, *, cos=None, sin=None, indices=None,
                      topk_length=None, interleaved=True):
   """Float32 oracle of :meth:`MLAAttention.decode`: ``(y float32 [B, s_q, hidden], new_cache)``."""
+  cos, sin = _tables(layer.cfg, cache, cos, sin)
   b, s_q, hid = x.shape
   q_nope, q_rope, kv = _ref_project(layer, x.reshape(b * s_q, hid))
   h = layer.num_heads

@@ -274,7 +274,8 @@ def rope_tables(max_pos: int, dim: int = 64, theta: float = 10000.0):
 
   ``angle[p, i] = p * theta ** (-2 i / dim)``; computed in float64 (numpy) and rounded once to float32, so at
   large positions they are more accurate than tables computed in float32 (as DeepSeek's and HF's code do).
-  Plain RoPE only (no YaRN / NTK scaling: build such tables yourself and pass them to :func:`rope`).
+  Plain RoPE only; YaRN tables (DeepSeek-V3 / V3.2 checkpoints) of the same layout come from
+  :func:`mla_pallas.rope_scaling.yarn_rope_tables` or :meth:`mla_pallas.config.MLAConfig.rope_tables`.
   """
   max_pos = check_positive_int("max_pos", max_pos)
   dim = check_positive_int("dim", dim)

@@ -1,5 +1,6 @@
-"""MLAConfig: preset numbers, validation messages, sharding helpers."""
+"""MLAConfig: preset numbers, validation messages, sharding helpers, rope scaling, Hugging Face configs."""
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -23,7 +24,14 @@ def test_deepseek_v32_numbers():
   assert c.qk_head_dim == 192
   assert c.latent_dim == c.d_qk == 576
   assert c.d_v == 512
-  assert c.softmax_scale == pytest.approx(192 ** -0.5, rel=1e-15)
+  # YaRN (DeepSeek-V3 / V3.2 config.json): softmax scale 192^-0.5 * (0.1 * 1 * ln 40 + 1)^2 = x1.8739
+  ys = c.rope_scaling
+  assert (ys.type, ys.factor, ys.original_max_position_embeddings, ys.beta_fast, ys.beta_slow, ys.mscale,
+          ys.mscale_all_dim) == ("yarn", 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+  assert c.rope_theta == 10000.0 and c.rms_norm_eps == 1e-6
+  assert c.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-14)
+  assert c.softmax_scale * 192 ** 0.5 == pytest.approx(1.8739, abs=1e-4)
+  assert c.replace(rope_scaling=None).softmax_scale == pytest.approx(192 ** -0.5, rel=1e-15)
   assert c.page_size == 64 and c.dtype == "bfloat16"
   assert c.kernel_supported
 
@@ -34,7 +42,8 @@ def test_glm5_numbers():
           c.v_head_dim, c.index_topk, c.hidden_size) == (64, 2048, 512, 192, 64, 256, 2048, 6144)
   assert c.qk_head_dim == 256
   assert c.latent_dim == 576
-  assert c.softmax_scale == 1 / 16
+  assert c.softmax_scale == 1 / 16          # plain rope: no mscale
+  assert c.rope_scaling is None and c.rope_theta == 1e6 and c.rms_norm_eps == 1e-6
   assert c.kernel_supported
 
 
@@ -154,4 +163,64 @@ def test_summary():
   assert s.splitlines()[0] == "MLAConfig"
   for needle in ("num_heads", "64", "latent_dim", "576", "softmax_scale", "0.0625"):
     assert needle in s
-  assert config.deepseek_v32().summary("deepseek_v32").startswith("MLAConfig deepseek_v32")
+  d = config.deepseek_v32().summary("deepseek_v32")
+  assert d.startswith("MLAConfig deepseek_v32") and "yarn factor=40" in d
+  assert max(len(line) for line in d.splitlines()) <= 120
+
+
+def test_rope_scaling_field_accepts_hf_dicts_and_validates():
+  hf = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"}
+  c = _base(rope_scaling=hf)
+  assert c.rope_scaling == config.deepseek_v32().rope_scaling and isinstance(c.rope_scaling, config.RopeScaling)
+  hash(c)   # static jit metadata: must stay hashable
+  assert _base(rope_scaling=dict(hf, rope_type="yarn", rope_theta=10000.0)) == c   # rope_parameters style
+  # Hugging Face's defaults for missing keys: mscale 1, mscale_all_dim 0 -> no softmax correction
+  d = _base(rope_scaling={"type": "yarn", "factor": 40})
+  assert d.rope_scaling.mscale_all_dim == 0.0 and d.softmax_scale == pytest.approx(192 ** -0.5, rel=1e-15)
+  assert d.rope_scaling.table_factor == pytest.approx(0.1 * math.log(40) + 1, rel=1e-15)
+  for bad, msg in [({"type": "yarn", "factor": 0.5}, "RopeScaling.factor"),
+                   ({"type": "yarn"}, "needs 'factor'"),
+                   ({"type": "yarn", "factor": 4, "beta_fast": 1, "beta_slow": 2}, "beta_fast must be > beta_slow"),
+                   ({"type": "yarn", "factor": 4, "mscale": float("nan")}, "RopeScaling.mscale"),
+                   ({"type": "yarn", "factor": 4, "original_max_position_embeddings": 0}, "original_max_position"),
+                   ({"type": "yarn", "factor": 4, "alpha": 1}, "unknown key"),
+                   ({"type": "rotary", "factor": 4}, "must be 'yarn'"),
+                   ("yarn", "rope_scaling must be")]:
+    with pytest.raises(ValueError, match=msg):
+      _base(rope_scaling=bad)
+  with pytest.raises(NotImplementedError, match="'linear' is not implemented"):
+    _base(rope_scaling={"type": "linear", "factor": 4})
+  with pytest.raises(ValueError, match="rope_theta must be > 1 with rope_scaling"):
+    _base(rope_theta=1.0, rope_scaling=hf)
+
+
+def test_rope_tables_of_a_config():
+  from mla_pallas import reference, rope_scaling
+  g = config.glm5()
+  for a, b in zip(g.rope_tables(16), reference.rope_tables(16, 64, 1e6)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  d = config.deepseek_v32()
+  for a, b in zip(d.rope_tables(16), rope_scaling.yarn_rope_tables(16, 64, 1e4, scaling=d.rope_scaling)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(d.rope_tables(16)[0]), np.asarray(reference.rope_tables(16)[0]))
+
+
+def test_from_hf_config_reads_the_attention_fields_but_not_rms_norm_eps():
+  ds = {"num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048, "hidden_size": 7168, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                               "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                               "type": "yarn"}}
+  assert config.from_hf_config(ds) == config.deepseek_v32()
+  glm = {"num_attention_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+         "qk_rope_head_dim": 64, "v_head_dim": 256, "index_topk": 2048, "hidden_size": 6144, "rms_norm_eps": 1e-5,
+         "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}}
+  c = config.from_hf_config(glm, page_size=128)
+  assert c == config.glm5(page_size=128) and c.rms_norm_eps == 1e-6   # not the config.json's 1e-5
+  assert config.from_hf_config(dict(glm, rope_parameters={"rope_theta": 1e6, "rope_type": "yarn", "factor": 4})) \
+      .rope_scaling == config.RopeScaling(factor=4.0)
+  no_topk = {k: v for k, v in ds.items() if k != "index_topk"}     # DeepSeek-V3 (dense attention) has none
+  with pytest.raises(ValueError, match="no 'index_topk'"):
+    config.from_hf_config(no_topk)
+  assert config.from_hf_config(no_topk, index_topk=64).index_topk == 64
