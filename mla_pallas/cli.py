@@ -8,8 +8,8 @@
 
 ``bench`` times the implementations of one op side by side (:mod:`mla_pallas.bench`), prints a table, writes
 JSON (every sample) and a PNG into ``--out``; ``--sweep`` replaces the "mosaic" row by one row per candidate of
-the op module's ``sweep_configs`` (:func:`mla_pallas.bench.sweep_candidates`). ``demo`` runs one FP8 MLA layer (:class:`mla_pallas.layer.MLAAttention`)
-at a reduced but real shape of the preset: a prefill and ``--steps`` decode steps (dense and sparse top-k attention
+the op module's ``sweep_configs`` (:func:`mla_pallas.bench.sweep_candidates`). ``demo`` runs one FP8 MLA layer
+(:class:`mla_pallas.layer.MLAAttention`) at a reduced but real shape of the preset: a prefill and ``--steps`` decode steps (dense and sparse top-k attention
 alternating), each checked against the float32 reference layer, with per-stage timings and the implementation every
 graph step ran (:func:`mla_pallas.graph.graph_report`); then a kernel check: sparse MLA decode through every
 implementation available here (on a CPU the Mosaic GPU kernel in interpret mode at a tiny shape). Both exit with
@@ -501,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   with compile_cache(None if args.no_compile_cache else default_cache_dir()) as folder:
     if args.command == "bench":
+      print(_cache_line(folder), file=sys.stderr)
       return _cmd_bench(args, subparsers["bench"], argv)
     return _cmd_demo(args, subparsers["demo"], folder)
 

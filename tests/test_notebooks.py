@@ -1,9 +1,9 @@
 """Execute the notebooks (notebooks/01_quickstart.ipynb, notebooks/02_benchmarks.ipynb) with nbclient.
 
 Every cell runs, as ``jupyter execute`` (``make notebooks``) runs them: a cell that needs a GPU checks for one itself
-and prints that it was skipped. The kernel is the Python running the tests: a kernelspec for ``sys.executable`` is installed into a temporary prefix (``python -m ipykernel install
---prefix``) and found through ``JUPYTER_PATH``, so a user-level ``python3`` kernelspec pointing at another Python
-cannot be picked up. Notebooks run with the notebooks folder as working directory, as in Jupyter.
+and prints that it was skipped. The kernel is the Python running the tests: a kernelspec for ``sys.executable`` is
+installed into a temporary prefix (``python -m ipykernel install --prefix``) and found through ``JUPYTER_PATH``, so a
+user-level ``python3`` kernelspec pointing at another Python cannot be picked up. Notebooks run with the notebooks folder as working directory, as in Jupyter.
 """
 from __future__ import annotations
 
