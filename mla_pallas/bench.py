@@ -11,10 +11,10 @@ Usage (Python)::
 or the console script ``mla-pallas bench sparse_mla_decode --impl all --preset glm5 [--sweep]``
 (:mod:`mla_pallas.cli`).
 
-Modules: :mod:`mla_pallas.bench_engine` (:class:`BenchSpec`, timing, :class:`Result`, tables, JSON; knows no op),
-:mod:`mla_pallas.bench_specs` (one spec per op; imports the engine) and this one, the registry accessor
-(:func:`specs`, :func:`get_spec`; imports the specs on first use) and the per-op entry points :func:`run`,
-:func:`sweep_candidates`, :func:`write_outputs`. Timing and conventions: see :mod:`mla_pallas.bench_engine`.
+Modules: :mod:`mla_pallas.bench_engine` (:class:`BenchSpec`, :class:`Result`, tables, JSON; knows no op) with its
+timing in :mod:`mla_pallas.bench_timing`; :mod:`mla_pallas.bench_specs` (one spec per op; imports the engine); and
+this one, the registry accessor (:func:`specs`, :func:`get_spec`; imports the specs on first use) and the per-op
+entry points :func:`run`, :func:`sweep_candidates`, :func:`write_outputs`. Timing and conventions: see :mod:`mla_pallas.bench_engine`.
 
 Sweeps: ``sweep=True`` (``--sweep``) runs the op's Mosaic GPU kernel once per candidate of
 ``mla_pallas.ops.<module>.sweep_configs(...)`` (labelled TuningConfig overrides, the first ``"default": ()``), each
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from mla_pallas.bench_engine import (D_QK, D_V, IMPLS, BenchSpec, Result, environment, format_table,  # noqa: F401
-                                     l2_bytes, parse_shape, plot, run_spec, time_cupti, time_cupti_state,
-                                     time_wall, time_wall_state)
 from mla_pallas import bench_engine as _engine
+from mla_pallas.bench_engine import (D_QK, D_V, IMPLS, BenchSpec, Result, environment, format_table,  # noqa: F401
+                                     parse_shape, plot, run_spec)
+from mla_pallas.bench_timing import (l2_bytes, time_cupti, time_cupti_state, time_wall,  # noqa: F401
+                                     time_wall_state)
 
 __all__ = ["BenchSpec", "Result", "specs", "get_spec", "sweep_candidates", "parse_shape", "run", "format_table",
            "plot", "write_outputs", "environment", "time_wall", "time_cupti", "time_wall_state", "time_cupti_state",

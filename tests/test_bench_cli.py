@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from mla_pallas import bench, bench_engine, bench_specs, cli
+from mla_pallas import bench, bench_engine, bench_specs, bench_timing, cli
 
 TINY = "B=1,s_q=1,H=8,topk=32,page=16,ctx=64"
 ON_CPU = jax.default_backend() == "cpu"
@@ -309,7 +309,7 @@ def test_time_cupti_state_threads_donated_state(monkeypatch):
     def _cupti_get_timings(self, finalize):
       return [(name, ms) for i in range(len(launches)) for name, ms in (("mosaic", 0.002), ("mosaic", 0.004))]
 
-  monkeypatch.setattr(bench_engine, "_cupti_ext", lambda: FakeExt())
+  monkeypatch.setattr(bench_timing, "_cupti_ext", lambda: FakeExt())
   seen = []
 
   def fn(counter, x):
@@ -339,6 +339,7 @@ def test_engine_imports_no_specs():
   subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
   import ast
   for mod, banned in ((bench_engine, {"mla_pallas.bench", "mla_pallas.bench_specs"}),
+                      (bench_timing, {"mla_pallas.bench", "mla_pallas.bench_specs", "mla_pallas.bench_engine"}),
                       (bench_specs, {"mla_pallas.bench"})):
     tree = ast.parse(open(mod.__file__).read())
     names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
