@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all bench build-file clean distclean
+.PHONY: setup demo test test-all bench notebooks build-file clean distclean
 
 setup:
 	@bash scripts/setup.sh
@@ -20,6 +20,11 @@ test-all: setup
 
 bench: setup
 	.venv/bin/mla-pallas bench sparse_mla_decode
+
+# Runs both notebooks on this machine (CPU or GPU; GPU cells skip themselves without a GPU), as tests/test_notebooks.py
+# does; outputs are not written back (add --inplace to keep them).
+notebooks: setup
+	.venv/bin/jupyter execute notebooks/01_quickstart.ipynb notebooks/02_benchmarks.ipynb
 
 # Regenerate BUILD after adding or removing a module under mla_pallas/ or a tests/test_*.py file.
 build-file:

@@ -8,19 +8,50 @@ decode step of :func:`mla_pallas.graph.mla_decode_branch_fp8` (fused cache write
 v up-projection) with the graph's ``impl=`` argument, ``info.steps`` = the graph's
 :func:`~mla_pallas.graph.graph_report` per impl.
 
-Importing :mod:`mla_pallas.bench` registers them (it imports this module last).
+:data:`SPECS` maps each op name to its spec; use it through :func:`mla_pallas.bench.specs` /
+:func:`~mla_pallas.bench.get_spec`. This module imports only the engine (:mod:`mla_pallas.bench_engine`).
+
+Sweeps (``BenchSpec.sweep`` / ``tuned_op``): the sparse ops, the FP8 BMM and the two rope ops call their op
+module's ``sweep_configs(...)`` with the shape's sizes and run each candidate through the op's jitted private
+entry point that takes ``tuning=`` (``ops/sparse_decode._sparse_decode_jit``, ``ops/bmm_fp8._bmm_jit``,
+``ops/rope_rmsnorm._rope_rmsnorm_mosaic`` / ``_fused_mosaic``), with ``impl="mosaic"``.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from mla_pallas import testing
-from mla_pallas.bench import D_QK, D_V, FP8, IMPLS, BenchSpec, _on_gpu, register
+from mla_pallas.bench_engine import D_QK, D_V, FP8, IMPLS, BenchSpec, _on_gpu
+
+#: op name -> its spec (filled below by :func:`register`, in this order).
+SPECS: dict[str, BenchSpec] = {}
+
+
+def register(spec: BenchSpec) -> BenchSpec:
+  if spec.sweep is not None and spec.tuned_op is None:
+    raise ValueError(f"spec {spec.name}: sweep needs tuned_op")
+  SPECS[spec.name] = spec
+  return spec
+
+
+def _op_attr(module: str, name: str) -> Callable:
+  """``mla_pallas.ops.<module>.<name>``; ValueError (a clear message for ``--sweep``) when it does not exist."""
+  fn = getattr(importlib.import_module(f"mla_pallas.ops.{module}"), name, None)
+  if fn is None:
+    raise ValueError(f"mla_pallas.ops.{module} has no {name}: this op's sweep is not available in this version")
+  return fn
+
+
+def _sweep(module: str, args: Callable[[dict], dict]) -> Callable[[dict], dict]:
+  """BenchSpec.sweep: ``mla_pallas.ops.<module>.sweep_configs(**args(shape))``."""
+  return lambda s: _op_attr(module, "sweep_configs")(**args(s))
+
 
 def _model_preset(name: str) -> dict[str, Any]:
   from mla_pallas import config
@@ -109,6 +140,35 @@ def _scales(s):
   return {"softmax_scale": float(s["softmax_scale"]), "kv_scale": float(s["kv_scale"])}
 
 
+def _sparse_arch(interpret):
+  from mla_pallas import _dispatch
+  return _dispatch.mosaic_arch(bool(interpret)) or "sm90"
+
+
+def _sparse_tuned(prefill: bool):
+  """BenchSpec.tuned_op of the sparse ops: ``_sparse_decode_jit(..., impl="mosaic", tuning=)``."""
+  def make(s, tuning, interpret):
+    jitted = _op_attr("sparse_decode", "_sparse_decode_jit")
+    kw = dict(softmax_scale=float(s["softmax_scale"]), impl="mosaic", interpret=interpret, tuning=tuple(tuning),
+              arch=_sparse_arch(interpret))
+    kv_scale = jnp.float32(s["kv_scale"])
+
+    def f(q, cache, indices):
+      if prefill:      # the prefill op is the decode op with B = T, s_q = 1
+        out, lse = jitted(q[:, None], cache.reshape(-1, D_QK), indices[:, None], kv_scale, None, **kw)
+        return out[:, 0], lse[:, 0]
+      return jitted(q, cache.reshape(-1, D_QK), indices, kv_scale, None, **kw)
+    return f
+  return make
+
+
+def _sparse_sweep(prefill: bool):
+  def args(s):
+    tokens = s["T"] if prefill else s["B"] * s["s_q"]
+    return dict(h=s["H"], batch_tokens=tokens, topk=s["topk"], arch=_sparse_arch(False))
+  return _sweep("sparse_decode", args)
+
+
 def _attn_tolerance(s, pv_length):
   # Full FP8 kernel path (q and P in e4m3, fp8 wgmma); logits have std softmax_scale*sqrt(576)*kv_scale on
   # N(0,1) data. Loose on purpose: the XLA path is held to the same bound.
@@ -136,6 +196,8 @@ register(BenchSpec(
     tolerance=lambda s: _attn_tolerance(s, s["topk"]),
     outputs=("out", "lse"),
     module="mla_pallas.ops.sparse_decode",
+    sweep=_sparse_sweep(prefill=False),
+    tuned_op=_sparse_tuned(prefill=False),
 ))
 
 
@@ -192,6 +254,8 @@ register(BenchSpec(
     tolerance=lambda s: _attn_tolerance(s, s["topk"]),
     outputs=("out", "lse"),
     module="mla_pallas.ops.sparse_decode",
+    sweep=_sparse_sweep(prefill=True),
+    tuned_op=_sparse_tuned(prefill=True),
 ))
 
 
@@ -248,6 +312,12 @@ def _bmm_op(impl, s, interpret):
                            impl=impl, interpret=interpret)
 
 
+def _bmm_tuned(s, tuning, interpret):
+  return functools.partial(_op_attr("bmm_fp8", "_bmm_jit"), **_bmm_kwargs(s),
+                           weight_layout="hnk" if s["hnk"] else "hkn", impl="mosaic", interpret=interpret,
+                           tuning=tuple(tuning))
+
+
 def _bmm_reference(s):
   from mla_pallas import reference
 
@@ -290,6 +360,8 @@ register(BenchSpec(
     conventions={"flops": "2*T*H*K*N", "gathered_bytes": "moved bytes: a bf16 [T,H,K] in, fp8 weight and its "
                  "block scales in, bf16 [T,H,N] out (the minimum; the Mosaic path also writes and re-reads a8)"},
     module="mla_pallas.ops.bmm_fp8",
+    sweep=_sweep("bmm_fp8", lambda s: dict(t=s["T"], k=s["K"], n=s["N"], h=s["H"])),
+    tuned_op=_bmm_tuned,
 ))
 
 
@@ -379,6 +451,28 @@ def _fused_reference(s):
   return ref
 
 
+def _fused_tuned(s, tuning, interpret):
+  jitted = _op_attr("rope_rmsnorm", "_fused_mosaic")
+
+  def f(pages, kv, q, pos, cos, sin, w, slots, buf):
+    return jitted(pages, kv, q, pos, cos, sin, w, jnp.float32(_ROPE_EPS), jnp.float32(s["kv_scale"]), slots,
+                  interleaved=bool(s["interleaved"]), interpret=interpret, tuning=tuple(tuning))
+  return f
+
+
+def _unfused_tuned(s, tuning, interpret):
+  jitted = _op_attr("rope_rmsnorm", "_rope_rmsnorm_mosaic")
+
+  def f(kv, q, pos, cos, sin, w, buf):
+    return jitted(kv, q, pos, cos, sin, w, jnp.float32(_ROPE_EPS), interleaved=bool(s["interleaved"]),
+                  interpret=interpret, tuning=tuple(tuning))
+  return f
+
+
+def _rope_sweep(fused: bool):
+  return _sweep("rope_rmsnorm", lambda s: dict(t=s["T"], h=s["H"], fused=fused))
+
+
 def _unfused_op(impl, s, interpret):
   if impl == "copy":
     return lambda kv, q, pos, cos, sin, w, buf: _copy(buf)
@@ -436,6 +530,8 @@ register(BenchSpec(
     bytes_kind="moved",
     conventions=_ROPE_CONVENTIONS,
     module="mla_pallas.ops.rope_rmsnorm",
+    sweep=_rope_sweep(fused=True),
+    tuned_op=_fused_tuned,
 ))
 
 register(BenchSpec(
@@ -459,6 +555,8 @@ register(BenchSpec(
     bytes_kind="moved",
     conventions=_ROPE_CONVENTIONS,
     module="mla_pallas.ops.rope_rmsnorm",
+    sweep=_rope_sweep(fused=False),
+    tuned_op=_unfused_tuned,
 ))
 
 

@@ -1,32 +1,116 @@
 """The ``mla-pallas`` console script.
 
-  mla-pallas bench OP [--impl xla,mosaic|all] [--shape k=v,...] [--preset deepseek_v32|glm5] [--iters N]
-                      [--warmup N] [--inputs N] [--out DIR] [--no-plot] [--no-check] [--interpret] [--seed N]
+  mla-pallas bench OP [--impl xla,mosaic|all] [--sweep] [--shape k=v,...] [--preset deepseek_v32|glm5]
+                      [--iters N] [--warmup N] [--inputs N] [--out DIR] [--no-plot] [--no-check] [--interpret]
+                      [--seed N] [--no-compile-cache]
   mla-pallas demo [--preset glm5|deepseek_v32] [--batch N] [--steps N] [--topk N] [--heads N] [--ctx N]
-                  [--no-interpret] [--seed N]
+                  [--no-interpret] [--seed N] [--no-compile-cache]
 
 ``bench`` times the implementations of one op side by side (:mod:`mla_pallas.bench`), prints a table, writes
-JSON (every sample) and a PNG into ``--out``. ``demo`` runs one FP8 MLA layer (:class:`mla_pallas.layer.MLAAttention`)
-at a reduced but real shape of the preset: a prefill and ``--steps`` decode steps (dense and sparse top-k attention
+JSON (every sample) and a PNG into ``--out``; ``--sweep`` replaces the "mosaic" row by one row per candidate of
+the op module's ``sweep_configs`` (:func:`mla_pallas.bench.sweep_candidates`). ``demo`` runs one FP8 MLA layer
+(:class:`mla_pallas.layer.MLAAttention`) at a reduced but real shape of the preset: a prefill and ``--steps`` decode steps (dense and sparse top-k attention
 alternating), each checked against the float32 reference layer, with per-stage timings and the implementation every
 graph step ran (:func:`mla_pallas.graph.graph_report`); then a kernel check: sparse MLA decode through every
 implementation available here (on a CPU the Mosaic GPU kernel in interpret mode at a tiny shape). Both exit with
 status 1 when an implementation fails its check or raises (an implementation that is merely unavailable here does
-not fail), and 2 on bad arguments.
+not fail), and 2 on bad arguments. Every line the demo prints fits :data:`WIDTH` columns.
+
+Both commands use JAX's persistent compilation cache (:func:`compile_cache`): folder ``$MLA_PALLAS_COMPILE_CACHE``,
+else ``$XDG_CACHE_HOME/mla_pallas/jax``, else ``~/.cache/mla_pallas/jax``; ``--no-compile-cache`` turns it off.
+Every compiled program is cached (no minimum compile time or entry size), Mosaic GPU kernels included, so a second
+run skips the compilation of every shape the first one ran.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from typing import Sequence
+import textwrap
+from typing import Iterator, Sequence
 
 OPS_HELP = "op to benchmark"
+#: the demo's output width (columns).
+WIDTH = 120
+#: environment variable naming the compilation cache folder.
+CACHE_ENV = "MLA_PALLAS_COMPILE_CACHE"
+
+
+def default_cache_dir() -> str:
+  """``$MLA_PALLAS_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/mla_pallas/jax``, else ``~/.cache/mla_pallas/jax``."""
+  if os.environ.get(CACHE_ENV):
+    return os.environ[CACHE_ENV]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "mla_pallas", "jax")
+
+
+_CACHE_OPTIONS = {                      # jax config name -> value while the cache is on
+    "jax_compilation_cache_dir": None,  # the folder
+    "jax_persistent_cache_min_compile_time_secs": 0.0,   # default 1 s would skip most small kernels
+    "jax_persistent_cache_min_entry_size_bytes": -1,      # no size limit
+}
+
+
+@contextlib.contextmanager
+def compile_cache(folder: str | None) -> Iterator[str | None]:
+  """JAX's persistent compilation cache in ``folder`` (created) for the duration of the block; None: off.
+
+  Sets ``jax_compilation_cache_dir``, a zero minimum compile time and no minimum entry size, and restores the
+  previous settings afterwards (the cache is re-initialised on both ends, so this works in a process that has
+  compiled before, e.g. a test). Yields the folder.
+  """
+  if folder is None:
+    yield None
+    return
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  os.makedirs(folder, exist_ok=True)
+  old = {k: getattr(jax.config, k) for k in _CACHE_OPTIONS}
+  try:
+    for k, v in _CACHE_OPTIONS.items():
+      jax.config.update(k, folder if v is None else v)
+    cc.reset_cache()
+    yield folder
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)
+    cc.reset_cache()
+
+
+def _cache_files(folder: str | None) -> int:
+  if folder is None or not os.path.isdir(folder):
+    return 0
+  return sum(len(files) for _, _, files in os.walk(folder))
+
+
+def _cache_line(folder: str | None) -> str:
+  if folder is None:
+    return "compile cache: off (--no-compile-cache)"
+  return f"compile cache: {folder} ({_cache_files(folder)} files before this run; {CACHE_ENV} sets the folder)"
+
+
+def fit(text: str, width: int = WIDTH) -> str:
+  """``text`` with every line longer than ``width`` wrapped (continuation lines indented by 4 more columns)."""
+  out = []
+  for line in text.splitlines() or [""]:
+    if len(line) <= width:
+      out.append(line)
+      continue
+    lead = line[:len(line) - len(line.lstrip())]
+    out += textwrap.wrap(line, width, initial_indent="", subsequent_indent=lead + "    ",
+                         break_long_words=True, break_on_hyphens=False)
+  return "\n".join(out)
+
+
+def _say(text: str = "") -> None:
+  print(fit(text))
 
 
 def _bench_epilog() -> str:
   from mla_pallas import bench
   lines = ["shape keys (--shape k=v,...; defaults: CPU | GPU):"]
-  for name, spec in bench.SPECS.items():
+  for name, spec in bench.specs().items():
     lines.append(f"  {name}:")
     for k, (typ, desc) in spec.keys.items():
       cpu, gpu = spec.cpu_defaults[k], spec.gpu_defaults[k]
@@ -40,6 +124,9 @@ def _bench_epilog() -> str:
                "entries override them. Shape keys are case-insensitive when unambiguous.")
   lines.append("timer: cupti (device time, GPU) or wall (host wall clock incl. dispatch, CPU); "
                "never compare the two.")
+  lines.append(f"--sweep (ops: {', '.join(bench.sweep_ops())}): one 'mosaic:<candidate>' row per entry of the op "
+               "module's sweep_configs(...), run with tuning=<its overrides>; the other --impl entries run as usual.")
+  lines.append(f"compile cache: {default_cache_dir()} (${CACHE_ENV}; --no-compile-cache: off)")
   return "\n".join(lines)
 
 
@@ -52,7 +139,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
   b = sub.add_parser("bench", help="time implementations of one op side by side",
                      epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-  b.add_argument("op", choices=sorted(bench.SPECS), help=OPS_HELP)
+  b.add_argument("op", choices=sorted(bench.specs()), help=OPS_HELP)
   b.add_argument("--impl", default="xla,mosaic",
                  help="comma-separated implementations among xla, mosaic, auto (and the op's extras, e.g. copy); "
                       "'all' = xla,mosaic plus the op's extras (default: %(default)s)")
@@ -70,6 +157,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
   b.add_argument("--interpret", action="store_true",
                  help="run the mosaic kernel in GPU interpret mode (correctness only; times are meaningless)")
   b.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
+  b.add_argument("--sweep", action="store_true",
+                 help="run the kernel once per candidate of the op's sweep_configs (rows mosaic:<candidate>)")
+  _cache_flag(b)
 
   d = sub.add_parser("demo", help="run one FP8 MLA layer (prefill + decode steps) and the kernels, checked "
                      "against the reference")
@@ -87,7 +177,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                  help="on a machine without a supported GPU, skip the interpret-mode run of the kernel")
   d.add_argument("--no-progress", action="store_true", help="no progress bar")
   d.add_argument("--seed", type=int, default=0, help="PRNG seed")
+  _cache_flag(d)
   return p, {"bench": b, "demo": d}
+
+
+def _cache_flag(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--no-compile-cache", action="store_true",
+                 help=f"do not use JAX's persistent compilation cache (default folder: ${CACHE_ENV}, else "
+                      "$XDG_CACHE_HOME/mla_pallas/jax or ~/.cache/mla_pallas/jax)")
 
 
 def _parse_impls(text: str, spec=None) -> tuple[str, ...]:
@@ -114,11 +211,12 @@ def _cmd_bench(args, parser, argv) -> int:
         raise ValueError(f"--{name} must be >= 1; got {v}")
     if args.warmup is not None and args.warmup < 0:
       raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
+    cands = bench.sweep_candidates(args.op, shape) if args.sweep else None
   except ValueError as e:
     parser.error(str(e))   # exits with status 2
-  results = bench.run(args.op, impls, shape, iters=args.iters, warmup=args.warmup, n_inputs=args.inputs,
-                      check=not args.no_check, seed=args.seed, progress=not args.no_progress,
-                      interpret=args.interpret)
+  results = bench.run_spec(spec, impls, shape, iters=args.iters, warmup=args.warmup, n_inputs=args.inputs,
+                           check=not args.no_check, seed=args.seed, progress=not args.no_progress,
+                           interpret=args.interpret, candidates=cands)
   print(bench.format_table(results))
   command = "mla-pallas " + " ".join(argv)
   paths = bench.write_outputs(results, args.out, make_plot=not args.no_plot, command=command)
@@ -141,12 +239,14 @@ _INTERPRET_SHAPE = dict(B=1, s_q=1, H=16, topk=64, page=64, ctx=128)
 
 def _demo_rows(spec, shape, impl, *, interpret, steps, seed, bar):
   """Run ``impl`` on ``steps`` fresh input sets; returns a result row (dict)."""
+  import time
+
   import jax
   from mla_pallas import _dispatch, bench, testing
   op = spec.name
   row = dict(impl=impl, mode="interpret" if interpret else "native", shape=shape, steps=steps, ran="-",
              rel_l2=None, cos=None, tol=spec.tolerance(shape), check="-", timer="-", median_us=None,
-             note="")
+             first_ms=None, note="")
   keys = jax.random.split(jax.random.key(seed), steps)
   sets = [tuple(spec.make_inputs(shape, k)) for k in keys]
   ref = jax.jit(spec.reference(shape))
@@ -156,7 +256,10 @@ def _demo_rows(spec, shape, impl, *, interpret, steps, seed, bar):
     f = jax.jit(fn)
     reports = []
     for s in sets:
-      got = f(*s)
+      t0 = time.perf_counter()
+      got = jax.block_until_ready(f(*s))
+      if row["first_ms"] is None:      # the first call: tracing + compilation (or a compile-cache hit) + run
+        row["first_ms"] = 1e3 * (time.perf_counter() - t0)
       want = ref(*s)
       reports.append([testing.compare_fp8(g, w, rel_l2=row["tol"], what=f"{impl} {name}")
                       for name, g, w in zip(spec.outputs, got, want)])
@@ -189,24 +292,37 @@ def _demo_rows(spec, shape, impl, *, interpret, steps, seed, bar):
   return row
 
 
+def _shape_text(s) -> str:
+  """The shape of a sparse decode row, e.g. ``B16 s_q1 H128 k2048 ctx8192`` (k: top-k, ctx: cache tokens)."""
+  return f"B{s['B']} s_q{s['s_q']} H{s['H']} k{s['topk']} ctx{s['ctx']}"
+
+
+def _table(head, cells) -> list[str]:
+  widths = [max(len(x) for x in col) for col in zip(head, *cells)]
+  fmt = lambda c: "  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip()  # noqa: E731
+  return [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(c) for c in cells]
+
+
+def _ms(v) -> str:
+  return "-" if v is None else f"{v:.1f}"
+
+
 def _demo_table(rows) -> str:
-  head = ["impl", "mode", "ran", "shape", "steps", "rel-L2 max", "cos min", "tol", "check", "timer",
+  head = ["impl", "ran", "shape", "steps", "rel-L2 max", "cos min", "tol", "check", "1st ms", "timer",
           "median µs"]
   cells = []
   for r in rows:
-    s = r["shape"]
-    shp = f"B{s['B']} s_q{s['s_q']} H{s['H']} k{s['topk']} ctx{s['ctx']}"
-    cells.append([r["impl"], r["mode"], r["ran"], shp, str(r["steps"]),
+    cells.append([r["impl"], r["ran"], _shape_text(r["shape"]), str(r["steps"]),
                   "-" if r["rel_l2"] is None else f"{r['rel_l2']:.3e}",
-                  "-" if r["cos"] is None else f"{r['cos']:.6f}", f"{r['tol']:.3g}", r["check"], r["timer"],
-                  "-" if r["median_us"] is None else f"{r['median_us']:.1f}"])
-  widths = [max(len(x) for x in col) for col in zip(head, *cells)]
-  fmt = lambda c: "  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip()  # noqa: E731
-  out = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(c) for c in cells]
+                  "-" if r["cos"] is None else f"{r['cos']:.6f}", f"{r['tol']:.3g}", r["check"],
+                  _ms(r["first_ms"]), r["timer"], _ms(r["median_us"])])
+  out = _table(head, cells)
+  out.append("(1st ms: the first call, wall clock, incl. compilation or a compile-cache hit; median µs: of the "
+             "next calls)")
   notes = [f"  {r['impl']} ({r['mode']}): {r['note']}" for r in rows if r["note"]]
   if notes:
     out += ["notes:"] + notes
-  return "\n".join(out)
+  return fit("\n".join(out))
 
 
 def _fmt_ms(s: float) -> str:
@@ -235,10 +351,11 @@ def _demo_layer(args, cfg, gpu) -> tuple[list[dict], str]:
     lcfg = cfg.replace(num_heads=heads, hidden_size=512, q_lora_rank=256)
   topk = min(args.topk or (cfg.index_topk if gpu else 64), ctx)
   steps = args.steps
-  lines = [f"layer: {args.preset} reduced: H={lcfg.num_heads} hidden={lcfg.hidden_size} q_lora_rank="
-           f"{lcfg.q_lora_rank} nope={lcfg.qk_nope_head_dim} v={lcfg.v_head_dim} page={lcfg.page_size}; batch "
-           f"{batch}, prompt {ctx} tokens/sequence, {steps} decode steps (even: dense, odd: sparse top-{topk}); "
-           "FP8 weights (128x128 block scales), FP8 cache"]
+  lines = [f"layer: {args.preset}{'' if gpu else ' reduced'}: H={lcfg.num_heads} hidden={lcfg.hidden_size} "
+           f"q_lora_rank={lcfg.q_lora_rank} nope={lcfg.qk_nope_head_dim} v={lcfg.v_head_dim} "
+           f"page={lcfg.page_size}; FP8 weights (128x128 block scales)",
+           f"FP8 cache; batch {batch}, prompt {ctx} tokens/sequence, {steps} decode steps (even: dense, odd: "
+           f"sparse top-{topk})"]
   k = jax.random.split(jax.random.key(args.seed), 4 + steps)
   layer = L.MLAAttention.init(k[0], lcfg).to_fp8()
   cos, sin = reference.rope_tables(ctx + steps + 1, 64, lcfg.rope_theta)
@@ -286,20 +403,20 @@ def _demo_layer(args, cfg, gpu) -> tuple[list[dict], str]:
     cache, ref_cache = stage(
         name, lambda c: layer.decode(xd, p, c, cos=cos, sin=sin, **kw),
         lambda: L.reference_decode(layer, xd, p, ref_cache, cos=cos, sin=sin, **kw), pv, cache)
-  head = ["stage", "1st call ms", "again ms", "rel-L2", "cos", "tol", "check", "implementation per step"]
-  cells = [[r["stage"], _fmt_ms(r["seconds"]), _fmt_ms(r["run_seconds"]), f"{r['rel_l2']:.3e}", f"{r['cos']:.6f}", f"{r['tol']:.3g}",
-            r["check"], r["impls"]] for r in rows]
-  widths = [max(len(c) for c in col) for col in zip(head, *cells)]
-  fmt = lambda c: "  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip()  # noqa: E731
-  lines += [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(c) for c in cells]
-  lines.append("(wall clock; '1st call' includes tracing and compilation the first time a graph shape runs, "
-               "'again' is the same step once more, compiled, on a copy of its input cache; the implementation names are "
-               "graph_report(): xla = XLA path, mosaic = Mosaic GPU kernel, mosaic-interpret = interpret mode)")
+  head = ["stage", "1st call ms", "2nd call ms", "rel-L2", "cos", "tol", "check"]
+  cells = [[r["stage"], _fmt_ms(r["seconds"]), _fmt_ms(r["run_seconds"]), f"{r['rel_l2']:.3e}",
+            f"{r['cos']:.6f}", f"{r['tol']:.3g}", r["check"]] for r in rows]
+  lines += _table(head, cells)
+  lines.append("(wall clock. 1st call: tracing, compilation or a compile-cache hit, and the run, the first time a")
+  lines.append(" graph shape runs; 2nd call: the same step again, compiled, on a copy of its input cache)")
+  lines.append("implementation per step (graph_report(): xla = XLA path, mosaic = Mosaic GPU kernel, "
+               "mosaic-interpret = interpret mode):")
+  lines += [f"  {r['stage']}: {r['impls']}" for r in rows]
   lines.append("last graph:\n" + rows[-1]["report"])
-  return rows, "\n".join(lines)
+  return rows, fit("\n".join(lines))
 
 
-def _cmd_demo(args, parser) -> int:
+def _cmd_demo(args, parser, cache_dir: str | None = None) -> int:
   import jax
   from mla_pallas import _dispatch, bench, config, testing
   for name in ("batch", "steps", "topk", "heads", "ctx"):
@@ -309,17 +426,17 @@ def _cmd_demo(args, parser) -> int:
   cfg = config.preset(args.preset)
   gpu = jax.default_backend() == "gpu"
   native = _dispatch.mosaic_arch(False)
-  print(f"mla-pallas demo: preset {args.preset}; device: {testing.device_kind()}, jax {jax.__version__}; native "
-        f"Mosaic GPU kernels: {native or 'none (needs compute capability 9.0 or 10.x)'}")
-  print("== part 1: one MLA layer (mla_pallas.layer.MLAAttention), checked against the float32 reference layer ==")
+  _say(f"mla-pallas demo: preset {args.preset}; device: {testing.device_kind()}, jax {jax.__version__}")
+  _say(f"native Mosaic GPU kernels: {native or 'none (needs compute capability 9.0 or 10.x)'}")
+  _say(_cache_line(cache_dir))
+  _say("== part 1: one MLA layer (mla_pallas.layer.MLAAttention), checked against the float32 reference layer ==")
   try:
     layer_rows, text = _demo_layer(args, cfg, gpu)
-    print(text)
+    _say(text)
     layer_failed = [r for r in layer_rows if r["check"] != "PASS"]
   except Exception as e:  # noqa: BLE001 - report and fail the demo
-    print(f"layer: ERROR {type(e).__name__}: {' '.join(str(e).split())[:500]}")
+    _say(f"layer: ERROR {type(e).__name__}: {' '.join(str(e).split())[:500]}")
     layer_failed = [e]
-  print("== part 2: kernel check, sparse MLA decode through every implementation available here ==")
   spec = bench.get_spec("sparse_mla_decode")
   overrides = dict(
       B=args.batch or (16 if gpu else 2), s_q=1,
@@ -331,18 +448,18 @@ def _cmd_demo(args, parser) -> int:
     shape = spec.shape(overrides)
   except ValueError as e:
     parser.error(str(e))
-  print(f"sparse MLA decode, preset {args.preset} ({cfg.num_heads} heads, top-k {cfg.index_topk}, softmax_scale "
-        f"{cfg.softmax_scale:.5g})")
-  terms = testing.fp8_error_terms(pv_length=shape["topk"], logit_std=shape["softmax_scale"] * 24.0)
-  print("error model (RMS relative terms): " + ", ".join(f"{k} {v:.2g}" for k, v in terms.items() if v)
-        + f"; tolerance = 3 x sqrt(sum of squares) = {spec.tolerance(shape):.3g}")
-
   plan = [("xla", False, shape, args.steps)]
   if native:
     plan.append(("mosaic", False, shape, args.steps))
   elif not args.no_interpret:
     tiny = spec.shape(dict(_INTERPRET_SHAPE, softmax_scale=cfg.softmax_scale))
     plan.append(("mosaic", True, tiny, 1))
+  _say(_part2_header(args.preset, plan))
+  _say(f"preset {args.preset}: {cfg.num_heads} heads, top-k {cfg.index_topk}; softmax_scale "
+       f"{shape['softmax_scale']:.5g}")
+  terms = testing.fp8_error_terms(pv_length=shape["topk"], logit_std=shape["softmax_scale"] * 24.0)
+  _say("error model (RMS relative terms): " + ", ".join(f"{k} {v:.2g}" for k, v in terms.items() if v))
+  _say(f"tolerance = 3 x sqrt(sum of squares) = {spec.tolerance(shape):.3g}")
   bar = None
   if not args.no_progress:
     try:
@@ -361,10 +478,19 @@ def _cmd_demo(args, parser) -> int:
     rows.append(dict(impl="mosaic", mode="-", ran="-", shape=shape, steps=0, rel_l2=None, cos=None,
                      tol=spec.tolerance(shape), check="n/a", timer="-", median_us=None,
                      note="skipped (--no-interpret)"))
-  print(_demo_table(rows))
+  _say(_demo_table(rows))
   failed = [r for r in rows if r["check"] in ("FAIL", "ERROR")] + layer_failed
-  print("demo: " + ("FAILED" if failed else "the layer and all available implementations match the reference"))
+  _say("demo: " + ("FAILED" if failed else "the layer and all available implementations match the reference"))
   return 1 if failed else 0
+
+
+def _part2_header(preset: str, plan) -> str:
+  """Part 2's header, naming the shapes the rows run (``plan``: (impl, interpret, shape, steps) per row)."""
+  runs: dict[str, list[str]] = {}          # shape -> the rows that run it
+  for impl, interp, shp, _ in plan:
+    runs.setdefault(_shape_text(shp), []).append(f"{impl}{' (interpret)' if interp else ''}")
+  at = ", ".join(f"{' and '.join(impls)} at {shp}" for shp, impls in runs.items())
+  return f"== part 2: sparse MLA decode kernel check ({preset}): {at} =="
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,9 +499,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = [str(a) for a in argv]     # allow pathlib.Path values
   parser, subparsers = _parser()
   args = parser.parse_args(argv)
-  if args.command == "bench":
-    return _cmd_bench(args, subparsers["bench"], argv)
-  return _cmd_demo(args, subparsers["demo"])
+  with compile_cache(None if args.no_compile_cache else default_cache_dir()) as folder:
+    if args.command == "bench":
+      print(_cache_line(folder), file=sys.stderr)
+      return _cmd_bench(args, subparsers["bench"], argv)
+    return _cmd_demo(args, subparsers["demo"], folder)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ E4M3_UNIT_ROUNDOFF = 2.0 ** -4
 #: bfloat16: 7 explicit mantissa bits -> relative error <= 2^-8.
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
 #: Hopper FP8 wgmma (f32 accumulator, reduced-precision internal accumulation): max |error| against an exact f32
-#: product for N(0, 1) fp8 inputs, by reduction length K (H200, /work/shared/mgpu/README.md section 11).
+#: product for N(0, 1) fp8 inputs, by reduction length K (H200; ``../shared/mgpu/README.md`` section 11).
 WGMMA_FP8_MAX_ABS_ERROR = {128: 0.011, 512: 0.05, 576: 0.09}
 
 

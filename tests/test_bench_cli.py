@@ -7,10 +7,16 @@ import jax
 import numpy as np
 import pytest
 
-from mla_pallas import bench, bench_specs, cli
+from mla_pallas import bench, bench_engine, bench_specs, bench_timing, cli
 
 TINY = "B=1,s_q=1,H=8,topk=32,page=16,ctx=64"
 ON_CPU = jax.default_backend() == "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_in_tmp(tmp_path_factory, monkeypatch):
+  # cli.main turns JAX's persistent compilation cache on: keep it out of the user's ~/.cache
+  monkeypatch.setenv(cli.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "jax-cache"))
 
 
 def test_cli_bench_writes_json_and_png(tmp_path, capsys):
@@ -148,6 +154,11 @@ def test_demo_cpu(capsys):
   for stage in ("prefill", "decode 0 (dense)", "decode 1 (sparse)"):
     assert any(line.startswith(stage) and "PASS" in line for line in out.splitlines()), (stage, out)
   assert "mla_prefill=xla" in out and "dense_mla_decode=xla" in out and "sparse_mla_decode=xla" in out
+  long = [line for line in out.splitlines() if len(line) > cli.WIDTH]
+  assert not long, long
+  assert "compile cache: " in out and "2nd call ms" in out
+  # part 2's header names the shapes its rows run (here: --batch 1, --topk 64, --ctx 128, H 16; interpret: tiny)
+  assert "xla at B1 s_q1 H16 k64 ctx128" in out or "xla and mosaic (interpret) at B1 s_q1 H16 k64 ctx128" in out
 
 
 def test_time_cupti_aggregation_with_fake_profiler(monkeypatch):
@@ -298,7 +309,7 @@ def test_time_cupti_state_threads_donated_state(monkeypatch):
     def _cupti_get_timings(self, finalize):
       return [(name, ms) for i in range(len(launches)) for name, ms in (("mosaic", 0.002), ("mosaic", 0.004))]
 
-  monkeypatch.setattr(bench, "_cupti_ext", lambda: FakeExt())
+  monkeypatch.setattr(bench_timing, "_cupti_ext", lambda: FakeExt())
   seen = []
 
   def fn(counter, x):
@@ -312,3 +323,171 @@ def test_time_cupti_state_threads_donated_state(monkeypatch):
   assert kernels == pytest.approx({"mosaic": 2.0, "mosaic#2": 4.0})
   assert seen[-6:] == [2, 12, 3, 13, 4, 14]                    # compile call + warm-up, then 3 timed passes
   assert int(sets[0][0]) == 0 and int(sets[1][0]) == 10        # not consumed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Module structure, sweeps, compilation cache, demo output width
+# ----------------------------------------------------------------------------------------------------------
+
+def test_engine_imports_no_specs():
+  # bench_engine knows no op; bench_specs imports the engine, never bench; bench reaches the specs lazily.
+  import subprocess
+  import sys
+  code = ("import sys; import mla_pallas.bench_engine, mla_pallas.bench; "
+          "assert 'mla_pallas.bench_specs' not in sys.modules, 'imported eagerly'; "
+          "from mla_pallas import bench; bench.specs(); assert 'mla_pallas.bench_specs' in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+  import ast
+  for mod, banned in ((bench_engine, {"mla_pallas.bench", "mla_pallas.bench_specs"}),
+                      (bench_timing, {"mla_pallas.bench", "mla_pallas.bench_specs", "mla_pallas.bench_engine"}),
+                      (bench_specs, {"mla_pallas.bench"})):
+    tree = ast.parse(open(mod.__file__).read())
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+              for a in n.names}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not names & banned, (mod.__name__, names & banned)
+  assert bench.SPECS is bench.specs() and bench.get_spec("sparse_mla_decode").name == "sparse_mla_decode"
+
+
+def _fake_sweep(calls, module_name, cands):
+  def sweep_configs(**kw):
+    calls.append(("sweep_configs", module_name, kw))
+    return cands
+  return sweep_configs
+
+
+def test_sweep_rows_pass_tuning_to_private_entry(monkeypatch, tmp_path, capsys):
+  # --sweep on quantize_and_bmm_fp8: sweep_configs (monkeypatched: the contract's signature) gets the shape's
+  # sizes; each candidate's tuning reaches _bmm_jit(..., impl="mosaic", tuning=) (the kernel in interpret mode),
+  # rows are labelled by candidate and checked against the reference.
+  from mla_pallas.ops import bmm_fp8
+  calls = []
+  cands = {"default": (), "no_pq": (("producer_quant", False),)}
+  monkeypatch.setattr(bmm_fp8, "sweep_configs", _fake_sweep(calls, "bmm_fp8", cands), raising=False)
+  real = bmm_fp8._bmm_jit
+  seen = []
+
+  def spy(*a, **kw):
+    seen.append((kw.get("impl"), kw.get("tuning"), kw.get("interpret")))
+    return real(*a, **kw)
+  monkeypatch.setattr(bmm_fp8, "_bmm_jit", spy)
+  rc = cli.main(["bench", "quantize_and_bmm_fp8", "--sweep", "--interpret", "--shape", "T=3,H=2,K=128,N=128",
+                 "--iters", "1", "--inputs", "1", "--no-plot", "--out", tmp_path, "--no-progress",
+                 "--no-compile-cache"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert calls == [("sweep_configs", "bmm_fp8", dict(t=3, k=128, n=128, h=2))]
+  assert ("mosaic", (), True) in seen and ("mosaic", (("producer_quant", False),), True) in seen
+  doc = _one_json(tmp_path, "quantize_and_bmm_fp8")
+  rows = [(r["impl"], r["candidate"], r["tuning"]) for r in doc["results"]]
+  assert rows == [("xla", None, None), ("mosaic", "default", []), ("mosaic", "no_pq", [["producer_quant", False]])]
+  assert all(r["status"] == "ok" and r["check_ok"] for r in doc["results"]), doc["results"]
+  assert "mosaic:no_pq[interpret]" in out and "producer_quant=False" in out
+
+
+def test_sweep_sparse_decode_xla_impl_and_unavailable_kernel(monkeypatch):
+  # Sparse decode: sweep_configs gets h, batch_tokens = B * s_q, topk, arch; the candidate rows go through
+  # _sparse_decode_jit with tuning=. Without interpret mode on a CPU they are "unavailable" (the plain mosaic
+  # impl's NotImplementedError), with it they run (the fake entry point here computes the XLA path).
+  from mla_pallas.ops import sparse_decode
+  calls = []
+  cands = {"default": (), "k3": (("k_buffers", 3),)}
+  monkeypatch.setattr(sparse_decode, "sweep_configs", _fake_sweep(calls, "sparse_decode", cands), raising=False)
+  real = sparse_decode._sparse_decode_jit
+  seen = []
+
+  def fake(q, kv, idx, kv_scale, topk_length, **kw):
+    seen.append((kw["impl"], kw.get("tuning"), kw.get("arch")))
+    return real(q, kv, idx, kv_scale, topk_length, **{**kw, "impl": "xla", "tuning": ()})
+  monkeypatch.setattr(sparse_decode, "_sparse_decode_jit", fake)
+  shape = bench.parse_shape("B=2,s_q=2,H=8,topk=32,page=16,ctx=64")
+  results = bench.run("sparse_mla_decode", ("xla", "mosaic"), shape, sweep=True, iters=1, n_inputs=1,
+                      progress=False, interpret=True)
+  assert calls == [("sweep_configs", "sparse_decode", dict(h=8, batch_tokens=4, topk=32, arch="sm90"))]
+  assert [r.label for r in results] == ["xla", "mosaic:default[interpret]", "mosaic:k3[interpret]"]
+  assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
+  assert ("mosaic", (("k_buffers", 3),), "sm90") in seen
+  if ON_CPU:
+    results = bench.run("sparse_mla_decode", ("mosaic",), shape, sweep=True, iters=1, n_inputs=1, progress=False)
+    assert [r.status.split(":")[0] for r in results] == ["unavailable", "unavailable"]
+  # prefill: batch_tokens = T
+  bench.run("sparse_mla_prefill", ("mosaic",), {"T": 3, "H": 8, "topk": 32, "page": 16, "ctx": 64}, sweep=True,
+            iters=1, n_inputs=1, progress=False, interpret=True, check=False)
+  assert calls[-1] == ("sweep_configs", "sparse_decode", dict(h=8, batch_tokens=3, topk=32, arch="sm90"))
+
+
+def test_sweep_rope_ops_reach_their_entry_points(monkeypatch):
+  from mla_pallas.ops import rope_rmsnorm as rr
+  calls = []
+  monkeypatch.setattr(rr, "sweep_configs", _fake_sweep(calls, "rope_rmsnorm", {"default": (), "x": (("a", 1),)}),
+                      raising=False)
+  seen = []
+  monkeypatch.setattr(rr, "_rope_rmsnorm_mosaic", lambda kv, q, pos, cos, sin, w, eps, **kw: (
+      seen.append(("unfused", kw.get("tuning"))), rr._rope_rmsnorm_jit(kv, q, pos, cos, sin, w, eps,
+                                                                   interleaved=kw["interleaved"]))[1])
+  monkeypatch.setattr(rr, "_fused_mosaic", lambda *a, **kw: (
+      seen.append(("fused", kw.get("tuning"))), rr._fused_jit(*a, interleaved=kw["interleaved"]))[1])
+  for op, fused in (("rope_rmsnorm", False), ("fused_rope_rmsnorm_quantization", True)):
+    shape = dict(T=4, H=4, max_pos=64, **({"page": 16} if fused else {}))
+    rows = bench.run(op, ("xla", "mosaic", "copy"), shape, sweep=True, iters=1, n_inputs=1, progress=False,
+                     interpret=True)
+    assert [r.label for r in rows] == ["xla", "mosaic:default[interpret]", "mosaic:x[interpret]", "copy"]
+    assert calls[-1] == ("sweep_configs", "rope_rmsnorm", dict(t=4, h=4, fused=fused))
+    assert ("fused" if fused else "unfused", (("a", 1),)) in seen
+    assert all(r.ok for r in rows) and rows[2].check_ok, [(r.label, r.status, r.check) for r in rows]
+
+
+def test_sweep_errors(monkeypatch, capsys):
+  from mla_pallas.ops import bmm_fp8
+  monkeypatch.delattr(bmm_fp8, "sweep_configs", raising=False)
+  for op, message in (("mla_decode_step", "has no sweep candidates"),
+                      ("quantize_and_bmm_fp8", "mla_pallas.ops.bmm_fp8 has no sweep_configs")):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["bench", op, "--sweep", "--no-compile-cache"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+  for bad, message in (({"x": ()}, "must start with 'default'"), ({"default": (), "y": ("a", 1)}, "pairs"),
+                       ({}, "non-empty")):
+    monkeypatch.setattr(bmm_fp8, "sweep_configs", lambda bad=bad, **kw: bad, raising=False)
+    with pytest.raises(ValueError, match=message):
+      bench.sweep_candidates("quantize_and_bmm_fp8", bench.get_spec("quantize_and_bmm_fp8").shape({}))
+
+
+def test_compile_cache_folder_and_flag(tmp_path, monkeypatch):
+  # The cache is on for the duration of main() (files appear in the folder), restored afterwards; the flag and
+  # the defaults.
+  import jax.numpy as jnp
+  folder = tmp_path / "cc"
+  before = jax.config.jax_compilation_cache_dir
+  with cli.compile_cache(str(folder)) as got:
+    assert got == str(folder) and jax.config.jax_compilation_cache_dir == str(folder)
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(jnp.arange(7.0)).block_until_ready()
+  assert jax.config.jax_compilation_cache_dir == before
+  assert cli._cache_files(str(folder)) > 0
+  monkeypatch.delenv(cli.CACHE_ENV)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert cli.default_cache_dir() == str(tmp_path / "xdg" / "mla_pallas" / "jax")
+  monkeypatch.setenv(cli.CACHE_ENV, str(tmp_path / "env"))
+  assert cli.default_cache_dir() == str(tmp_path / "env")
+  seen = []
+  monkeypatch.setattr(cli, "_cmd_bench", lambda *a: seen.append(jax.config.jax_compilation_cache_dir) or 0)
+  assert cli.main(["bench", "sparse_mla_decode"]) == 0
+  assert cli.main(["bench", "sparse_mla_decode", "--no-compile-cache"]) == 0
+  assert seen == [str(tmp_path / "env"), before]
+
+
+def test_demo_formatting_fits_and_names_shapes():
+  spec = bench.get_spec("sparse_mla_decode")
+  big = spec.shape(dict(B=16, s_q=1, H=128, topk=2048, page=64, ctx=8192), gpu=False)
+  tiny = spec.shape(dict(cli._INTERPRET_SHAPE), gpu=False)
+  head = cli._part2_header("deepseek_v32", [("xla", False, big, 3), ("mosaic", True, tiny, 1)])
+  assert "xla at B16 s_q1 H128 k2048 ctx8192" in head and "mosaic (interpret) at B1 s_q1 H16 k64 ctx128" in head
+  assert "xla and mosaic at B16" in cli._part2_header("glm5", [("xla", False, big, 3), ("mosaic", False, big, 3)])
+  row = dict(impl="mosaic", mode="native", ran="mosaic-interpret", shape=big, steps=3, rel_l2=1e-2, cos=0.999,
+             tol=0.2, check="PASS", first_ms=123456.7, timer="cupti", median_us=12345678.9, note="n " * 200)
+  text = cli._demo_table([row, dict(row, impl="xla")])
+  assert max(len(line) for line in text.splitlines()) <= cli.WIDTH, text
+  wrapped = cli.fit("  " + "word " * 60)
+  assert all(len(line) <= cli.WIDTH for line in wrapped.splitlines()) and wrapped.count("\n") >= 2

@@ -221,3 +221,13 @@ def test_device_kind():
   assert isinstance(kind, str) and kind
   if jax.default_backend() == "cpu":
     assert kind == "cpu"
+
+
+def test_module_cites_shared_notes_not_a_machine_path():
+  # The shared Mosaic GPU notes are cited by their path relative to the repository (../shared/mgpu/README.md);
+  # no absolute machine path and no dated history lines in the module.
+  import re
+  src = open(testing.__file__).read()
+  assert "/work/" not in src
+  assert "../shared/mgpu/README.md" in src
+  assert not re.search(r"\b20\d\d-\d\d-\d\d", src)
