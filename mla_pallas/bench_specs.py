@@ -456,7 +456,7 @@ def _fused_tuned(s, tuning, interpret):
 
   def f(pages, kv, q, pos, cos, sin, w, slots, buf):
     return jitted(pages, kv, q, pos, cos, sin, w, jnp.float32(_ROPE_EPS), jnp.float32(s["kv_scale"]), slots,
-                  interleaved=bool(s["interleaved"]), interpret=interpret, tuning=tuple(tuning))
+                  interleaved=bool(s["interleaved"]), tuning=tuple(tuning))
   return f
 
 
@@ -465,7 +465,7 @@ def _unfused_tuned(s, tuning, interpret):
 
   def f(kv, q, pos, cos, sin, w, buf):
     return jitted(kv, q, pos, cos, sin, w, jnp.float32(_ROPE_EPS), interleaved=bool(s["interleaved"]),
-                  interpret=interpret, tuning=tuple(tuning))
+                  tuning=tuple(tuning))
   return f
 
 
@@ -617,7 +617,7 @@ def _step_inputs_jit(shape_items, key):
   q_nope = jax.random.normal(ks[3], (b, s_q, h, nope), jnp.bfloat16)
   q_rope = jax.random.normal(ks[4], (b, s_q, h, 64), jnp.bfloat16)
   kv = jax.random.normal(ks[5], (b, s_q, D_QK), jnp.bfloat16)
-  cos, sin = reference.rope_tables(ctx, 64, cfg.rope_theta)
+  cos, sin = cfg.rope_tables(ctx)                 # YaRN tables where the preset has rope scaling
   # weights with std 1/sqrt(fan_in): q_latent ~ N(0, 1) like the cache rows
   w_uk, uks = quant.quantize_blocks_fp8(jax.random.normal(ks[6], (h, nope, D_V), jnp.float32) * nope ** -0.5)
   w_uv, uvs = quant.quantize_blocks_fp8(jax.random.normal(ks[7], (h, D_V, v), jnp.float32) * D_V ** -0.5)

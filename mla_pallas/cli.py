@@ -358,7 +358,7 @@ def _demo_layer(args, cfg, gpu) -> tuple[list[dict], str]:
            f"sparse top-{topk})"]
   k = jax.random.split(jax.random.key(args.seed), 4 + steps)
   layer = L.MLAAttention.init(k[0], lcfg).to_fp8()
-  cos, sin = reference.rope_tables(ctx + steps + 1, 64, lcfg.rope_theta)
+  cos, sin = lcfg.rope_tables(ctx + steps + 1)   # YaRN tables where the preset has rope scaling
   cache = L.PagedCache.create(lcfg, batch, ctx + steps, shuffle_key=k[1])
   ref_cache = jax.tree.map(jnp.copy, cache)
   lens = np.full(batch, ctx)

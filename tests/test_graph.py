@@ -42,8 +42,10 @@ CFGS = {
 }
 # Logit std of these inputs: q576 entries ~N(0, 1) (q_latent = q_nope @ w_uk with w_uk ~ N(0, 1/nope)), cache rows
 # RMS-normed to ~1, softmax_scale = (nope + 64)^-0.5 -> std ~ sqrt(576 / (nope + 64)) = 1.5 (GLM-5), 1.73
-# (DeepSeek-V3.2); 2.0 is an upper estimate.
-LOGIT_STD = 2.0
+# (DeepSeek-V3.2); 2.0 is an upper estimate, times YaRN's softmax factor mscale^2 where the preset has rope scaling
+# (cfg.softmax_scale * (nope + 64)^0.5: 1 for GLM-5, 1.874 for DeepSeek-V3.2).
+def _logit_std(cfg):
+  return 2.0 * cfg.softmax_scale * cfg.qk_head_dim ** 0.5
 
 
 def _weights(rng, cfg, fp8):
@@ -82,13 +84,13 @@ def _check_pages(new, want, old, slots):
   assert not np.isnan(np.asarray(new, np.float32).reshape(-1, 576)[slots]).any()
 
 
-def _attention_budget(pv_length):
-  return testing.fp8_error_budget(logit_std=LOGIT_STD, pv_length=pv_length, fp8_mma=False)
+def _attention_budget(pv_length, cfg):
+  return testing.fp8_error_budget(logit_std=_logit_std(cfg), pv_length=pv_length, fp8_mma=False)
 
 
-def _prefill_budget():
+def _prefill_budget(cfg):
   rounded = 3 if jax.default_backend() == "gpu" else 2     # + P in bf16 under cuDNN (module docstring)
-  return 3 * math.sqrt((2 * LOGIT_STD) ** 2 + rounded) * 2.0 ** -8 / math.sqrt(3)
+  return 3 * math.sqrt((2 * _logit_std(cfg)) ** 2 + rounded) * 2.0 ** -8 / math.sqrt(3)
 
 
 def _check_report(expect_attention_op, interpret_attention=False):
@@ -119,7 +121,7 @@ def _decode_case(rng, cfg, *, B=2, s_q=2, sparse, num_pages=12, kv_scale=0.05):
   pages = _poisoned_cache(rng, num_pages, ctx_slots, kv_scale)
   positions = jnp.asarray(prev[:, None] + np.arange(s_q)[None], jnp.int32)        # [B, s_q]
   slots = mcache.slots_for_positions(block_table, positions, PAGE)
-  cos, sin = reference.rope_tables(512, 64, cfg.rope_theta)
+  cos, sin = cfg.rope_tables(512)
   case = dict(q_nope=_bf16(rng, B, s_q, h, nope), q_rope=_bf16(rng, B, s_q, h, 64), kv=_bf16(rng, B, s_q, 576),
               positions=positions, slots=slots, cos=cos, sin=sin)
   kw = {}
@@ -151,7 +153,7 @@ def test_decode_branch_matches_reference(rng, preset, fp8, sparse):
   assert out.shape == case["q_nope"].shape[:3] + (cfg.v_head_dim,) and out.dtype == jnp.bfloat16
   _check_pages(new_pages, ref_pages, old, case["slots"])
   pv = kw["indices"].shape[-1] if sparse else int(kw["block_table"].shape[1] * PAGE)
-  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(pv), min_cos=0.97, what="decode out")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(pv, cfg), min_cos=0.97, what="decode out")
   rep = _check_report("sparse_mla_decode" if sparse else "dense_mla_decode")
   assert rep["branch"] == "decode" and rep["variant"] == ("fp8" if fp8 else "bf16")
   ops = [s["op"] for s in rep["steps"]]
@@ -170,7 +172,7 @@ def test_decode_branch_under_outer_jit_and_donation(rng):
     return graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, impl="xla", **kw)
 
   out, _ = f(w, pages, case, kw)
-  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), what="decode out (outer jit)")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64, cfg), what="decode out (outer jit)")
   assert graph.graph_report()["graph"] == "mla_decode_branch_fp8"
   # the standalone graph donates the cache
   pages2, _, case2, kw2 = _decode_case(rng, cfg, sparse=True, B=1, s_q=1)
@@ -218,7 +220,7 @@ def _prefill_case(rng, cfg, *, lens=(5, 11), num_pages=10, kv_scale=0.05, pad=2,
   slots[sum(lens):] = -1                                                           # padding tokens
   t = len(positions)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-  cos, sin = reference.rope_tables(512, 64, cfg.rope_theta)
+  cos, sin = cfg.rope_tables(512)
   case = dict(q_nope=_bf16(rng, t, h, nope), q_rope=_bf16(rng, t, h, 64), kv=_bf16(rng, t, 576),
               positions=jnp.asarray(positions), slots=jnp.asarray(slots, jnp.int32), cos=cos, sin=sin)
   extra = dict(cu_seqlens=cu)
@@ -245,7 +247,7 @@ def test_prefill_branch_matches_reference(rng, preset, fp8):
   out, new_pages = fn(w, pages, kv_scale, **case, **extra, cfg=cfg)
   assert out.shape == (case["q_nope"].shape[0], cfg.num_heads, cfg.v_head_dim)
   _check_pages(new_pages, ref_pages, old, case["slots"])
-  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(), min_cos=0.999, what="prefill out")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(cfg), min_cos=0.999, what="prefill out")
   assert np.all(np.asarray(out, np.float32)[-2:] == 0), "padding tokens (outside cu_seqlens) give 0"
   rep = _check_report("mla_prefill")
   assert rep["branch"] == "prefill"
@@ -264,7 +266,7 @@ def test_sparse_prefill_branch_matches_reference(rng, preset, fp8):
   fn = graph.mla_prefill_branch_sparse_fp8 if fp8 else graph.mla_prefill_branch_sparse_bf16
   out, new_pages = fn(w, pages, kv_scale, **case, **extra, cfg=cfg)
   _check_pages(new_pages, ref_pages, old, case["slots"])
-  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(8), min_cos=0.97, what="sparse prefill out")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(8, cfg), min_cos=0.97, what="sparse prefill out")
   rep = _check_report("sparse_mla_prefill")
   assert rep["branch"] == "sparse_prefill"
 
@@ -295,7 +297,7 @@ def test_prefill_decode_graph_picks_branch(rng, fp8):
   out, _ = fn(w, pages, kv_scale, **case, **extra, cfg=cfg, max_seqlen=max_len)
   rep = graph.graph_report()
   assert rep["branch"] == "prefill" and rep["graph"].startswith("mla_prefill_decode_graph")
-  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(), what="pd graph prefill")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(cfg), what="pd graph prefill")
   # decode: one new token per sequence (B = T)
   pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=False, B=3, s_q=1)
   flat = {k: (v[:, 0] if k not in ("cos", "sin") else v) for k, v in case.items()}
@@ -305,7 +307,7 @@ def test_prefill_decode_graph_picks_branch(rng, fp8):
   assert out.shape == (3, cfg.num_heads, cfg.v_head_dim)
   rep = graph.graph_report()
   assert rep["branch"] == "decode" and "dense_mla_decode" in [s["op"] for s in rep["steps"]]
-  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), what="pd graph decode")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64, cfg), what="pd graph decode")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -323,7 +325,7 @@ def test_decode_graph_runs_attention_kernel_in_interpret_mode(rng):
   jax.block_until_ready(out)
   assert time.perf_counter() - t0 < 60
   _check_report("sparse_mla_decode", interpret_attention=True)
-  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64), min_cos=0.97, what="interpret decode")
+  testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(64, cfg), min_cos=0.97, what="interpret decode")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -424,7 +426,7 @@ def test_decode_argument_errors_name_the_public_argument(rng):
           pages, kv_scale, **case, cfg=cfg, **{**dense, "block_table": dense["block_table"][:1]})
   _raises(ValueError, "mla_decode_branch_fp8: pages must have", f, w, pages.astype(jnp.bfloat16), kv_scale,
           **case, cfg=cfg, indices=idx)
-  _raises(ValueError, "mla_decode_branch_fp8: kv_scale must be > 0", f, w, pages, -1.0, **case, cfg=cfg,
+  _raises(ValueError, "mla_decode_branch_fp8: kv_scale must be finite and > 0", f, w, pages, -1.0, **case, cfg=cfg,
           indices=idx)
   _raises(ValueError, "mla_decode_branch_fp8: interleaved must be a python bool", f, w, pages, kv_scale, **case,
           cfg=cfg, indices=idx, interleaved=1)

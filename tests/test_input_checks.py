@@ -70,3 +70,21 @@ def test_valid_array_kv_scale_is_accepted(rng):
   q, pages, idx = _sparse_inputs(rng)
   o, lse = mp.sparse_mla_decode(q, pages, idx, softmax_scale=0.1, kv_scale=jnp.float32(0.5), impl="xla")
   assert o.shape == (1, 1, 8, 512) and lse.shape == (1, 1, 8)
+@pytest.mark.parametrize("page_size", [8, 24, 0])
+def test_page_size_rule_is_the_same_everywhere(rng, page_size):
+  with pytest.raises(ValueError, match="multiple of 16"):
+    cache.allocate(2, page_size)
+  if page_size == 0:
+    return
+  # A hand-made paged cache with a page size the cache refuses is refused by the ops too.
+  pages = jnp.zeros((4, page_size, 576), jnp.float8_e4m3fn)
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 576)), jnp.bfloat16)
+  idx = jnp.zeros((1, 1, 3), jnp.int32)
+  with pytest.raises(ValueError, match="page_size.*multiple of 16"):
+    mp.sparse_mla_decode(q, pages, idx, softmax_scale=0.1, impl="xla")
+  with pytest.raises(ValueError, match="page_size.*multiple of 16"):
+    mp.dense_mla_decode(q, pages, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), softmax_scale=0.1,
+                        impl="xla")
+  # The flat [num_slots, 576] form has no page size and stays accepted by the sparse ops.
+  flat = cache.flat_view(cache.allocate(2, 16))
+  mp.sparse_mla_decode(q, flat, idx, softmax_scale=0.1, impl="xla")

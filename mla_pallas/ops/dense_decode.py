@@ -56,8 +56,9 @@ def _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale
   b = q.shape[0]
   _checks.check_array("kv_cache", kv_cache, ndim=3, shape=(None, None, D_QK), dtypes=(FP8,),
                       expect="[num_pages, page_size, 576]")
-  if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
-    raise ValueError(f"kv_cache must have num_pages >= 1 and page_size >= 1; got shape {tuple(kv_cache.shape)}")
+  if kv_cache.shape[0] < 1:
+    raise ValueError(f"kv_cache must have num_pages >= 1; got shape {tuple(kv_cache.shape)}")
+  _checks.check_page_size("kv_cache.shape[1] (page_size)", kv_cache.shape[1])
   _checks.check_array("block_table", block_table, ndim=2, shape=(b, None), dtypes=(jnp.int32,),
                       expect=f"[B={b}, max_pages_per_seq]")
   if block_table.shape[1] < 1:

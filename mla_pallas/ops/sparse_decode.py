@@ -59,6 +59,8 @@ def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, p
   if kv_cache.shape[-1] != D_QK:
     raise ValueError("kv_cache must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
                      f"float8_e4m3fn; got shape {tuple(kv_cache.shape)}")
+  if kv_cache.ndim == 3:
+    _checks.check_page_size("kv_cache.shape[1] (page_size)", kv_cache.shape[1])
   if indices.shape[-1] < 1:
     raise ValueError(f"indices must have topk >= 1 entries in its last axis; got shape {tuple(indices.shape)}")
   if topk_length is not None:
