@@ -363,7 +363,7 @@ def test_sweep_rows_pass_tuning_to_private_entry(monkeypatch, tmp_path, capsys):
   # rows are labelled by candidate and checked against the reference.
   from mla_pallas.ops import bmm_fp8
   calls = []
-  cands = {"default": (), "no_pq": (("producer_quant", False),)}
+  cands = {"default": (), "regs": (("a_quant", "registers"),)}
   monkeypatch.setattr(bmm_fp8, "sweep_configs", _fake_sweep(calls, "bmm_fp8", cands), raising=False)
   real = bmm_fp8._bmm_jit
   seen = []
@@ -378,12 +378,12 @@ def test_sweep_rows_pass_tuning_to_private_entry(monkeypatch, tmp_path, capsys):
   out = capsys.readouterr().out
   assert rc == 0, out
   assert calls == [("sweep_configs", "bmm_fp8", dict(t=3, k=128, n=128, h=2))]
-  assert ("mosaic", (), True) in seen and ("mosaic", (("producer_quant", False),), True) in seen
+  assert ("mosaic", (), True) in seen and ("mosaic", (("a_quant", "registers"),), True) in seen
   doc = _one_json(tmp_path, "quantize_and_bmm_fp8")
   rows = [(r["impl"], r["candidate"], r["tuning"]) for r in doc["results"]]
-  assert rows == [("xla", None, None), ("mosaic", "default", []), ("mosaic", "no_pq", [["producer_quant", False]])]
+  assert rows == [("xla", None, None), ("mosaic", "default", []), ("mosaic", "regs", [["a_quant", "registers"]])]
   assert all(r["status"] == "ok" and r["check_ok"] for r in doc["results"]), doc["results"]
-  assert "mosaic:no_pq[interpret]" in out and "producer_quant=False" in out
+  assert "mosaic:regs[interpret]" in out and "a_quant='registers'" in out
 
 
 def test_sweep_sparse_decode_xla_impl_and_unavailable_kernel(monkeypatch):
