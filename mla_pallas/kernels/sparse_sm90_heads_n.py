@@ -211,6 +211,18 @@ def _rescale(accs, alpha):
   return tuple(a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs)
 
 
+def _pv_loop(cfg: TuningConfig, r: _Refs, step):
+  """The P.V consumer's tile loop, shared by both V paths: ``step(t, accs)`` over the split's tiles from zero Oᵀ
+  accumulators (V_BLOCKS x [64 values of d, HEADS_N]), then the wait for 1/l (Pᵀ slot 2). Returns the normalised
+  Oᵀ blocks and this CTA's O ref ``o_gmem[tile_q, split]``."""
+  acc0 = (plgpu.layout_cast(jnp.zeros((TILE, HEADS_N), jnp.float32), plgpu.Layout.WGMMA),) * V_BLOCKS
+  accs = lax.fori_loop(0, cfg.tiles_per_split, step, acc0)
+  plgpu.barrier_wait(r.p_full.at[2])
+  inv = _head_values(r, INV_ROW)
+  tile_q, split = lax.axis_index("q"), lax.axis_index("split")
+  return [a * lax.broadcast_in_dim(inv, a.shape, [1]) for a in accs], r.o_gmem.at[tile_q, split]
+
+
 def _pv_consumer(cfg: TuningConfig, r: _Refs):
   """WG1: Vᵀ from the K tile into registers, Oᵀ += Vᵀ·Pᵀ per tile (``vt_registers``), the O store at the end."""
 
@@ -226,13 +238,9 @@ def _pv_consumer(cfg: TuningConfig, r: _Refs):
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  acc0 = (plgpu.layout_cast(jnp.zeros((TILE, HEADS_N), jnp.float32), plgpu.Layout.WGMMA),) * V_BLOCKS
-  accs = lax.fori_loop(0, cfg.tiles_per_split, step, acc0)
-  plgpu.barrier_wait(r.p_full.at[2])
-  inv = _head_values(r, INV_ROW)
-  tile_q, split = lax.axis_index("q"), lax.axis_index("split")
+  o_blocks, o_ref = _pv_loop(cfg, r, step)
   # block g holds the latent columns g, g + 8, ..., g + 504: 16-byte row stores
-  vt_registers.store_o([a * lax.broadcast_in_dim(inv, a.shape, [1]) for a in accs], r.o_gmem.at[tile_q, split])
+  vt_registers.store_o(o_blocks, o_ref)
 
 
 def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: _Refs):
@@ -262,14 +270,10 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: _Refs):
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  acc0 = (plgpu.layout_cast(jnp.zeros((TILE, HEADS_N), jnp.float32), plgpu.Layout.WGMMA),) * V_BLOCKS
-  accs = lax.fori_loop(0, cfg.tiles_per_split, step, acc0)
-  plgpu.barrier_wait(r.p_full.at[2])
-  inv = _head_values(r, INV_ROW)
-  tile_q, split = lax.axis_index("q"), lax.axis_index("split")
-  for b, a in enumerate(accs):
-    out = plgpu.layout_cast(a * lax.broadcast_in_dim(inv, a.shape, [1]), plgpu.Layout._WGMMA_ACC_32BIT)
-    r.o_gmem.at[tile_q, split, :, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
+  o_blocks, o_ref = _pv_loop(cfg, r, step)
+  for b, o in enumerate(o_blocks):
+    out = plgpu.layout_cast(o, plgpu.Layout._WGMMA_ACC_32BIT)
+    o_ref.at[:, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
 
 
 def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem,
