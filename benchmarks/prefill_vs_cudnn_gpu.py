@@ -1,6 +1,7 @@
 """mla_prefill on the H200: CUPTI device time of the old float32 XLA path, the op (cuDNN backend) and a bare
 jax.nn.dot_product_attention(implementation="cudnn") on the same data (V zero-padded to Dqk, [B, S, H, D]), for two
-causal sequences of 4096 tokens, DeepSeek-V3.2 (H128, qk 192, v 128) and GLM-5 (H64, 256/256). Checked for
+causal sequences of 4096 tokens (packed layout) and one of 8192 (the op's non-packed call), DeepSeek-V3.2 (H128,
+qk 192, v 128) and GLM-5 (H64, 256/256); for Dv != Dqk also cuDNN's MLA call on the unpadded V. Checked for
 correctness first (op vs the float32 path, bare vs op). Prints a table and the ratio op / cuDNN (goal <= 1.2).
 
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/prefill_vs_cudnn_gpu.py [--iters 20]   (numbers: benchmarks/CURRENT.md)
@@ -24,7 +25,7 @@ from mla_pallas.ops.prefill import mla_prefill
 
 U = 2.0 ** -8
 SHAPES = {"DeepSeek-V3.2": (128, 192, 128), "GLM-5": (64, 256, 256)}
-SEQ, NSEQ = 4096, 2
+LAYOUTS = "2x4096,1x8192"  # sequences x tokens per sequence
 
 
 def cupti_ms(fn, args, iters):
@@ -71,18 +72,19 @@ def diagnose(q, k, v, cu, scale):
       print(f"  diagnose: packed cuDNN with mask {mask}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def run_shape(name, h, dqk, dv, iters, rows):
-  t = SEQ * NSEQ
+def run_shape(name, h, dqk, dv, iters, rows, nseq, seq):
+  t = seq * nseq
+  name = f"{name} {nseq}x{seq}"
   scale = dqk ** -0.5
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(kq, (t, h, dqk), jnp.bfloat16)
   k = jax.random.normal(kk, (t, h, dqk), jnp.bfloat16)
   v = jax.random.normal(kv, (t, h, dv), jnp.bfloat16)
-  cu = jnp.arange(NSEQ + 1, dtype=jnp.int32) * SEQ
-  print(f"\n== {name}: T = {NSEQ} x {SEQ} causal, H {h}, qk {dqk}, v {dv}; backend {pf.xla_backend(q, k, v, cu)} "
+  cu = jnp.arange(nseq + 1, dtype=jnp.int32) * seq
+  print(f"\n== {name}: T = {nseq} x {seq} causal, H {h}, qk {dqk}, v {dv}; backend {pf.xla_backend(q, k, v, cu)} "
         f"({pf._backend_reason(q, k, v, cu) or 'cuDNN'})", flush=True)
-  qb, kb = q.reshape(NSEQ, SEQ, h, dqk), k.reshape(NSEQ, SEQ, h, dqk)
-  vb = jnp.pad(v, ((0, 0), (0, 0), (0, dqk - dv))).reshape(NSEQ, SEQ, h, dqk)
+  qb, kb = q.reshape(nseq, seq, h, dqk), k.reshape(nseq, seq, h, dqk)
+  vb = jnp.pad(v, ((0, 0), (0, 0), (0, dqk - dv))).reshape(nseq, seq, h, dqk)
 
   f32 = jax.jit(lambda q, k, v, cu: pf._f32_jit(q, k, v, cu, jnp.float32(scale), causal=True))
   op = jax.jit(lambda q, k, v, cu: mla_prefill(q, k, v, cu, softmax_scale=scale, causal=True, impl="xla"))
@@ -95,11 +97,15 @@ def run_shape(name, h, dqk, dv, iters, rows):
          "bare cuDNN (V padded)": (bare, (qb, kb, vb), iters),
          "bare cuDNN + lse (bf16)": (bare_lse, (qb, kb, vb), iters)}
   if dv != dqk:
-    vu = v.reshape(NSEQ, SEQ, h, dv)
+    vu = v.reshape(nseq, seq, h, dv)
     padded = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dqk - dv))), scale=scale, is_causal=True,
         implementation="cudnn")[..., :dv])
     fns["cuDNN incl. V pad + out slice"] = (padded, (qb, kb, vu), iters)
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    mla = jax.jit(lambda q, k, v: fa.dot_product_attention(
+        q, k, v, None, None, None, None, None, None, scale=scale, mask_type=fa.MaskType.CAUSAL, qkv_layout="BTNH"))
+    fns["bare cuDNN MLA (V unpadded)"] = (mla, (qb, kb, vu), iters)
 
   ok = False
   try:
@@ -118,7 +124,7 @@ def run_shape(name, h, dqk, dv, iters, rows):
   except Exception:                                             # noqa: BLE001 - report and go on
     traceback.print_exc()
     diagnose(q, k, v, cu, scale)
-  pairs = NSEQ * SEQ * (SEQ + 1) / 2
+  pairs = nseq * seq * (seq + 1) / 2
   res = {}
   for label, (fn, args, n) in fns.items():
     try:
@@ -135,25 +141,28 @@ def run_shape(name, h, dqk, dv, iters, rows):
   if a and b:
     print(f"  ratio op / bare cuDNN = {a / b:.3f} (goal <= 1.2); old float32 / op = "
           f"{res.get('float32 XLA path (old)', float('nan')) / a:.1f}x", flush=True)
+  m = res.get("bare cuDNN MLA (V unpadded)")
+  if a and m:
+    print(f"  ratio op / bare cuDNN MLA (V unpadded) = {a / m:.3f}", flush=True)
   c = res.get("cuDNN incl. V pad + out slice")
   if a and c:
     print(f"  ratio op / (cuDNN incl. V pad + out slice) = {a / c:.3f}", flush=True)
 
 
 def main():
-  global SEQ
   ap = argparse.ArgumentParser()
   ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence (smaller: a smoke test)")
+  ap.add_argument("--layouts", default=LAYOUTS, help="comma-separated NSEQxSEQ (smaller: a smoke test)")
   ap.add_argument("--heads", type=float, default=1.0, help="scale the head counts (smoke test)")
   ap.add_argument("--budget", type=int, default=240, help="watchdog: seconds before the script is ended")
   args = ap.parse_args()
-  SEQ = args.seq
   faulthandler.dump_traceback_later(args.budget, exit=True)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, cuDNN {pf._cudnn_version()}", flush=True)
   rows = []
-  for name, (h, dqk, dv) in SHAPES.items():
-    run_shape(name, max(1, int(h * args.heads)), dqk, dv, args.iters, rows)
+  for layout in args.layouts.split(","):
+    nseq, seq = (int(x) for x in layout.split("x"))
+    for name, (h, dqk, dv) in SHAPES.items():
+      run_shape(name, max(1, int(h * args.heads)), dqk, dv, args.iters, rows, nseq, seq)
   print("\n| shape | path | device ms (median) | wall ms | TFLOP/s | checked |\n|---|---|---|---|---|---|")
   for name, label, dev, wall, tf, ok in rows:
     print(f"| {name} | {label} | {dev:.3f} | {wall:.3f} | {tf:.0f} | {'yes' if ok else 'NO'} |")

@@ -61,6 +61,20 @@ def _attend_standin(q4, k4, v4, lens, offsets, *, scale, causal):
   return out[None].astype(q4.dtype), stats
 
 
+def _attend_one_standin(q4, k4, v4, *, scale, causal):
+  """float32 jnp model of ``_cudnn_attend_one``: one whole sequence, Dv may differ from Dqk."""
+  _, t, h, d = q4.shape
+  assert k4.shape == q4.shape and v4.shape[:3] == q4.shape[:3]
+  s = jnp.einsum("qhd,khd->hqk", q4[0].astype(jnp.float32), k4[0].astype(jnp.float32), precision=_HI) * scale
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - mx)
+  l = jnp.sum(p, axis=-1)                                                # [H, T]
+  o = jnp.einsum("hqk,khd->qhd", p, v4[0].astype(jnp.float32), precision=_HI) / l.T[..., None]
+  return o[None].astype(q4.dtype), (jnp.log(l) + mx[..., 0])[None]
+
+
 def _case(rng, t, h, dqk, dv, cu, dtype=jnp.bfloat16, bad=()):
   q = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
   k = jnp.asarray(rng.normal(size=(t, h, dqk)), dtype)
@@ -84,9 +98,10 @@ def _assert_close(out, lse, r_out, r_lse, *, out_rel, lse_abs):
   assert np.all(np.abs(g[fin] - w[fin]) <= lse_abs), np.max(np.abs(g[fin] - w[fin]))
 
 
-def _standin(q, k, v, cu, scale, causal, static=True):
+def _standin(q, k, v, cu, scale, causal, static=True, one=False):
+  """The cuDNN backend with the stand-ins; ``one``: a one-sequence batch's clean branch takes the non-packed call."""
   return pf._cudnn_jit(q, k, v, cu, jnp.float32(scale), causal=causal, scale=float(scale) if static else None,
-                       attend=_attend_standin)
+                       attend=_attend_standin, attend_one=_attend_one_standin if one else None)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -206,6 +221,40 @@ def test_standin_matches_reference(rng, name, causal):
   _assert_close(out, lse, r_out, r_lse, **EXACT)
 
 
+ONE_SEQUENCE = {
+    # B = 1, (T, cu_seqlens, bad v entries, (Dqk, Dv)): the non-packed call in the clean branch, the packed one else
+    "whole": (47, [0, 47], (), (24, 16)),
+    "whole_mla_dims": (40, [0, 40], (), (192, 128)),
+    "single_token": (1, [0, 1], (), (24, 16)),
+    "leading_padding": (30, [3, 30], [((0,), np.nan)], (24, 16)),           # general branch (packed)
+    "trailing_padding": (30, [0, 21], [((25,), np.inf)], (16, 16)),
+    "nonfinite_v": (36, [0, 36], [((9, 1, 2), np.nan)], (24, 16)),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(ONE_SEQUENCE))
+def test_standin_one_sequence_call(rng, name, causal):
+  t, cu, bad, (dqk, dv) = ONE_SEQUENCE[name]
+  q, k, v, cu = _case(rng, t, 2, dqk, dv, cu, bad=bad)
+  out, lse = _standin(q, k, v, cu, dqk ** -0.5, causal, one=True)
+  assert out.shape == (t, 2, dv) and out.dtype == jnp.bfloat16 and lse.shape == (t, 2)
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=dqk ** -0.5, causal=causal)
+  _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_one_sequence_call_choice(monkeypatch):
+  q16, v8 = jnp.zeros((4, 2, 16), jnp.bfloat16), jnp.zeros((4, 2, 8), jnp.bfloat16)
+  one, two = jnp.zeros((2,), jnp.int32), jnp.zeros((3,), jnp.int32)
+  monkeypatch.setattr(pf, "_cudnn_version", lambda: 91000)
+  assert pf._one_sequence_call(q16, v8, one) is pf._cudnn_attend_one
+  assert pf._one_sequence_call(q16, q16, one) is pf._cudnn_attend_one
+  assert pf._one_sequence_call(q16, v8, two) is None                   # packed layout for B > 1
+  monkeypatch.setattr(pf, "_cudnn_version", lambda: 90900)             # no MLA head dims before cuDNN 9.10
+  assert pf._one_sequence_call(q16, v8, one) is None
+  assert pf._one_sequence_call(q16, q16, one) is pf._cudnn_attend_one
+
+
 def test_standin_no_sequences(rng):
   q, k, v, cu = _case(rng, 9, 2, 16, 8, [0])
   out, lse = _standin(q, k, v, cu, 0.3, True)
@@ -268,11 +317,12 @@ def cuda_lowering(monkeypatch):
   monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
 
 
-def _fmha_calls(t, h, dqk, dv, nseq, *, causal, scale):
+def _fmha_calls(t, h, dqk, dv, nseq, *, causal, scale, attend_one=None):
   avals = (jax.ShapeDtypeStruct((t, h, dqk), jnp.bfloat16), jax.ShapeDtypeStruct((t, h, dqk), jnp.bfloat16),
            jax.ShapeDtypeStruct((t, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct((nseq + 1,), jnp.int32),
            jax.ShapeDtypeStruct((), jnp.float32))
-  fn = jax.jit(lambda q, k, v, cu, s: pf._cudnn_jit(q, k, v, cu, s, causal=causal, scale=scale))
+  fn = jax.jit(lambda q, k, v, cu, s: pf._cudnn_jit(q, k, v, cu, s, causal=causal, scale=scale,
+                                                    attend_one=attend_one))
   hlo = fn.trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
   return [line for line in hlo.splitlines() if "custom_call @__cudnn$fmha" in line]
 
@@ -295,3 +345,19 @@ def test_cudnn_call_lowers_for_cuda(cuda_lowering, t, h, dqk, dv, nseq, causal):
 def test_cudnn_call_traced_scale_folds_into_q(cuda_lowering):
   calls = _fmha_calls(32, 2, 64, 64, 2, causal=True, scale=None)
   assert len(calls) == 2 and all("fmha_scale\\22: 1.0" in c for c in calls)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_sequence_call_lowers_for_cuda(cuda_lowering, causal):
+  """B = 1 with MLA head dims: the clean branch is one non-packed call on the unpadded v (output [.., Dv]), the
+  general branch the packed call on the padded v."""
+  t, h, dqk, dv = 64, 4, 192, 128
+  calls = _fmha_calls(t, h, dqk, dv, 1, causal=causal, scale=0.125, attend_one=pf._cudnn_attend_one)
+  assert len(calls) == 2
+  one = [c for c in calls if "max_seg_per_batch\\22: 1" in c or "max_seg_per_batch" not in c]
+  packed = [c for c in calls if "max_seg_per_batch\\22: 2" in c]
+  assert len(one) == 1 and len(packed) == 1, calls
+  q = f"tensor<1x{t}x{h}x{dqk}xbf16>"
+  assert f"({q}, {q}, tensor<1x{t}x{h}x{dv}xbf16>) -> (tensor<1x{h}x{t}x{dv}xbf16>, tensor<1x{h}x{t}xf32>" \
+      in one[0], one[0]
+  assert ("CAUSAL" if causal else "NO_MASK") in one[0] and "PADDING" not in one[0]

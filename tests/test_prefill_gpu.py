@@ -141,20 +141,23 @@ def test_cudnn_traced_scale(rng):
   _check(out, lse, r_out, r_lse, q, k, v, scale, extra_logit_err=eps)
 
 
+@pytest.mark.parametrize("nseq", [2, 1])
 @pytest.mark.parametrize("preset,h", [("deepseek_v32", 128), ("glm5", 64)])
-def test_cudnn_matches_f32_path_at_model_size(preset, h):
-  """Two causal 4096-token sequences with the models' head counts (the benchmark shape), against the float32
-  backend (the reference's [H, T, T] logits would take 32 GiB; the f32 backend agrees with the reference within one
-  bf16 ulp, tests/test_prefill.py), same error model."""
+def test_cudnn_matches_f32_path_at_model_size(preset, h, nseq):
+  """Two causal 4096-token sequences (packed layout) or one of 8192 (non-packed call, v unpadded) with the models'
+  head counts (the benchmark shapes), against the float32 backend (the reference's [H, T, T] logits would take
+  32 GiB; the f32 backend agrees with the reference within one bf16 ulp, tests/test_prefill.py), same error
+  model."""
   _, dqk, dv = PRESETS[preset]
   t = MODEL_T
   kq, kk, kv = jax.random.split(jax.random.key(7), 3)
   q = jax.random.normal(kq, (t, h, dqk), jnp.bfloat16)
   k = jax.random.normal(kk, (t, h, dqk), jnp.bfloat16)
   v = jax.random.normal(kv, (t, h, dv), jnp.bfloat16)
-  cu = jnp.asarray([0, t // 2, t], jnp.int32)
+  cu = jnp.asarray([0, t // 2, t] if nseq == 2 else [0, t], jnp.int32)
   scale = dqk ** -0.5
   assert pf.xla_backend(q, k, v, cu) == "cudnn"
+  assert (pf._one_sequence_call(q, v, cu) is not None) == (nseq == 1)
   out, lse = mla_prefill(q, k, v, cu, softmax_scale=scale, impl="xla")
   r_out, r_lse = pf._f32_jit(q, k, v, cu, jnp.float32(scale), causal=True)
   o, r = out.astype(jnp.float32), r_out.astype(jnp.float32)
@@ -165,7 +168,7 @@ def test_cudnn_matches_f32_path_at_model_size(preset, h):
   l1 = float(jnp.max(jnp.max(norms(q), axis=0) * jnp.max(norms(k), axis=0)))
   lse_err = float(jnp.max(jnp.abs(lse - r_lse)))
   lse_tol = 4 * dqk * 2.0 ** -24 * scale * l1 + 2e-4        # + the f32 backend's own lse tolerance (1e-4, twice)
-  print(f"{preset} H{h}: out rel-L2 {rel_l2:.2e} (<= {3 * U:.2e}), max excess over bound {excess:.2e}; "
+  print(f"{preset} H{h} B{nseq}: out rel-L2 {rel_l2:.2e} (<= {3 * U:.2e}), max excess over bound {excess:.2e}; "
         f"lse max err {lse_err:.2e} (<= {lse_tol:.2e})")
   assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
   assert excess <= 0 and rel_l2 <= 3 * U and lse_err <= lse_tol

@@ -24,6 +24,10 @@ cuDNN backend (see :func:`_cudnn_prefill`):
     with ``return_residual``), laid out ``[M, H, T]`` by (segment, head, position in the segment) and gathered
     back to ``[T, H]``. The statistics buffer is M · H · T · 4 bytes; above ``_STATS_BUDGET`` the call takes the
     f32 backend.
+  * One sequence (B = 1): the clean branch below calls cuDNN in its non-packed layout on the whole ``[1, T, H, D]``
+    (no segments, causal or no mask) with v as is: cuDNN >= 9.10 takes Dv != Dqk there (its MLA support), so
+    neither the V padding nor the output slice is paid, and the non-packed kernel is itself faster than the
+    packed one (H200 numbers in docs/kernels/prefill_cudnn.md). The other branch keeps the packed layout.
   * Two branches under ``lax.cond``: when every v is finite and every token belongs to a sequence
     (``cu_seqlens[0] == 0`` and ``cu_seqlens[B] == T``) cuDNN's output is returned as is; otherwise v is
     sanitized (non-finite and padding rows set to 0, so that nothing leaks through 0 · NaN), padding tokens get
@@ -73,6 +77,7 @@ _HI = lax.Precision.HIGHEST
 _MAX_BLOCK = 512
 _LOGIT_BUDGET = 1 << 24     # H · bq · bk f32 logits live per tile step (64 MiB)
 _CUDNN_MIN_VERSION = 90600  # packed (ragged) layout
+_CUDNN_MLA_MIN_VERSION = 91000  # Dv != Dqk without padding (non-packed layout only)
 _CUDNN_MAX_HEAD_DIM = 256   # Hopper and later
 _STATS_BUDGET = 1 << 30     # bytes of cuDNN softmax statistics, M · H · T · 4
 _log = logging.getLogger("mla_pallas")
@@ -257,14 +262,28 @@ def _cudnn_attend(q4, k4, v4, lens, offsets, *, scale: float, causal: bool):
   return out, stats
 
 
+def _cudnn_attend_one(q4, k4, v4, *, scale: float, causal: bool):
+  """cuDNN flash attention on one whole sequence (non-packed layout, no segments): the call of the clean branch
+  when B = 1. q4, k4 [1, T, H, Dqk], v4 [1, T, H, Dv] bfloat16; Dv may differ from Dqk (cuDNN's MLA support,
+  cuDNN >= 9.10), so v is not padded and the output is not sliced. Returns out [1, T, H, Dv] and stats [1, H, T]
+  float32 (natural lse of the scaled logits of each query)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+  return fa.dot_product_attention(q4, k4, v4, None, None, None, None, None, None, scale=scale, mask_type=mask,
+                                  qkv_layout="BTNH", return_residual=True)
+
+
 def _is_clean(v, cu):
   """True when every v element is finite and every token of v belongs to a sequence (cu: clipped cu_seqlens)."""
   return jnp.all(jnp.isfinite(v)) & (cu[0] == 0) & (cu[-1] == v.shape[0])
 
 
-def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: float | None, attend=_cudnn_attend):
+def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: float | None, attend=_cudnn_attend,
+                   attend_one=None):
   """The cuDNN backend (module docstring). ``scale``: static softmax scale, or None to fold the traced
-  ``softmax_scale`` into q. ``attend``: the packed-layout attention (``_cudnn_attend``; tests pass a stand-in)."""
+  ``softmax_scale`` into q. ``attend``: the packed-layout attention (``_cudnn_attend``; tests pass a stand-in).
+  ``attend_one``: the whole-sequence attention (``_cudnn_attend_one``) that the clean branch of a one-sequence
+  batch calls, or None to use the packed layout there too."""
   t, h, dqk = q.shape
   dv = v.shape[2]
   nseq = cu_seqlens.shape[0] - 1
@@ -291,6 +310,9 @@ def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: f
     return out[0, :, :, :dv], lse
 
   def clean(v, v_padded):                                         # every token in a sequence, v finite
+    if attend_one is not None:                                    # B = 1: the sequence is tokens [0, T)
+      out, stats = attend_one(q4, k4, v[None], scale=float(scale), causal=causal)
+      return out[0], stats[0].T
     return run(v_padded)
 
   def general(v, v_padded):
@@ -309,13 +331,25 @@ def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: f
 
   # The padded v of the common (clean) case is made outside the branches, beside the finiteness test that reads
   # the same v, so that XLA can fuse the two reads of v into one pass.
-  out, lse = lax.cond(_is_clean(v, cu), clean, general, v, jnp.pad(v, pad_v))
+  v_padded = v if attend_one is not None else jnp.pad(v, pad_v)   # (the clean branch of B = 1 takes v as is)
+  out, lse = lax.cond(_is_clean(v, cu), clean, general, v, v_padded)
   return out.astype(jnp.bfloat16), lse.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "attend"))
-def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, attend=_cudnn_attend):
-  return _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, causal=causal, scale=scale, attend=attend)
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "attend", "attend_one"))
+def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, attend=_cudnn_attend, attend_one=None):
+  return _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, causal=causal, scale=scale, attend=attend,
+                        attend_one=attend_one)
+
+
+def _one_sequence_call(q, v, cu_seqlens):
+  """``_cudnn_attend_one`` when the batch has one sequence and cuDNN can take its head dims unpadded (Dv == Dqk,
+  or cuDNN >= 9.10 for Dv != Dqk), else None (the packed layout everywhere)."""
+  if cu_seqlens.shape[0] != 2:
+    return None
+  if v.shape[2] != q.shape[2] and (_cudnn_version() or 0) < _CUDNN_MLA_MIN_VERSION:
+    return None
+  return _cudnn_attend_one
 
 
 def _static_scale(softmax_scale) -> float | None:
@@ -360,6 +394,6 @@ def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal: bool = True, impl
   reason = _backend_reason(q, k, v, cu_seqlens)
   if reason is None:
     return _cudnn_jit(q, k, v, cu_seqlens, jnp.asarray(softmax_scale, jnp.float32), causal=bool(causal),
-                      scale=_static_scale(softmax_scale))
+                      scale=_static_scale(softmax_scale), attend_one=_one_sequence_call(q, v, cu_seqlens))
   _log.debug("%s: float32 XLA backend: %s", OP, reason)
   return _f32_jit(q, k, v, cu_seqlens, jnp.asarray(softmax_scale, jnp.float32), causal=bool(causal))
