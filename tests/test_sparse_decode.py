@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import mla_pallas
 from mla_pallas import _dispatch, reference, testing
+from mla_pallas.kernels import gather_threads
 from mla_pallas.kernels import common, sparse_sm90_heads_m as heads_m, sparse_sm90_heads_n as heads_n
 from mla_pallas.ops import sparse_decode as sd
 
@@ -284,7 +285,14 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers):
     assert low.count(r"ld\.shared\.v2\.b32") == 32 and low.count(r"prmt\.b32") == 64
     # O: per 8 stored heads, 2 heads x 2 halves of 8 consecutive latent columns per thread, one vector store each
     assert low.count(r"\{alignment = 16 : i64\} : vector<8x") == 4 * (-(-H // 8) * 8) // 8
-  assert low.count(r"cp\.async\.bulk\.tensor") > 0
+  assert low.count(r"cp\.async\.bulk\.tensor") > 0         # Q (and indices) by TMA
+  # K gather by the loader's threads: 4 passes x 5 chunks of 16-byte cp.async per thread and tile, one group per
+  # tile; a wait leaving k_buffers - 2 tiles in flight in the loop and a final wait for all
+  lag = max(k_buffers - 2, 0)
+  assert low.count(r"cp\.async\.cg\.shared\.global \[") == gather_threads.CP_ASYNC_PER_THREAD == 20
+  assert low.count(r"cp\.async\.commit_group") == 1
+  assert low.count(fr"cp\.async\.wait_group {lag};") == 1 + (lag == 0)
+  assert low.count(r"cp\.async\.wait_group 0;") == 1 + (lag == 0)
 
 
 def test_argument_errors(rng):

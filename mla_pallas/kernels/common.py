@@ -192,8 +192,14 @@ def k_scratch(k_buffers: int, interpret: bool):
   return plgpu.RefUnion(tiled, rows)
 
 
+def k_full_arrivals(by_threads: bool) -> int:
+  """Arrivals per tile on ``k_full`` for :func:`gather_tiles`: one per row TMA, or one of the loader warpgroup
+  when the tile is gathered by thread loads (``kernels/gather_threads.py``)."""
+  return 1 if by_threads else SW_CHUNKS * TILE
+
+
 def gather_tiles(kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int,
-                 k_buffers: int, interpret: bool, before_gather=lambda t: None):
+                 k_buffers: int, interpret: bool, before_gather=lambda t: None, by_threads: bool = False):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
   (``k_empty``), five 128-byte TMAs per gathered row (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575)
   straight into the 128-byte-swizzled K tiles, issued by the loader's 4 warps (16 rows each), all arriving on
@@ -204,7 +210,37 @@ def gather_tiles(kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty, *, num_slots:
   the 128-byte swizzle from the destination address, so a one-row box lands where the tiled view expects it.
   Interpret mode (``k_rows=None``) copies each row into a one-row slice of ``k_sw`` instead. ``before_gather(t)``
   runs after buffer t % k_buffers is free and before tile t's gather.
+
+  ``by_threads`` (hardware only; the caller passes False in interpret mode): the loader warpgroup's 128 threads
+  gather each tile with 16-byte ``cp.async`` loads instead (``kernels/gather_threads.py``), wait for them and
+  arrive once on ``k_full`` (:func:`k_full_arrivals`).
   """
+  if by_threads:
+    from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
+
+    lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
+
+    @pl.loop(0, n_tiles)
+    def _(t):
+      kb = lax.rem(t, k_buffers)
+
+      @pl.when(t >= k_buffers)
+      def _():
+        plgpu.barrier_wait(k_empty.at[kb])
+      before_gather(t)
+      gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots)
+      gather_threads.wait_tiles(lag)
+
+      @pl.when(t >= lag)
+      def _():
+        plgpu.barrier_arrive(k_full.at[lax.rem(t - lag, k_buffers)])
+
+    gather_threads.wait_tiles(0)
+    for tile in range(max(n_tiles - lag, 0), n_tiles):
+      plgpu.barrier_arrive(k_full.at[tile % k_buffers])
+    drain(k_empty, n_tiles, k_buffers)
+    return
+
   def gather(t, kb):
     def issue_row(r):
       row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]

@@ -69,6 +69,7 @@ from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_
                                        swizzled)
 
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
+GATHER_BY_THREADS = True   # on hardware: cp.async thread gather (kernels/gather_threads.py) instead of row TMAs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,8 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.k_rows, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret,
+                      by_threads=GATHER_BY_THREADS and not interpret)
 
 
 def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
@@ -219,7 +221,8 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           plgpu.Barrier(num_arrivals=SW_CHUNKS),                                           # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=SW_CHUNKS * TILE, num_barriers=cfg.k_buffers),        # k_full
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(GATHER_BY_THREADS and not interp),
+                        num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),

@@ -83,6 +83,7 @@ from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_
 HEADS_N = 16     # N of the MMAs: H <= 16 padded to 16 columns (f16 operands need rows of at least 32 bytes)
 HEAD_ROW = 32    # f32 entries per row of head_smem (a 128-byte TMA box: Lane copies need a multiple of 128 bytes)
 LOADER = 2       # warpgroup index of the loader; WG0 softmax, WG1 P·V
+GATHER_BY_THREADS = True   # on hardware: cp.async thread gather (kernels/gather_threads.py) instead of row TMAs
 ALPHA_ROW = 1    # head_smem rows: 0 the heads' logit scales, 1 + b alpha of P buffer b, 3 kv_scale / l
 INV_ROW = 3
 V_BLOCKS = D_V // TILE   # 8 blocks of 64 latent columns (the Oᵀ accumulators)
@@ -153,7 +154,8 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
     def _():
       plgpu.barrier_wait(r.idx_bar)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.k_rows, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices,
+                      by_threads=GATHER_BY_THREADS and not interpret)
 
 
 def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: _Refs):
@@ -334,7 +336,8 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
           plgpu.SMEM((INV_ROW + 1, HEAD_ROW), jnp.float32),                                # head_smem
           plgpu.Barrier(num_arrivals=SW_CHUNKS + 1),                                       # q_bar (Q + scales)
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=SW_CHUNKS * TILE, num_barriers=cfg.k_buffers),        # k_full
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(GATHER_BY_THREADS and not interp),
+                        num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           plgpu.Barrier(num_barriers=3),                                                   # p_full
           plgpu.Barrier(num_barriers=2),                                                   # p_empty

@@ -1,0 +1,103 @@
+"""The gather of one 64-key K tile with 16-byte per-thread ``cp.async`` loads (sm_90), issued by a whole warpgroup.
+
+The sparse sm_90 kernels read each selected cache row (576 fp8 bytes) into a K tile [5, 64, 128] fp8 with the
+128-byte swizzle that wgmma expects (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575, see
+``common.gather_tiles``). A per-row TMA needs five 128-byte boxes per row (320 per tile), and the TMA unit issues
+them one at a time. Here the 128 threads of the loader warpgroup issue the tile's 2560 16-byte pieces instead,
+20 each:
+
+* thread ``tid`` owns the 16-byte unit ``j = tid % 8`` of rows ``r = tid // 8 + 16 i`` (i = 0..3) in all five
+  chunks: the 8 threads of one row read 128 contiguous bytes per chunk (coalesced);
+* destination: ``chunk · 8192 + r · 128 + 16 · (j XOR r % 8)`` (the 128-byte swizzle of a 1024-byte-aligned
+  tile, the same addressing as ``kernels/vt_registers.py``);
+* row ids come from ``idx`` (SMEM [n_tiles, 64] int32, row ``t``); an id outside [0, num_slots) reads nothing
+  (``cp.async`` with source size 0 zero-fills the 16 bytes) from row 0's address, so nothing past the cache is
+  ever addressed; byte offsets into the cache are 64-bit (caches past 2 GiB);
+* completion: each thread commits one ``cp.async`` group per tile. :func:`wait_tiles` (``cp.async.wait_group n``)
+  leaves at most ``n`` of the newest tiles in flight and fences the generic proxy against the async proxy
+  (``fence.proxy.async``: wgmma reads the tile); the caller's warpgroup ``barrier_arrive`` on a completed tile's
+  ``k_full`` barrier (one arrival of the warpgroup) then publishes it. ``common.gather_tiles`` keeps
+  ``k_buffers - 2`` tiles in flight behind the newest (no deadlock: the tile whose release it waits for next is
+  always published first).
+
+Raw Mosaic GPU code (``plgpu.inline_mgpu``): interpret mode cannot run it; the kernels keep the per-row copies
+there (README: interpret-only code paths). Checked by lowering on the CPU (instruction counts) and against the
+reference on the GPU.
+"""
+from __future__ import annotations
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas.kernels import common
+from mla_pallas.kernels.raw_mgpu import (SCALAR_LAYOUT, asm, c32, c64, scalar_array, scalar_value,
+                                         thread_in_warpgroup, wide)
+
+UNIT = 16                           # bytes per cp.async
+UNITS_PER_CHUNK = common.SW_CHUNK // UNIT      # 8
+ROWS_PER_PASS = 128 // UNITS_PER_CHUNK         # 16 rows per pass of the warpgroup
+PASSES = common.TILE // ROWS_PER_PASS          # 4
+CHUNK_BYTES = common.TILE * common.SW_CHUNK    # 8192: one [64, 128] chunk of the tile
+CP_ASYNC_PER_THREAD = PASSES * common.SW_CHUNKS  # 20
+
+
+def _chunk_col(c: int) -> int:
+  """First cache column of K-tile chunk ``c``."""
+  return c * common.SW_CHUNK if c < common.SW_CHUNKS - 1 else common.SW_TAIL_COL
+
+
+def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
+  """Inside an ``inline_mgpu`` body: this thread's 20 ``cp.async`` of tile ``t`` (i32 value) from ``kv`` (GMEM
+  memref [num_slots, 576] fp8) into ``k_tile`` (SMEM memref of one [5, 64, 128] swizzled K tile), row ids from
+  ``idx`` (SMEM memref [n_tiles, 64] int32), committed as one group (module docstring)."""
+  i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+  tid, _, _ = thread_in_warpgroup()
+  j = arith.remui(tid, c32(UNITS_PER_CHUNK))
+  r0 = arith.divui(tid, c32(UNITS_PER_CHUNK))
+  swz = arith.muli(arith.xori(j, arith.remui(r0, c32(8))), c32(UNIT))   # r % 8 == r0 % 8 for every pass
+  kv_base = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(kv))
+  k_base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
+  idx_base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(idx))
+  row_ids = arith.addi(idx_base, arith.muli(t, c32(common.TILE * 4)))
+  unit_col = arith.muli(j, c32(UNIT))
+  for i in range(PASSES):
+    r = arith.addi(r0, c32(ROWS_PER_PASS * i))
+    rid = asm(i32, [arith.addi(row_ids, arith.muli(r, c32(4)))], "ld.shared.b32 $0, [$1];", "=r,r",
+              side_effects=True)
+    valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, rid, c32(0)),
+                       arith.cmpi(arith.CmpIPredicate.slt, rid, c32(num_slots)))
+    row = arith.select(valid, rid, c32(0))
+    size = arith.select(valid, c32(UNIT), c32(0))
+    src_row = arith.addi(arith.addi(kv_base, arith.muli(wide(row), c64(common.D_QK))), wide(unit_col))
+    dst_row = arith.addi(arith.addi(k_base, arith.muli(r, c32(common.SW_CHUNK))), swz)
+    for c in range(common.SW_CHUNKS):
+      src = arith.addi(src_row, c64(_chunk_col(c)))
+      dst = arith.addi(dst_row, c32(c * CHUNK_BYTES))
+      asm(ir.Type.parse("!llvm.void"), [dst, src, size], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+          "r,l,r", side_effects=True)
+  asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", side_effects=True)
+
+
+def gather_tile(kv_gmem, k_tile_ref, idx_smem, t, *, num_slots: int) -> None:
+  """Pallas level: the loader warpgroup issues the gather of tile ``t`` (rows ``idx_smem[t]``) of ``kv_gmem``
+  [num_slots, 576] fp8 into ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled), one ``cp.async`` group per
+  thread; :func:`wait_tiles` waits for it."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
+                                plgpu.RefType(), SCALAR_LAYOUT))
+  def f(ctx, kv, k_tile, idx, t_arr):
+    del ctx
+    issue_tile(kv, k_tile, idx, scalar_value(t_arr), num_slots)
+  f(kv_gmem, k_tile_ref, idx_smem, scalar_array(t))
+
+
+def wait_tiles(in_flight: int) -> None:
+  """Pallas level: each loader thread waits until at most ``in_flight`` of its newest tile groups are pending,
+  then fences its completed writes for the async proxy (wgmma)."""
+  @plgpu.inline_mgpu()
+  def f(ctx):
+    del ctx
+    asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {in_flight};", "", side_effects=True)
+    asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "", side_effects=True)
+  f()
