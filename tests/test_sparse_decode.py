@@ -256,7 +256,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (8, 4, 2051, 2, 4), (16, 1, 2048, 1, 4), (8, 4, 2048, 1, 3),         # heads on N
 ])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers):
-  """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA, the RefUnion row view and
+  """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA, the thread gather and
   the raw-PTX Vᵀ path, which only exist outside interpret mode) at sm_90a, with instruction counts."""
   n_tok = 2 * s_q
   tps = -(-topk // (64 * splits))

@@ -180,42 +180,36 @@ def q_scratch(rows: int):
   return plgpu.SMEM((SW_CHUNKS, rows, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
 
 
-def k_scratch(k_buffers: int, interpret: bool):
-  """The gathered K tiles [k_buffers, 5, 64, 128] fp8, 128-byte swizzled (wgmma operands). On hardware a
-  ``RefUnion`` with a swizzle-only view [k_buffers, 5, 8, 8, 128] of the same bytes, the TMA destination of one
-  gathered row (see :func:`gather_tiles`); interpret mode keeps union members apart, so there the tiled view only.
-  """
-  tiled = plgpu.SMEM((k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
-  if interpret:
-    return tiled
-  rows = plgpu.SMEM((k_buffers, SW_CHUNKS, TILE // 8, 8, SW_CHUNK), FP8, transforms=(plgpu.SwizzleTransform(SW_CHUNK),))
-  return plgpu.RefUnion(tiled, rows)
+def k_scratch(k_buffers: int):
+  """The gathered K tiles [k_buffers, 5, 64, 128] fp8, 128-byte swizzled (wgmma operands; see :func:`gather_tiles`)."""
+  return plgpu.SMEM((k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
 
 
-def k_full_arrivals(by_threads: bool) -> int:
-  """Arrivals per tile on ``k_full`` for :func:`gather_tiles`: one per row TMA, or one of the loader warpgroup
-  when the tile is gathered by thread loads (``kernels/gather_threads.py``)."""
-  return 1 if by_threads else SW_CHUNKS * TILE
+def k_full_arrivals(interpret: bool) -> int:
+  """Arrivals per tile on ``k_full`` for :func:`gather_tiles`: one of the loader warpgroup on hardware, one per
+  row copy in interpret mode."""
+  return SW_CHUNKS * TILE if interpret else 1
 
 
-def gather_tiles(kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int,
-                 k_buffers: int, interpret: bool, before_gather=lambda t: None, by_threads: bool = False):
+def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int, k_buffers: int,
+                 interpret: bool, before_gather=lambda t: None):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
-  (``k_empty``), five 128-byte TMAs per gathered row (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575)
-  straight into the 128-byte-swizzled K tiles, issued by the loader's 4 warps (16 rows each), all arriving on
-  ``k_full`` (5 · 64 arrivals). Row ids come from ``idx_smem[t]``; an id outside [0, num_slots) gathers row
-  ``num_slots``, wholly past the end of ``kv_gmem`` [num_slots, 576], so the hardware zero-fills its box.
+  (``k_empty``), the rows ``idx_smem[t]`` of ``kv_gmem`` [num_slots, 576] land in the 128-byte-swizzled K tile
+  (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575) and ``k_full`` is signalled. An id outside
+  [0, num_slots) is an invalid key: its row is zero-filled and nothing outside the cache is read.
+  ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather.
 
-  On hardware a row lands through ``k_rows``, the swizzle-only view of :func:`k_scratch`: the TMA unit applies
-  the 128-byte swizzle from the destination address, so a one-row box lands where the tiled view expects it.
-  Interpret mode (``k_rows=None``) copies each row into a one-row slice of ``k_sw`` instead. ``before_gather(t)``
-  runs after buffer t % k_buffers is free and before tile t's gather.
+  On hardware the loader warpgroup's 128 threads gather each tile with 16-byte ``cp.async`` loads
+  (``kernels/gather_threads.py``: 20 per thread and tile, one group per tile) and keep ``k_buffers - 2`` tiles in
+  flight behind the newest: after issuing tile t they wait until tile t - lag has landed and arrive on its
+  ``k_full`` (one arrival of the warpgroup). No deadlock: the next ``k_empty`` wait (tile t + 1 - k_buffers) is for
+  a tile already published since lag <= k_buffers - 1.
 
-  ``by_threads`` (hardware only; the caller passes False in interpret mode): the loader warpgroup's 128 threads
-  gather each tile with 16-byte ``cp.async`` loads instead (``kernels/gather_threads.py``), wait for them and
-  arrive once on ``k_full`` (:func:`k_full_arrivals`).
+  Interpret mode (no ``inline_mgpu``) copies each row instead: five 128-byte copies into one-row slices of
+  ``k_sw``, issued per warp, each arriving on ``k_full`` (5 · 64 arrivals); an invalid id copies row
+  ``num_slots``, wholly past the end of ``kv_gmem``, which the copy zero-fills.
   """
-  if by_threads:
+  if not interpret:
     from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
 
     lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
@@ -246,11 +240,7 @@ def gather_tiles(kv_gmem, k_sw, k_rows, idx_smem, k_full, k_empty, *, num_slots:
       row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
       for c in range(SW_CHUNKS):
         src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
-        if interpret:
-          dst = k_sw.at[kb, c, pl.ds(r, 1)]
-        else:
-          dst = k_rows.at[kb, c, lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
-        plgpu.copy_gmem_to_smem(src, dst, k_full.at[kb])
+        plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
     for_rows_per_warp(TILE, issue_row)
 
   @pl.loop(0, n_tiles)

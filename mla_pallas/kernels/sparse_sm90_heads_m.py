@@ -27,8 +27,9 @@ Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.op
 Warpgroup roles (3 warpgroups, Lane semantics)
 ----------------------------------------------
 * WG2 — loader (56 registers): TMA of Q (five 128-column boxes) and of the split's indices, then per 64-key tile,
-  once the consumers have released K buffer ``t % k_buffers`` (``k_empty``), five 128-byte TMAs per gathered row
-  straight into the 128-byte-swizzled K tiles (``common.gather_tiles``), all arriving on ``k_full``.
+  once the consumers have released K buffer ``t % k_buffers`` (``k_empty``), the gather of its 64 rows straight
+  into the 128-byte-swizzled K tiles by the warpgroup's 128 threads, 20 16-byte ``cp.async`` each
+  (``common.gather_tiles``, ``kernels/gather_threads.py``), published on ``k_full`` once landed.
 * WG0, WG1 — consumers (224 registers each). Per tile: issue the five QKᵀ fp8 wgmmas (K chunks of 128; Q's tail
   chunk holds zeros against latent 448-511, so those columns count once); meanwhile stage their half of V (two
   128-column chunks) as an exact e4m3 → f16 upcast (16-bit wgmma takes an MN-major B, so no transpose). Read S,
@@ -36,7 +37,7 @@ Warpgroup roles (3 warpgroups, Lane semantics)
   registers per thread) with P as an f16 register operand. S is computed by both consumers (no cross-warpgroup
   exchange of S or P). WG0 writes lse.
 
-Pipeline stages: gather of tile t + k_buffers - 1 ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
+Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
 Interpret mode has no wgmma with a register A operand: there P goes through an SMEM tile [2, 64, 64] f16.
 Lane semantics: see ../shared/mgpu/README.md section 6.
 
@@ -69,7 +70,6 @@ from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_
                                        swizzled)
 
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
-GATHER_BY_THREADS = True   # on hardware: cp.async thread gather (kernels/gather_threads.py) instead of row TMAs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,6 @@ class _Refs:
   lse_gmem: object
   q_sw: object
   k_sw: object
-  k_rows: object     # swizzle-only view of k_sw (TMA row destinations); None in interpret mode
   v16: object
   p_sw: object       # interpret mode only: P through SMEM
   idx_smem: object
@@ -120,9 +119,8 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
-  common.gather_tiles(r.kv_gmem, r.k_sw, r.k_rows, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret,
-                      by_threads=GATHER_BY_THREADS and not interpret)
+  common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret)
 
 
 def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
@@ -181,8 +179,7 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,
           o_gmem, lse_gmem, q_sw, k_sw, v16, *rest):
   p_sw, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  k_sw, k_rows = (k_sw, None) if interpret else k_sw
-  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, k_rows, v16, p_sw, *rest)
+  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, *rest)
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
@@ -214,14 +211,14 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE),                                                          # Q
-          common.k_scratch(cfg.k_buffers, interp),                                         # K
+          common.k_scratch(cfg.k_buffers),                                         # K
           plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128)),     # V f16
           *p_scratch,                                                                      # P (interpret)
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           plgpu.Barrier(num_arrivals=SW_CHUNKS),                                           # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=common.k_full_arrivals(GATHER_BY_THREADS and not interp),
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
       ],

@@ -29,8 +29,9 @@ Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.op
 Warpgroup roles (3 warpgroups, Lane semantics)
 ----------------------------------------------
 * WG2 — loader (56 registers): Q (16 rows, five 128-column boxes) and the heads' logit scales (into
-  ``head_smem`` row 0), both on ``q_bar``; the split's indices (``idx_bar``); then per tile the swizzled row
-  gathers into K buffer ``t % k_buffers`` (``common.gather_tiles``).
+  ``head_smem`` row 0), both on ``q_bar``; the split's indices (``idx_bar``); then per tile the gather of its 64
+  rows into the swizzled K buffer ``t % k_buffers`` by the warpgroup's threads (16-byte ``cp.async``,
+  ``common.gather_tiles``, ``kernels/gather_threads.py``), with up to k_buffers - 1 tiles in flight.
 * WG0 — softmax consumer (224 registers): per tile the five QKᵀ wgmmas (A = the K chunk, B = Q), release of the
   K buffer, the online softmax down the columns, and the hand-off of Pᵀ (f16 [64, 16]) and alpha ([16] f32) to WG1
   through the double-buffered ``p_sw`` / ``head_smem`` rows 1-2 (``p_full`` / ``p_empty``). After the last tile:
@@ -83,7 +84,6 @@ from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_
 HEADS_N = 16     # N of the MMAs: H <= 16 padded to 16 columns (f16 operands need rows of at least 32 bytes)
 HEAD_ROW = 32    # f32 entries per row of head_smem (a 128-byte TMA box: Lane copies need a multiple of 128 bytes)
 LOADER = 2       # warpgroup index of the loader; WG0 softmax, WG1 P·V
-GATHER_BY_THREADS = True   # on hardware: cp.async thread gather (kernels/gather_threads.py) instead of row TMAs
 ALPHA_ROW = 1    # head_smem rows: 0 the heads' logit scales, 1 + b alpha of P buffer b, 3 kv_scale / l
 INV_ROW = 3
 V_BLOCKS = D_V // TILE   # 8 blocks of 64 latent columns (the Oᵀ accumulators)
@@ -119,7 +119,6 @@ class _Refs:
   lse_gmem: object
   q_sw: object
   k_sw: object
-  k_rows: object     # swizzle-only view of k_sw (TMA row destinations); None in interpret mode
   v16: object        # interpret mode only: the f16 V tile
   p_sw: object
   idx_smem: object
@@ -153,9 +152,8 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
     @pl.when(t == 0)
     def _():
       plgpu.barrier_wait(r.idx_bar)
-  common.gather_tiles(r.kv_gmem, r.k_sw, r.k_rows, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices,
-                      by_threads=GATHER_BY_THREADS and not interpret)
+  common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices)
 
 
 def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: _Refs):
@@ -281,8 +279,7 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: _Refs):
 def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem,
           lse_gmem, q_sw, k_sw, *rest):
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  k_sw, k_rows = (k_sw, None) if interpret else k_sw
-  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, k_rows, v16, *rest)
+  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == LOADER)
@@ -328,7 +325,7 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(HEADS_N),                                                       # Q
-          common.k_scratch(cfg.k_buffers, interp),                                         # K
+          common.k_scratch(cfg.k_buffers),                                         # K
           *v_scratch,                                                                      # V f16 (interpret)
           plgpu.SMEM((2, TILE, HEADS_N), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_N)),   # Pᵀ
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
@@ -336,7 +333,7 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
           plgpu.SMEM((INV_ROW + 1, HEAD_ROW), jnp.float32),                                # head_smem
           plgpu.Barrier(num_arrivals=SW_CHUNKS + 1),                                       # q_bar (Q + scales)
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=common.k_full_arrivals(GATHER_BY_THREADS and not interp),
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           plgpu.Barrier(num_barriers=3),                                                   # p_full
