@@ -102,6 +102,8 @@ def _interpret_budget(case):
     (8, (("k_buffers", 2),)),       # heads on N, two and three K buffers
     (16, (("k_buffers", 3),)),
     (32, (("tiles_per_split", 2),)),   # a split-length override: 4 tiles -> 2 splits of 2
+    (64, (("softmax_wgs", 1),)),       # heads on M, one softmax warpgroup handing P to the other
+    (128, (("softmax_wgs", 1), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, P slots reused
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -175,6 +177,10 @@ def test_tuning_errors():
   with pytest.raises(ValueError, match="out_heads"):
     heads_n.build(2, 64, 1, 12, 12, "bfloat16", heads_n.TuningConfig())
   assert heads_m.TuningConfig().smem_budget() == 200192 and heads_n.TuningConfig().smem_budget() == 190976
+  with pytest.raises(ValueError, match="softmax_wgs"):
+    heads_m.TuningConfig(softmax_wgs=3)
+  # one softmax: + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding)
+  assert heads_m.TuningConfig(softmax_wgs=1).smem_budget() == 200192 + 2 * 8192 + 1024
 
 
 def test_registers_fit_the_launch_allocation():
@@ -251,11 +257,12 @@ def test_xla_masking_fuzz(idx_list, tl):
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(ref_lse)))
 
 
-@pytest.mark.parametrize("H,s_q,topk,splits,k_buffers", [
-    (64, 1, 2048, 1, 2), (128, 2, 2048, 1, 2), (32, 4, 2051, 2, 1),      # heads on M
-    (8, 4, 2051, 2, 4), (16, 1, 2048, 1, 4), (8, 4, 2048, 1, 3),         # heads on N
+@pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,softmax_wgs", [
+    (64, 1, 2048, 1, 2, 2), (128, 2, 2048, 1, 2, 2), (32, 4, 2051, 2, 1, 2),      # heads on M
+    (128, 2, 2048, 1, 2, 1), (64, 1, 2051, 2, 1, 1),                            # heads on M, one softmax
+    (8, 4, 2051, 2, 4, 0), (16, 1, 2048, 1, 4, 0), (8, 4, 2048, 1, 3, 0),         # heads on N
 ])
-def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers):
+def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, softmax_wgs):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA, the thread gather and
   the raw-PTX Vᵀ path, which only exist outside interpret mode) at sm_90a, with instruction counts."""
   n_tok = 2 * s_q
@@ -266,7 +273,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers):
   out_dtype = "bfloat16" if splits == 1 else "float32"
   if H > sd.HEADS_ON_N_MAX:
     tiles_per_token = max(1, H // 64)
-    cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers)
+    cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, softmax_wgs=softmax_wgs)
     kern = heads_m.build(n_tok * tiles_per_token, 4096, splits, tiles_per_token, out_dtype, cfg)
     q_aval = S((n_tok * tiles_per_token, 64, common.Q_SW_COLS), FP8)
     qs_aval = S((n_tok * tiles_per_token, 64), jnp.float32)
@@ -275,10 +282,12 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers):
     kern = heads_n.build(n_tok, 4096, splits, -(-H // 8) * 8, H, out_dtype, cfg)
     q_aval, qs_aval = S((n_tok * H, common.Q_SW_COLS), FP8), S((n_tok * H,), jnp.float32)
   low = testing.lower_for_cuda(kern, q_aval, qs_aval, kv, idx, S((1,), jnp.float32), arch=(9, 0))
-  # QKᵀ: 5 chunks of 128 = 4 k32 steps each (heads on N: m64n16k32, consumer 0 only).
+  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only).
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
-  if H > sd.HEADS_ON_N_MAX:   # P·V: one m64n256k16 f16 wgmma per consumer code path = 4 k16 steps
-    assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4
+  if H > sd.HEADS_ON_N_MAX:
+    # P·V: 4 k16 steps of m64n256k16 per code path: one shared path (softmax_wgs 2), or consumer 0's with P
+    # from registers and consumer 1's with P from SMEM (softmax_wgs 1)
+    assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4 * (3 - softmax_wgs)
     assert low.count(r"prmt\.b32") == 0
   else:   # P·V: 8 blocks of Oᵀ x 4 k16 steps of m64n16k16; Vᵀ from the K tile: 32 64-bit loads, 64 byte permutes
     assert low.count(r"m64n16k32\.f32\.e4m3\.e4m3") == 20 and low.count(r"m64n16k16\.f32\.f16\.f16") == 32

@@ -37,6 +37,16 @@ Warpgroup roles (3 warpgroups, Lane semantics)
   registers per thread) with P as an f16 register operand. S is computed by both consumers (no cross-warpgroup
   exchange of S or P). WG0 writes lse.
 
+Schedules (``TuningConfig.softmax_wgs``)
+----------------------------------------
+* 2 (default): as above, both consumers compute the same S and run the same softmax; nothing crosses between them.
+* 1: WG0 alone computes S (one QKᵀ per tile instead of two: half the QK MMAs and their 80 KB of SMEM operand
+  reads), runs the softmax and writes P (f16 [64, 64], 128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` /
+  ``head_smem`` (``p_full``); WG0 multiplies its half of V with P from registers. WG1 upcasts its half of V, waits
+  for the slot, rescales by alpha and multiplies with P from SMEM, then releases the slot (``p_empty``); after the
+  last tile WG0 publishes kv_scale / l (``p_full[2]``) for WG1's half of O. Costs 16 KB of P slots and 1 KB of
+  rows; WG1's P·V of tile t can run under WG0's QKᵀ of tile t + 1.
+
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
 Interpret mode has no wgmma with a register A operand: there P goes through an SMEM tile [2, 64, 64] f16.
 Lane semantics: see ../shared/mgpu/README.md section 6.
@@ -51,6 +61,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
+    softmax_wgs = 1: + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows 1 024 = 217 600
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader.
 """
 from __future__ import annotations
@@ -72,20 +83,36 @@ from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 
+P_BUFFERS = 2        # P / alpha hand-off slots of the one-softmax schedule
+INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.SparseSm90Config):
   """Config of the heads-on-M design: ``tiles_per_split``, ``k_buffers`` (1 or 2; a third K tile does not fit
-  beside the 64-row Q and the f16 V tile)."""
+  beside the 64-row Q and the f16 V tile) and ``softmax_wgs``: 2 — both consumers compute the same S and run the
+  same softmax (no exchange); 1 — consumer 0 alone computes S and the softmax and hands P (f16) and alpha to
+  consumer 1 through SMEM (module docstring, "Schedules")."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2)
+  SOFTMAX_WGS: ClassVar[tuple[int, ...]] = (1, 2)
   k_buffers: int = 2
+  softmax_wgs: int = 2
+
+  def validate(self):
+    if self.softmax_wgs not in self.SOFTMAX_WGS:
+      raise ValueError(f"TuningConfig.softmax_wgs must be one of {self.SOFTMAX_WGS}; got {self.softmax_wgs}")
+    super().validate()
 
   def smem_budget(self) -> int:
+    hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
+        if self.softmax_wgs == 1 else ()
     return common.smem_bytes(
         ((SW_CHUNKS, TILE, SW_CHUNK), FP8),                     # Q (latent | 0 | rope)
         ((self.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8),     # K, gathered straight into the swizzled layout
         ((TILE, D_V), jnp.float16),                             # V f16
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
+        *hand_off,                                              # P slots, alpha / (kv_scale / l) rows
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
@@ -102,13 +129,16 @@ class _Refs:
   q_sw: object
   k_sw: object
   v16: object
-  p_sw: object       # interpret mode only: P through SMEM
+  p_sw: object       # P through SMEM: [2, 64, 64] f16 (softmax_wgs = 1, or interpret mode); else None
   idx_smem: object
   lse_smem: object
+  head_smem: object  # softmax_wgs = 1: [3, 64] f32, alpha of P slot b in row b, kv_scale / l in row 2; else None
   q_bar: object
   idx_bar: object
   k_full: object
   k_empty: object
+  p_full: object     # softmax_wgs = 1: P slot b written (b = 0, 1); slot 2: kv_scale / l written; else None
+  p_empty: object    # softmax_wgs = 1: consumer 1 is done with P slot b; else None
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: _Refs):
@@ -123,14 +153,64 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
                       n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret)
 
 
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
+COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [64]: one value per key
+
+
+def _qk_and_upcast(k_tiles, chunks, r: _Refs):
+  """S = Q·Kᵀ of one tile (five fp8 wgmmas, K chunks of 128), with the f16 upcast of V's 128-column ``chunks``
+  (``wg`` -> range) issued under the asynchronous wgmmas; returns S [64, 64] f32 (WGMMA layout)."""
+  def qk(acc_ref):
+    for c in range(SW_CHUNKS):
+      plgpu.wgmma(acc_ref, r.q_sw.at[c], k_tiles.at[c].T)
+    chunks()
+    plgpu.commit_smem()
+    return acc_ref[...]
+  return pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
+
+
+def _upcast_half(k_tiles, wg, r: _Refs):
+  """Consumer ``wg`` stages the f16 V columns it multiplies: chunks 2 wg, 2 wg + 1 (``wg`` traced)."""
+  for w in range(2):
+    @pl.when(wg == w)
+    def _():
+      common.stage_v16(k_tiles, r.v16, chunks=range(2 * w, 2 * w + 2))
+
+
+def _pv_half(acc, p_op, wg, interpret: bool, r: _Refs):
+  """acc [64, 256] f32 += P · V[:, 256 wg : 256 wg + 256] (f16 wgmma; P in registers or an SMEM ref)."""
+  v_op = r.v16.at[:, pl.ds(wg * 256, 256)]
+
+  def pv(acc_refs):
+    plgpu.wgmma(acc_refs[0], p_op, v_op)
+  (acc,) = common.accumulate(pv, (acc,), interpret)
+  return acc
+
+
+def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: _Refs):
+  out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+  r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
+
+
+def _zero_state():
+  acc0 = plgpu.layout_cast(jnp.zeros((TILE, 256), jnp.float32), plgpu.Layout.WGMMA)
+  m0 = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW_LAYOUT)
+  l0 = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), ROW_LAYOUT)
+  return acc0, m0, l0
+
+
+def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: _Refs):
+  cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
+  return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
+
+
 def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
-  """WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256 output columns."""
+  """softmax_wgs = 2, WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
+  output columns."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
-  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=row_layout, optimized=False)
+  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
   kv_scale = r.scal_gmem[0]
 
   def step(t, carry):
@@ -138,48 +218,98 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
     kb = lax.rem(t, cfg.k_buffers)
     k_tiles = r.k_sw.at[kb]
     plgpu.barrier_wait(r.k_full.at[kb])
-
-    def qk(acc_ref):
-      for c in range(SW_CHUNKS):
-        plgpu.wgmma(acc_ref, r.q_sw.at[c], k_tiles.at[c].T)
-      for w in range(2):   # overlap the V upcast with the asynchronous QK wgmmas: chunks 2w, 2w + 1
-        @pl.when(wg == w)
-        def _():
-          common.stage_v16(k_tiles, r.v16, chunks=range(2 * w, 2 * w + 2))
-      plgpu.commit_smem()
-      return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
+    s = _qk_and_upcast(k_tiles, lambda: _upcast_half(k_tiles, wg, r), r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-
-    cols = plgpu.load(r.idx_smem.at[t], layout=col_layout, optimized=False)
-    p, alpha, m_new, l = common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
+    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p_op, v_op = p.astype(jnp.float16), r.v16.at[:, pl.ds(wg * 256, 256)]
+    p_op = p.astype(jnp.float16)
     if interpret:     # the interpreter has no wgmma with A in registers: P goes through SMEM there
       r.p_sw.at[wg][...] = p_op
       plgpu.commit_smem()
       p_op = r.p_sw.at[wg]
+    return _pv_half(acc, p_op, wg, interpret, r), m_new, l
 
-    def pv(acc_refs):
-      plgpu.wgmma(acc_refs[0], p_op, v_op)
-    (acc,) = common.accumulate(pv, (acc,), interpret)
-    return acc, m_new, l
-
-  acc0 = plgpu.layout_cast(jnp.zeros((TILE, 256), jnp.float32), plgpu.Layout.WGMMA)
-  m0 = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
-  l0 = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
-  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (acc0, m0, l0))
-
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
-  out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-  r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
+  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
+  _store_half(acc, kv_scale / jnp.where(l == 0.0, 1.0, l), wg, out_dtype, tile_q, split, r)
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+
+
+def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, tile_q, split, r: _Refs):
+  """softmax_wgs = 1, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and alpha into P slot
+  t % 2 for WG1, P·V into output columns 0-255 (P from registers; from its SMEM slot in interpret mode); at the
+  end kv_scale / l for WG1, its half of O and the lse."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.barrier_wait(r.q_bar)
+  plgpu.barrier_wait(r.idx_bar)
+  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
+  kv_scale = r.scal_gmem[0]
+
+  def step(t, carry):
+    acc, m, l = carry
+    kb = lax.rem(t, cfg.k_buffers)
+    pb = lax.rem(t, P_BUFFERS)
+    k_tiles = r.k_sw.at[kb]
+    plgpu.barrier_wait(r.k_full.at[kb])
+    s = _qk_and_upcast(k_tiles, lambda: common.stage_v16(k_tiles, r.v16, chunks=(0, 1)), r)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    p16 = p.astype(jnp.float16)
+
+    @pl.when(t >= P_BUFFERS)
+    def _():
+      plgpu.barrier_wait(r.p_empty.at[pb])   # WG1 is done with slot pb (tile t - 2)
+    r.p_sw.at[pb][...] = p16
+    r.head_smem.at[pb][...] = alpha
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(r.p_full.at[pb])
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return _pv_half(acc, r.p_sw.at[pb] if interpret else p16, 0, interpret, r), m_new, l
+
+  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
+  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
+  r.head_smem.at[INV_SLOT][...] = inv
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
+  _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
+  common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+  common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
+
+
+def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: _Refs):
+  """softmax_wgs = 1, WG1: the upcast of V chunks 2-3, then per tile the rescale by WG0's alpha and P·V into
+  output columns 256-511 with P from its SMEM slot; at the end its half of O, scaled by WG0's kv_scale / l."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+
+  def step(t, acc):
+    kb = lax.rem(t, cfg.k_buffers)
+    pb = lax.rem(t, P_BUFFERS)
+    k_tiles = r.k_sw.at[kb]
+    plgpu.barrier_wait(r.k_full.at[kb])
+    common.stage_v16(k_tiles, r.v16, chunks=(2, 3))
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    plgpu.barrier_wait(r.p_full.at[pb])
+    alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
+    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], 1, interpret, r)
+    plgpu.barrier_arrive(r.p_empty.at[pb])
+    return acc
+
+  acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
+  plgpu.barrier_wait(r.p_full.at[INV_SLOT])
+  inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
+  _store_half(acc, inv, 1, out_dtype, tile_q, split, r)
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,
           o_gmem, lse_gmem, q_sw, k_sw, v16, *rest):
-  p_sw, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, *rest)
+  one = cfg.softmax_wgs == 1
+  p_sw, rest = (rest[0], rest[1:]) if (interpret or one) else (None, rest)
+  idx_smem, lse_smem, *rest = rest
+  head_smem, rest = (rest[0], rest[1:]) if one else (None, rest)
+  q_bar, idx_bar, k_full, k_empty, *rest = rest
+  p_full, p_empty = rest if one else (None, None)
+  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
+            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
@@ -189,9 +319,18 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
   def _():
     _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
-  @pl.when(wg < LOADER)
-  def _():
-    _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r)
+  if one:
+    @pl.when(wg == 0)
+    def _():
+      _softmax_consumer(cfg, num_slots, out_dtype, interpret, tile_q, split, r)
+
+    @pl.when(wg == 1)
+    def _():
+      _pv_consumer(cfg, out_dtype, interpret, tile_q, split, r)
+  else:
+    @pl.when(wg < LOADER)
+    def _():
+      _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r)
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,7 +341,12 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp)
-  p_scratch = [plgpu.SMEM((2, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))] if interp else []
+  one = cfg.softmax_wgs == 1
+  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
+      if (interp or one) else []
+  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if one else []
+  hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
+                       plgpu.Barrier(num_barriers=P_BUFFERS)] if one else []          # p_empty
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
@@ -213,14 +357,16 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           common.q_scratch(TILE),                                                          # Q
           common.k_scratch(cfg.k_buffers),                                         # K
           plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128)),     # V f16
-          *p_scratch,                                                                      # P (interpret)
+          *p_scratch,                                                                      # P slots
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
+          *head_scratch,                                                                   # alpha, 1/l
           plgpu.Barrier(num_arrivals=SW_CHUNKS),                                           # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
+          *hand_off_barriers,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),
