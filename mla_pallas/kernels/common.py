@@ -212,8 +212,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
   if not interpret:
     from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
 
-    lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
-
+  def tiles(gather):     # per tile t: wait for its buffer, before_gather(t), gather(t, buffer)
     @pl.loop(0, n_tiles)
     def _(t):
       kb = lax.rem(t, k_buffers)
@@ -222,37 +221,33 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
       def _():
         plgpu.barrier_wait(k_empty.at[kb])
       before_gather(t)
+      gather(t, kb)
+
+  if not interpret:
+    from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
+
+    lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
+
+    def gather_by_threads(t, kb):
       gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots)
       gather_threads.wait_tiles(lag)
 
       @pl.when(t >= lag)
       def _():
         plgpu.barrier_arrive(k_full.at[lax.rem(t - lag, k_buffers)])
-
+    tiles(gather_by_threads)
     gather_threads.wait_tiles(0)
     for tile in range(max(n_tiles - lag, 0), n_tiles):
       plgpu.barrier_arrive(k_full.at[tile % k_buffers])
-    drain(k_empty, n_tiles, k_buffers)
-    return
-
-  def gather(t, kb):
-    def issue_row(r):
-      row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
-      for c in range(SW_CHUNKS):
-        src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
-        plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
-    for_rows_per_warp(TILE, issue_row)
-
-  @pl.loop(0, n_tiles)
-  def _(t):
-    kb = lax.rem(t, k_buffers)
-
-    @pl.when(t >= k_buffers)
-    def _():
-      plgpu.barrier_wait(k_empty.at[kb])
-    before_gather(t)
-    gather(t, kb)
-
+  else:
+    def gather_rows(t, kb):
+      def issue_row(r):
+        row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
+        for c in range(SW_CHUNKS):
+          src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
+          plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
+      for_rows_per_warp(TILE, issue_row)
+    tiles(gather_rows)
   drain(k_empty, n_tiles, k_buffers)
 
 

@@ -204,14 +204,18 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: _Refs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
-  """softmax_wgs = 2, WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
-  output columns."""
+def _softmax_prologue(tile_q, r: _Refs):
+  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale)."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
-  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
-  kv_scale = r.scal_gmem[0]
+  return plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False), r.scal_gmem[0]
+
+
+def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
+  """softmax_wgs = 2, WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
+  output columns."""
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
 
   def step(t, carry):
     acc, m, l = carry
@@ -238,11 +242,7 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: b
   """softmax_wgs = 1, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and alpha into P slot
   t % 2 for WG1, P·V into output columns 0-255 (P from registers; from its SMEM slot in interpret mode); at the
   end kv_scale / l for WG1, its half of O and the lse."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-  plgpu.barrier_wait(r.q_bar)
-  plgpu.barrier_wait(r.idx_bar)
-  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
-  kv_scale = r.scal_gmem[0]
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
 
   def step(t, carry):
     acc, m, l = carry
