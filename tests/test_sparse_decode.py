@@ -102,8 +102,9 @@ def _interpret_budget(case):
     (8, (("k_buffers", 2),)),       # heads on N, two and three K buffers
     (16, (("k_buffers", 3),)),
     (32, (("tiles_per_split", 2),)),   # a split-length override: 4 tiles -> 2 splits of 2
-    (64, (("softmax_wgs", 1),)),       # heads on M, one softmax warpgroup handing P to the other
-    (128, (("softmax_wgs", 1), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, P slots reused
+    (64, (("schedule", "handoff"),)),  # heads on M, one softmax warpgroup handing P to the other
+    (128, (("schedule", "handoff"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, P slots reused
+    (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),   # interpret mode runs "handoff" in its place
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -177,10 +178,12 @@ def test_tuning_errors():
   with pytest.raises(ValueError, match="out_heads"):
     heads_n.build(2, 64, 1, 12, 12, "bfloat16", heads_n.TuningConfig())
   assert heads_m.TuningConfig().smem_budget() == 200192 and heads_n.TuningConfig().smem_budget() == 190976
-  with pytest.raises(ValueError, match="softmax_wgs"):
-    heads_m.TuningConfig(softmax_wgs=3)
-  # one softmax: + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding)
-  assert heads_m.TuningConfig(softmax_wgs=1).smem_budget() == 200192 + 2 * 8192 + 1024
+  with pytest.raises(ValueError, match="schedule"):
+    heads_m.TuningConfig(schedule="triple")
+  # hand-off: + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding); "handoff_vt" without the V tile
+  assert heads_m.TuningConfig(schedule="handoff").smem_budget() == 200192 + 2 * 8192 + 1024
+  assert heads_m.TuningConfig(schedule="handoff_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
+  assert heads_m.TuningConfig(schedule="handoff_vt", k_buffers=3).smem_budget() == 193024
 
 
 def test_registers_fit_the_launch_allocation():
@@ -257,12 +260,13 @@ def test_xla_masking_fuzz(idx_list, tl):
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(ref_lse)))
 
 
-@pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,softmax_wgs", [
-    (64, 1, 2048, 1, 2, 2), (128, 2, 2048, 1, 2, 2), (32, 4, 2051, 2, 1, 2),      # heads on M
-    (128, 2, 2048, 1, 2, 1), (64, 1, 2051, 2, 1, 1),                            # heads on M, one softmax
-    (8, 4, 2051, 2, 4, 0), (16, 1, 2048, 1, 4, 0), (8, 4, 2048, 1, 3, 0),         # heads on N
+@pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,schedule", [
+    (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
+    (128, 2, 2048, 1, 2, "handoff"), (64, 1, 2051, 2, 1, "handoff"),
+    (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
+    (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
 ])
-def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, softmax_wgs):
+def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA, the thread gather and
   the raw-PTX Vᵀ path, which only exist outside interpret mode) at sm_90a, with instruction counts."""
   n_tok = 2 * s_q
@@ -273,7 +277,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, softmax_wgs):
   out_dtype = "bfloat16" if splits == 1 else "float32"
   if H > sd.HEADS_ON_N_MAX:
     tiles_per_token = max(1, H // 64)
-    cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, softmax_wgs=softmax_wgs)
+    cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, schedule=schedule)
     kern = heads_m.build(n_tok * tiles_per_token, 4096, splits, tiles_per_token, out_dtype, cfg)
     q_aval = S((n_tok * tiles_per_token, 64, common.Q_SW_COLS), FP8)
     qs_aval = S((n_tok * tiles_per_token, 64), jnp.float32)
@@ -285,10 +289,21 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, softmax_wgs):
   # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only).
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    # P·V: 4 k16 steps of m64n256k16 per code path: one shared path (softmax_wgs 2), or consumer 0's with P
-    # from registers and consumer 1's with P from SMEM (softmax_wgs 1)
-    assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4 * (3 - softmax_wgs)
-    assert low.count(r"prmt\.b32") == 0
+    if schedule == "handoff_vt":
+      # Oᵀ: per consumer 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 32 32-bit loads of its
+      # word of each (key, half), 32 byte permutes, 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
+      assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 16
+      assert low.count(r"ld\.shared\.b32 ") == 2 * 32 + 4        # + the thread gather's 4 row-id loads
+      assert low.count(r"prmt\.b32") == 2 * 32 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 64
+      # O: per consumer 8 head groups x 2 heads x 2 halves, 4 consecutive latent columns each
+      piece = r"\{alignment = 8 : i64\} : vector<4xbf16>" if splits == 1 else \
+          r"\{alignment = 16 : i64\} : vector<4xf32>"
+      assert low.count(piece) == 2 * 8 * 2 * 2
+    else:
+      # P·V: 4 k16 steps of m64n256k16 per code path: one shared path ("twin"), or consumer 0's with P from
+      # registers and consumer 1's with P from SMEM ("handoff")
+      assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4 * (2 if schedule == "handoff" else 1)
+      assert low.count(r"prmt\.b32") == 0
   else:   # P·V: 8 blocks of Oᵀ x 4 k16 steps of m64n16k16; Vᵀ from the K tile: 32 64-bit loads, 64 byte permutes
     assert low.count(r"m64n16k32\.f32\.e4m3\.e4m3") == 20 and low.count(r"m64n16k16\.f32\.f16\.f16") == 32
     assert low.count(r"ld\.shared\.v2\.b32") == 32 and low.count(r"prmt\.b32") == 64

@@ -37,15 +37,23 @@ Warpgroup roles (3 warpgroups, Lane semantics)
   registers per thread) with P as an f16 register operand. S is computed by both consumers (no cross-warpgroup
   exchange of S or P). WG0 writes lse.
 
-Schedules (``TuningConfig.softmax_wgs``)
-----------------------------------------
-* 2 (default): as above, both consumers compute the same S and run the same softmax; nothing crosses between them.
-* 1: WG0 alone computes S (one QKᵀ per tile instead of two: half the QK MMAs and their 80 KB of SMEM operand
-  reads), runs the softmax and writes P (f16 [64, 64], 128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` /
-  ``head_smem`` (``p_full``); WG0 multiplies its half of V with P from registers. WG1 upcasts its half of V, waits
-  for the slot, rescales by alpha and multiplies with P from SMEM, then releases the slot (``p_empty``); after the
-  last tile WG0 publishes kv_scale / l (``p_full[2]``) for WG1's half of O. Costs 16 KB of P slots and 1 KB of
-  rows; WG1's P·V of tile t can run under WG0's QKᵀ of tile t + 1.
+Schedules (``TuningConfig.schedule``)
+-------------------------------------
+* "twin" (default): as above, both consumers compute the same S and run the same softmax; nothing crosses between
+  them.
+* "handoff": WG0 alone computes S (one QKᵀ per tile instead of two: half the QK MMAs and their 80 KB of SMEM
+  operand reads), runs the softmax and writes P (f16 [64, 64], 128-byte swizzled) and alpha into slot t % 2 of
+  ``p_sw`` / ``head_smem`` (``p_full``); WG0 multiplies its half of V with P from registers. WG1 upcasts its half
+  of V, waits for the slot, rescales by alpha and multiplies with P from SMEM, then releases the slot
+  (``p_empty``); after the last tile WG0 publishes kv_scale / l (``p_full[2]``) for WG1's half of O. WG1's P·V of
+  tile t can run under WG0's QKᵀ of tile t + 1.
+* "handoff_vt": the hand-off of "handoff", with the output transposed, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the
+  register A operand built from the fp8 K tile (``kernels/vt_registers.py``: one 32-bit SMEM load per key and half,
+  ``prmt``, exact e4m3x2 → f16x2), Pᵀ the K-major view of P's slot. Each consumer holds 4 Oᵀ blocks of 64 latent
+  rows (latent column 8r + g in row r of block g: WG0 g = 0-3, WG1 g = 4-7; 4 × 32 f32 registers) and stores
+  8-byte (bf16) row pieces. No f16 V tile and no upcast pass: 64 KB of SMEM freed (k_buffers up to 3) and ~96 KB
+  less SMEM traffic per tile. Raw Mosaic GPU code: interpret mode runs "handoff" in its place (README:
+  interpret-only code paths).
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
 Interpret mode has no wgmma with a register A operand: there P goes through an SMEM tile [2, 64, 64] f16.
@@ -61,7 +69,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
-    softmax_wgs = 1: + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows 1 024 = 217 600
+    "handoff": + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows 1 024 = 217 600
+    "handoff_vt": − V f16 65 536 + P slots and rows 17 408 = 152 064; with k_buffers = 3: 193 024
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader.
 """
 from __future__ import annotations
@@ -76,40 +85,47 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common
+from mla_pallas.kernels import common, vt_registers
 from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_CHUNK, SW_CHUNKS, TILE,
                                        swizzled)
 
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 
-P_BUFFERS = 2        # P / alpha hand-off slots of the one-softmax schedule
+P_BUFFERS = 2        # P / alpha slots of the hand-off schedules
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.SparseSm90Config):
-  """Config of the heads-on-M design: ``tiles_per_split``, ``k_buffers`` (1 or 2; a third K tile does not fit
-  beside the 64-row Q and the f16 V tile) and ``softmax_wgs``: 2 — both consumers compute the same S and run the
-  same softmax (no exchange); 1 — consumer 0 alone computes S and the softmax and hands P (f16) and alpha to
-  consumer 1 through SMEM (module docstring, "Schedules")."""
-  K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2)
-  SOFTMAX_WGS: ClassVar[tuple[int, ...]] = (1, 2)
+  """Config of the heads-on-M design: ``tiles_per_split``, ``k_buffers`` (1-3, within the SMEM budget: a third K
+  tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
+  consumers compute the same S and run the same softmax; "handoff" — consumer 0 alone does, and hands P (f16) and
+  alpha to consumer 1 through SMEM; "handoff_vt" — as "handoff", with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
+  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile."""
+  K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff", "handoff_vt")
   k_buffers: int = 2
-  softmax_wgs: int = 2
+  schedule: str = "twin"
 
   def validate(self):
-    if self.softmax_wgs not in self.SOFTMAX_WGS:
-      raise ValueError(f"TuningConfig.softmax_wgs must be one of {self.SOFTMAX_WGS}; got {self.softmax_wgs}")
+    if self.schedule not in self.SCHEDULES:
+      raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
     super().validate()
 
+  @property
+  def hand_off(self) -> bool:
+    """P and alpha go from consumer 0 to consumer 1 through SMEM slots."""
+    return self.schedule != "twin"
+
   def smem_budget(self) -> int:
+    v_tile = (((TILE, D_V), jnp.float16),) if self.schedule != "handoff_vt" else ()
     hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
-        if self.softmax_wgs == 1 else ()
+        if self.hand_off else ()
     return common.smem_bytes(
         ((SW_CHUNKS, TILE, SW_CHUNK), FP8),                     # Q (latent | 0 | rope)
         ((self.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8),     # K, gathered straight into the swizzled layout
-        ((TILE, D_V), jnp.float16),                             # V f16
+        *v_tile,                                                # V f16
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
         *hand_off,                                              # P slots, alpha / (kv_scale / l) rows
@@ -129,16 +145,16 @@ class _Refs:
   q_sw: object
   k_sw: object
   v16: object
-  p_sw: object       # P through SMEM: [2, 64, 64] f16 (softmax_wgs = 1, or interpret mode); else None
+  p_sw: object       # P through SMEM: [2, 64, 64] f16 (hand-off schedules, or interpret mode); else None
   idx_smem: object
   lse_smem: object
-  head_smem: object  # softmax_wgs = 1: [3, 64] f32, alpha of P slot b in row b, kv_scale / l in row 2; else None
+  head_smem: object  # hand-off: [3, 64] f32, alpha of P slot b in row b, kv_scale / l in row 2; else None
   q_bar: object
   idx_bar: object
   k_full: object
   k_empty: object
-  p_full: object     # softmax_wgs = 1: P slot b written (b = 0, 1); slot 2: kv_scale / l written; else None
-  p_empty: object    # softmax_wgs = 1: consumer 1 is done with P slot b; else None
+  p_full: object     # hand-off: P slot b written (b = 0, 1); slot 2: kv_scale / l written; else None
+  p_empty: object    # hand-off: consumer 1 is done with P slot b; else None
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: _Refs):
@@ -213,7 +229,7 @@ def _softmax_prologue(tile_q, r: _Refs):
 
 
 def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
-  """softmax_wgs = 2, WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
+  """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
   output columns."""
   row_scale, kv_scale = _softmax_prologue(tile_q, r)
 
@@ -238,53 +254,66 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
-def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, tile_q, split, r: _Refs):
-  """softmax_wgs = 1, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and alpha into P slot
-  t % 2 for WG1, P·V into output columns 0-255 (P from registers; from its SMEM slot in interpret mode); at the
-  end kv_scale / l for WG1, its half of O and the lse."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+def _landed(t, cfg: TuningConfig, r: _Refs):
+  """A hand-off consumer's tile t once its K tile has landed: (K buffer, P slot, the K tiles ref)."""
+  kb = lax.rem(t, cfg.k_buffers)
+  plgpu.barrier_wait(r.k_full.at[kb])
+  return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
-  def step(t, carry):
-    acc, m, l = carry
-    kb = lax.rem(t, cfg.k_buffers)
-    pb = lax.rem(t, P_BUFFERS)
-    k_tiles = r.k_sw.at[kb]
-    plgpu.barrier_wait(r.k_full.at[kb])
-    s = _qk_and_upcast(k_tiles, lambda: common.stage_v16(k_tiles, r.v16, chunks=(0, 1)), r)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    p16 = p.astype(jnp.float16)
 
-    @pl.when(t >= P_BUFFERS)
-    def _():
-      plgpu.barrier_wait(r.p_empty.at[pb])   # WG1 is done with slot pb (tile t - 2)
-    r.p_sw.at[pb][...] = p16
-    r.head_smem.at[pb][...] = alpha
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(r.p_full.at[pb])
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return _pv_half(acc, r.p_sw.at[pb] if interpret else p16, 0, interpret, r), m_new, l
+def _publish_p(t, pb, p16, alpha, r: _Refs):
+  """Consumer 0 hands tile t's P (f16 [64, 64]) and alpha to consumer 1 in slot pb once that slot is free."""
+  @pl.when(t >= P_BUFFERS)
+  def _():
+    plgpu.barrier_wait(r.p_empty.at[pb])   # WG1 is done with slot pb (tile t - 2)
+  r.p_sw.at[pb][...] = p16
+  r.head_smem.at[pb][...] = alpha
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(r.p_full.at[pb])
 
-  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
+
+def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: _Refs):
+  """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``), the lse,
+  the final observation of the P slots; returns kv_scale / l [64] (row layout)."""
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
-  _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
   common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
+  return inv
+
+
+def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, tile_q, split, r: _Refs):
+  """schedule "handoff" (and "handoff_vt" in interpret mode), WG0: QKᵀ with the upcast of V chunks 0-1, the
+  online softmax, P (f16) and alpha into P slot t % 2 for WG1, P·V into output columns 0-255 (P from registers;
+  from its SMEM slot in interpret mode); at the end kv_scale / l for WG1, its half of O and the lse."""
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+
+  def step(t, carry):
+    acc, m, l = carry
+    kb, pb, k_tiles = _landed(t, cfg, r)
+    s = _qk_and_upcast(k_tiles, lambda: common.stage_v16(k_tiles, r.v16, chunks=(0, 1)), r)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    p16 = p.astype(jnp.float16)
+    _publish_p(t, pb, p16, alpha, r)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return _pv_half(acc, r.p_sw.at[pb] if interpret else p16, 0, interpret, r), m_new, l
+
+  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
+  inv = _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+  _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
 
 
 def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: _Refs):
-  """softmax_wgs = 1, WG1: the upcast of V chunks 2-3, then per tile the rescale by WG0's alpha and P·V into
-  output columns 256-511 with P from its SMEM slot; at the end its half of O, scaled by WG0's kv_scale / l."""
+  """schedule "handoff" (and "handoff_vt" in interpret mode), WG1: the upcast of V chunks 2-3, then per tile the
+  rescale by WG0's alpha and P·V into output columns 256-511 with P from its SMEM slot; at the end its half of O,
+  scaled by WG0's kv_scale / l."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
 
   def step(t, acc):
-    kb = lax.rem(t, cfg.k_buffers)
-    pb = lax.rem(t, P_BUFFERS)
-    k_tiles = r.k_sw.at[kb]
-    plgpu.barrier_wait(r.k_full.at[kb])
+    kb, pb, k_tiles = _landed(t, cfg, r)
     common.stage_v16(k_tiles, r.v16, chunks=(2, 3))
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
@@ -300,14 +329,87 @@ def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r
   _store_half(acc, inv, 1, out_dtype, tile_q, split, r)
 
 
+VT_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))   # "handoff_vt": the Oᵀ M blocks of consumer 0 / 1 (latent 8r + g)
+
+
+def _zero_vt():
+  return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * len(VT_BLOCKS[0])
+
+
+def _by_heads(accs, values):
+  """Oᵀ blocks (heads on the columns) times a per-head [64] vector read from ``head_smem``."""
+  return tuple(a * lax.broadcast_in_dim(values, a.shape, [1]) for a in accs)
+
+
+def _pv_vt(accs, words, pb, w: int, r: _Refs):
+  """Consumer w's Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major
+  B, Vᵀ built in registers from ``words``)."""
+  alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], _by_heads(accs, alpha), 2 * TILE,
+                                      blocks=VT_BLOCKS[w], p_rows=True))
+
+
+def _store_vt(accs, w: int, tile_q, split, r: _Refs):
+  """Consumer w's Oᵀ blocks times kv_scale / l (``head_smem`` row 2) into O (16- or 8-byte row pieces)."""
+  inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
+  vt_registers.store_o(_by_heads(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[w])
+
+
+def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: _Refs):
+  """schedule "handoff_vt" (hardware), WG0: QKᵀ, the online softmax, P and alpha into slot t % 2, its 32-bit
+  word of Vᵀ from the K tile, release of the K buffer, Oᵀ blocks 0-3 += Vᵀ · Pᵀ; at the end kv_scale / l, the
+  lse and its half of O."""
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+
+  def step(t, carry):
+    accs, m, l = carry
+    kb, pb, k_tiles = _landed(t, cfg, r)
+    s = _qk_and_upcast(k_tiles, lambda: None, r)
+    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
+    words = vt_registers.load_v_words(k_tiles, word=0)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    return _pv_vt(accs, words, pb, 0, r), m_new, l
+
+  _, m0, l0 = _zero_state()
+  accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (_zero_vt(), m0, l0))
+  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+  _store_vt(accs, 0, tile_q, split, r)
+
+
+def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: _Refs):
+  """schedule "handoff_vt" (hardware), WG1: its 32-bit word of Vᵀ from the K tile, release, then after slot t % 2
+  arrives Oᵀ blocks 4-7 += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+
+  def step(t, accs):
+    kb, pb, k_tiles = _landed(t, cfg, r)
+    words = vt_registers.load_v_words(k_tiles, word=1)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    plgpu.barrier_wait(r.p_full.at[pb])
+    accs = _pv_vt(accs, words, pb, 1, r)
+    plgpu.barrier_arrive(r.p_empty.at[pb])
+    return accs
+
+  accs = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_vt())
+  plgpu.barrier_wait(r.p_full.at[INV_SLOT])
+  _store_vt(accs, 1, tile_q, split, r)
+
+
+def _has_v_tile(cfg: TuningConfig, interpret: bool) -> bool:
+  """The f16 V tile exists unless the schedule reads Vᵀ into registers (interpret mode always upcasts)."""
+  return cfg.schedule != "handoff_vt" or interpret
+
+
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,
-          o_gmem, lse_gmem, q_sw, k_sw, v16, *rest):
-  one = cfg.softmax_wgs == 1
-  p_sw, rest = (rest[0], rest[1:]) if (interpret or one) else (None, rest)
+          o_gmem, lse_gmem, q_sw, k_sw, *rest):
+  hand_off = cfg.hand_off
+  v16, rest = (rest[0], rest[1:]) if _has_v_tile(cfg, interpret) else (None, rest)
+  p_sw, rest = (rest[0], rest[1:]) if (interpret or hand_off) else (None, rest)
   idx_smem, lse_smem, *rest = rest
-  head_smem, rest = (rest[0], rest[1:]) if one else (None, rest)
+  head_smem, rest = (rest[0], rest[1:]) if hand_off else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
-  p_full, p_empty = rest if one else (None, None)
+  p_full, p_empty = rest if hand_off else (None, None)
   r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
             lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
@@ -319,7 +421,15 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
   def _():
     _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
-  if one:
+  if cfg.schedule == "handoff_vt" and not interpret:
+    @pl.when(wg == 0)
+    def _():
+      _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
+
+    @pl.when(wg == 1)
+    def _():
+      _pv_vt_consumer(cfg, tile_q, split, r)
+  elif hand_off:    # "handoff", and the interpret-mode stand-in of "handoff_vt" (same products, V upcast in SMEM)
     @pl.when(wg == 0)
     def _():
       _softmax_consumer(cfg, num_slots, out_dtype, interpret, tile_q, split, r)
@@ -341,12 +451,14 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp)
-  one = cfg.softmax_wgs == 1
+  hand_off = cfg.hand_off
+  v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
+      if _has_v_tile(cfg, interp) else []
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
-      if (interp or one) else []
-  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if one else []
+      if (interp or hand_off) else []
+  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
-                       plgpu.Barrier(num_barriers=P_BUFFERS)] if one else []          # p_empty
+                       plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
@@ -356,7 +468,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       scratch_types=[
           common.q_scratch(TILE),                                                          # Q
           common.k_scratch(cfg.k_buffers),                                         # K
-          plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128)),     # V f16
+          *v_scratch,                                                                      # V f16
           *p_scratch,                                                                      # P slots
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse

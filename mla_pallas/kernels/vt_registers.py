@@ -58,12 +58,18 @@ def _thread():
   return warp, arith.divui(lane, _i32(4)), arith.remui(lane, _i32(4))
 
 
-def load_words(k_tile):
+ALL_BLOCKS = tuple(range(M_BLOCKS))
+
+
+def load_words(k_tile, word: int | None = None):
   """This thread's bytes of V from the K tile ``k_tile`` (Mosaic memref [5, 8, 1, 8, 128] fp8: chunks 0-3 hold
   latent columns 0-511, 128-byte rows, 128-byte swizzle), as an int32 (64, 128) array in WGMMA layout used as a
   plain container: register (i, h) (i = 0..15, h = 0..1) holds the 8 bytes of key 8 (i // 2) + 2t + i % 2 at
   latent columns 128w + 64h + 8q + [0, 8) (two 32-bit words). The loads are side-effecting inline asm so that
-  LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that follows them)."""
+  LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that follows them).
+
+  ``word`` (0 or 1): load only that 32-bit word (latent columns + 4 word + [0, 4): the bytes of M blocks
+  4 word ... 4 word + 3), one ``ld.shared.b32`` per (key, h), into both lanes of the register."""
   i32 = ir.IntegerType.get_signless(32)
   w, q, t = _thread()
   base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
@@ -81,10 +87,14 @@ def load_words(k_tile):
     for h in range(2):
       u = arith.xori(arith.addi(unit, _i32(4 * h)), key8)
       addr = arith.addi(row, arith.muli(u, _i32(16)))
-      pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr],
-                  "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", side_effects=True)
-      lo = llvm.extractvalue(i32, pair, [0])
-      hi = llvm.extractvalue(i32, pair, [1])
+      if word is None:
+        pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr],
+                    "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", side_effects=True)
+        lo = llvm.extractvalue(i32, pair, [0])
+        hi = llvm.extractvalue(i32, pair, [1])
+      else:
+        lo = hi = _asm(i32, [arith.addi(addr, _i32(4 * word))], "ld.shared.b32 $0, [$1];", "=r,r",
+                       side_effects=True)
       vec = vector.from_elements(v2, [lo, hi])
       idx = [0] * len(regs_shape)
       idx[1], idx[4] = i, h
@@ -92,8 +102,9 @@ def load_words(k_tile):
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
 
 
-def block_operands(words):
-  """The 8 A operands Vᵀ[M block g] (f16 (64, 64) arrays, WGMMA layout) from ``load_words``' container."""
+def block_operands(words, blocks=ALL_BLOCKS):
+  """The A operands Vᵀ[M block g] for g in ``blocks`` (f16 (64, 64) arrays, WGMMA layout) from ``load_words``'
+  container; ``blocks`` is a run of whole pairs (2i, 2i + 1), e.g. all 8 or the 4 of one 32-bit word."""
   i32 = ir.IntegerType.get_signless(32)
   f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
   regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
@@ -103,7 +114,7 @@ def block_operands(words):
     for h in range(2):
       wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
       wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
-      for g in range(0, M_BLOCKS, 2):
+      for g in blocks[::2]:
         b = g % 4
         word = g // 4
         a_w = vector.extract(wa, [], [word])
@@ -119,14 +130,15 @@ def block_operands(words):
           idx = [0] * len(regs_shape)
           idx[1], idx[4] = c, h
           out[g + j][tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
-  return [fa.FragmentedArray(_registers=r, _layout=fa.WGMMA_LAYOUT, _is_signed=None) for r in out]
+  return [fa.FragmentedArray(_registers=out[g], _layout=fa.WGMMA_LAYOUT, _is_signed=None) for g in blocks]
 
 
-def store_rows(accs, o):
+def store_rows(accs, o, blocks=ALL_BLOCKS):
   """Stores Oᵀ: accs[g] (f32 (64, N) WGMMA-layout arrays, row r = latent column 8r + g) to ``o`` (GMEM memref
   [out_heads, 512], bf16 or f32; out_heads a multiple of 8, <= N). Across the 8 blocks a thread holds, for each of
   its heads 8j + 2t + v and halves h, the 8 consecutive latent columns 128w + 64h + 8q + [0, 8): one 16-byte (bf16)
-  or two (f32) vector stores each, instead of 64 single-element stores of a transposed view."""
+  or two (f32) vector stores each, instead of 64 single-element stores of a transposed view. With a run of
+  ``blocks`` (accs[i] is block blocks[i]) the vectors hold those len(blocks) consecutive columns."""
   out_heads = ir.MemRefType(o.type).shape[0]
   dtype = ir.MemRefType(o.type).element_type
   nbytes = mgpu_utils.bytewidth(dtype)
@@ -139,40 +151,41 @@ def store_rows(accs, o):
       head = arith.addi(arith.muli(t, _i32(2)), _i32(8 * j + v))
       for h in range(2):
         vals = [vector.extract(a.registers[0, j, 0, 0, h, 0, 0, 0, 0], [], [v]) for a in accs]
-        vec = vector.from_elements(ir.VectorType.get((M_BLOCKS,), ir.F32Type.get()), vals)
+        vec = vector.from_elements(ir.VectorType.get((len(blocks),), ir.F32Type.get()), vals)
         if dtype != ir.F32Type.get():
-          vec = arith.truncf(ir.VectorType.get((M_BLOCKS,), dtype), vec)
-        elem = arith.addi(arith.muli(head, _i32(D_V)), arith.addi(col, _i32(64 * h)))
+          vec = arith.truncf(ir.VectorType.get((len(blocks),), dtype), vec)
+        elem = arith.addi(arith.muli(head, _i32(D_V)), arith.addi(col, _i32(64 * h + blocks[0])))
         off = arith.extui(i64, arith.muli(elem, _i32(nbytes)))
         ptr = mgpu_utils.getelementptr(base, [off], ir.IntegerType.get_signless(8))
-        llvm.store(vec, ptr, alignment=16)
+        llvm.store(vec, ptr, alignment=min(16, len(blocks) * nbytes))
 
 
-def store_o(accs, o_ref):
-  """Pallas-level :func:`store_rows`: ``accs`` (8 f32 (64, N) arrays, WGMMA layout, already normalised) to
-  ``o_ref`` (GMEM [out_heads, 512])."""
+def store_o(accs, o_ref, blocks=ALL_BLOCKS):
+  """Pallas-level :func:`store_rows`: ``accs`` (f32 (64, N) arrays of M blocks ``blocks``, WGMMA layout, already
+  normalised) to ``o_ref`` (GMEM [out_heads, 512])."""
   @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs), plgpu.RefType()))
   def f(ctx, accs, o):
     del ctx
-    store_rows(accs, o)
+    store_rows(accs, o, blocks)
   f(tuple(accs), o_ref)
 
 
-def load_v_words(k_tile_ref):
+def load_v_words(k_tile_ref, word: int | None = None):
   """Pallas-level :func:`load_words` of the K tile ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)),),
                      return_type=plgpu.ShapeDtypeStruct((TILE, 2 * TILE), jnp.int32, layout=plgpu.Layout.WGMMA))
   def f(ctx, k_tile):
     del ctx
-    return load_words(k_tile)
+    return load_words(k_tile, word)
   return f(k_tile_ref)
 
 
-def pv_wgmmas(words, pt_ref, accs, swizzle: int):
-  """accs[g] (f32 (64, N), WGMMA layout) += Vᵀ[M block g] · Pᵀ for g = 0..7, A from ``words`` in registers,
-  B = ``pt_ref`` (Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes); waited for. Returns the new
-  accumulators. Each block's operand is built (``prmt`` + ``cvt``) just before its wgmma is issued, so the
-  conversions of block g + 1 run under the wgmma of block g.
+def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False):
+  """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
+  B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
+  of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators. Each
+  block's operand is built (``prmt`` + ``cvt``) just before its wgmma is issued, so the conversions of block
+  g + 1 run under the wgmma of block g.
 
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
@@ -184,7 +197,9 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int):
                      return_type=acc_ty)
   def f(ctx, words, pt, accs):
     del ctx
-    a_ops = block_operands(words)
+    if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
+      pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
+    a_ops = block_operands(words, blocks)
     out = []
     for a, acc in zip(a_ops, accs):
       acc = mgpu.WGMMAAccumulator.from_registers(acc)

@@ -213,15 +213,16 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
                   arch: str = "sm90") -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled tuning overrides for benchmark sweeps (each a valid ``tuning=`` of :func:`_sparse_decode_jit`),
   first ``"default": ()``: the other K-buffer counts (sm_90) or gather ring depths (sm_100), the heads-on-M
-  design's other softmax schedule (``softmax_wgs``), and split lengths of 8, 16 and 32 tiles where they differ from
+  design's other schedules (``schedule``), and split lengths of 8, 16 and 32 tiles where they differ from
   the default plan."""
   cfg = default_config(h, batch_tokens, topk, arch)
   out = {"default": ()}
   field = "stages" if cfg.design == "sm100" else "k_buffers"
   current = getattr(cfg.kernel, field)
   candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
-  if cfg.design == "sm90_heads_m":      # the one-softmax schedule (P handed to consumer 1 through SMEM)
-    candidates.append((("softmax_wgs", 1),))
+  if cfg.design == "sm90_heads_m":      # the hand-off schedules (heads_m module docstring)
+    candidates += [(("schedule", "handoff"),), (("schedule", "handoff_vt"),),
+                   (("schedule", "handoff_vt"), ("k_buffers", 3))]
   k_tiles = max(1, -(-topk // TILE))
   candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
