@@ -47,6 +47,24 @@ def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
 
 
+@pytest.mark.parametrize("schedule", ["handoff", "handoff_vt"])
+@pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), (32, 4)])
+def test_heads_m_schedules(rng, H, s_q, schedule):
+  """The heads-on-M design's other schedules (sweep candidates) against the reference (the error model of the
+  default: the same fp8 products and f16 P), and against the default "twin" schedule on the same case: the same
+  products summed in another order, so about one bf16 ulp (2^-8 relative) apart."""
+  tuning = (("schedule", schedule),)
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64)
+  base, base_lse = run_kernel(case, interpret=False)
+  for extra in ((), (("k_buffers", 3),)) if schedule == "handoff_vt" else ((),):
+    out, lse = run_kernel(case, interpret=False, tuning=tuning + extra)
+    testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"{schedule}{extra} vs twin")
+    fin = np.isfinite(np.asarray(base_lse))
+    assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
+
+
 @pytest.mark.parametrize("H,s_q", [(8, 4), (16, 2)])
 def test_designs_agree(rng, H, s_q):
   """At H <= 16 the default heads-on-N design (Vᵀ in registers) and the heads-on-M design (forced through the op's
