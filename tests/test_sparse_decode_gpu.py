@@ -10,13 +10,14 @@ Quick selection (~4 minutes on an H200, both designs):
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_pallas import testing
+from mla_pallas import reference, testing
 
 import _sparse_gpu_checks as checks
-from _sparse_inputs import make_case, run_kernel
+from _sparse_inputs import logit_std, make_case, run_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -45,6 +46,28 @@ def test_prefill_routes_through_kernel(rng):
 def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   """Non-default configs of the sweep (``sweep_configs``) compute the same function on the GPU."""
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H", [8, 128])
+def test_cache_past_2gib(rng, H):
+  """Both designs on a 2.4 GB cache with every index past byte offset 2^31 (the thread gather addresses rows
+  with 64-bit byte offsets, kernels/gather_threads.py), against the reference; a few invalid ids among them."""
+  import jax
+  from _sparse_inputs import SparseCase
+  page, num_pages = 64, 66_407                      # 4 250 048 slots x 576 B = 2.45 GB
+  num_slots = page * num_pages
+  kv = jax.random.normal(jax.random.key(3), (num_pages, page, 576), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+  lo = 2 ** 31 // 576 + 1                            # first slot whose byte offset does not fit in int32
+  idx = rng.integers(lo, num_slots, (2, 2, 2048)).astype(np.int32)
+  idx[0, 1, ::97] = -1
+  idx[1, 0, 5] = num_slots                           # one past the end: masked, never read
+  case = SparseCase(jnp.asarray(rng.standard_normal((2, 2, H, 576)), jnp.bfloat16), kv, jnp.asarray(idx), None,
+                    192 ** -0.5, 1.0)
+  out, _ = checks.run(case, "mosaic")
+  ref_out, _ = reference.sparse_mla_decode(case.q, kv, case.indices, softmax_scale=case.softmax_scale)
+  budget = testing.fp8_error_budget(logit_std=logit_std(case), pv_length=2048, fp8_mma=True, quantized_p=False)
+  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what=f"H={H}, cache past 2 GiB")
 
 
 @pytest.mark.parametrize("schedule", ["handoff", "handoff_vt"])
