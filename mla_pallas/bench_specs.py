@@ -1,6 +1,7 @@
 """The benchmark specs of :mod:`mla_pallas.bench`: one :class:`~mla_pallas.bench.BenchSpec` per op.
 
-``sparse_mla_decode``, ``sparse_mla_prefill``; ``quantize_and_bmm_fp8`` (XLA = fp8 ``dot_general``, i.e. cuBLASLt on
+``sparse_mla_decode``, ``dense_mla_decode`` (cache bytes read as "gathered" bytes: the memory-bound figure of
+merit), ``sparse_mla_prefill``; ``quantize_and_bmm_fp8`` (XLA = fp8 ``dot_general``, i.e. cuBLASLt on
 a GPU; FLOPs 2*T*H*K*N, "moved" bytes; reference evaluated on the CPU, see ``BenchSpec.reference_on_cpu``);
 ``fused_rope_rmsnorm_quantization`` and ``rope_rmsnorm`` ("moved" bytes = what the op must read and write; extra
 impl ``copy``: a device copy of the same bytes in the same run, reported as "% copy BW"); ``mla_decode_step``: one
@@ -198,6 +199,71 @@ register(BenchSpec(
     module="mla_pallas.ops.sparse_decode",
     sweep=_sparse_sweep(prefill=False),
     tuned_op=_sparse_tuned(prefill=False),
+))
+
+
+# ---- dense_mla_decode -----------------------------------------------------------------------------------
+
+_DENSE_KEYS = {
+    "B": (int, "batch (sequences)"),
+    "s_q": (int, "query tokens per sequence (the last s_q tokens of each sequence)"),
+    "H": (int, "query heads"),
+    "ctx": (int, "cache tokens per sequence, all attended (the cache holds B * ceil(ctx/page) pages, shuffled)"),
+    "page": (int, "KV-cache page size (multiple of 16)"),
+    "causal": (int, "1: query token i attends positions < ctx - s_q + i + 1; 0: all ctx positions"),
+    "softmax_scale": (float, "softmax scale (default 576**-0.5: logits of std 1 on N(0,1) data)"),
+    "kv_scale": (float, "per-tensor dequantization scale of the fp8 cache"),
+}
+
+
+def _dense_validate(s):
+  _check_positive(s, "B", "s_q", "H", "page", "ctx")
+  _check_page(s)
+  if s["causal"] not in (0, 1):
+    raise ValueError(f"shape key 'causal' must be 0 or 1; got {s['causal']}")
+  if not (s["softmax_scale"] > 0 and s["kv_scale"] > 0):
+    raise ValueError("shape keys 'softmax_scale' and 'kv_scale' must be positive")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _dense_inputs_jit(shape_items, key):
+  s = dict(shape_items)
+  b, s_q, h, page = s["B"], s["s_q"], s["H"], s["page"]
+  pps = _pages_per_seq(s)
+  k_cache, k_perm, k_q = jax.random.split(key, 3)
+  cache = _random_cache(k_cache, b * pps, page)
+  block_table = jax.random.permutation(k_perm, b * pps).astype(jnp.int32).reshape(b, pps)
+  cache_seqlens = jnp.full((b,), s["ctx"], jnp.int32)
+  q = jax.random.normal(k_q, (b, s_q, h, D_QK), jnp.bfloat16)
+  return q, cache, block_table, cache_seqlens
+
+
+def _dense_kwargs(s):
+  return {**_scales(s), "causal": bool(s["causal"])}
+
+
+register(BenchSpec(
+    name="dense_mla_decode",
+    keys=_DENSE_KEYS,
+    cpu_defaults=dict(B=2, s_q=1, H=16, ctx=512, page=64, causal=0, **_SCALE_DEFAULTS),
+    # memory-bound default (the peer kit's D3): 1.2 GB of FP8 cache read per call
+    gpu_defaults=dict(B=64, s_q=1, H=16, ctx=32768, page=64, causal=0, **_SCALE_DEFAULTS),
+    preset=lambda name: {"H": _model_preset(name)["H"], "page": _model_preset(name)["page"]},
+    validate=_dense_validate,
+    make_inputs=lambda s, key: _dense_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=_dense_kwargs,
+    flops=lambda s: 2.0 * s["B"] * s["s_q"] * s["H"] * s["ctx"] * (D_QK + D_V),
+    # "gath GB/s" = FP8 cache bytes the call must read (every attended row once) per second
+    gathered_bytes=lambda s: float(s["B"] * s["ctx"] * D_QK),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK
+                              + s["B"] * (s["s_q"] * s["H"] * D_QK * 2 + _pages_per_seq(s) * 4 + 4)),
+    touched_bytes=lambda s: float(s["B"] * s["ctx"] * D_QK
+                                  + s["B"] * s["s_q"] * s["H"] * (D_QK * 2 + D_V * 2 + 4)),
+    tolerance=lambda s: _attn_tolerance(s, s["ctx"]),
+    outputs=("out", "lse"),
+    module="mla_pallas.ops.dense_decode",
+    conventions={"flops": "2*B*s_q*H*ctx*(576+512) (non-causal count)",
+                 "gathered_bytes": "cache bytes read: B*ctx*576 (FP8 rows, each once)"},
 ))
 
 

@@ -140,6 +140,19 @@ def test_run_prefill_xla():
   assert res.flops == 2 * 4 * 8 * 40 * (576 + 512)
 
 
+def test_run_dense_decode_xla_and_bytes():
+  """The dense decode spec: every position of every sequence attended (checked against the reference), cache
+  bytes read as the "gathered" bytes, the memory-bound default on a GPU, causal as a 0/1 key."""
+  spec = bench.get_spec("dense_mla_decode")
+  assert spec.shape(gpu=True)["ctx"] == 32768 and spec.shape(gpu=True)["H"] == 16
+  shape = {"B": 2, "s_q": 2, "H": 8, "ctx": 40, "page": 16, "causal": 1}
+  (res,) = bench.run("dense_mla_decode", ("xla",), shape, iters=1, n_inputs=1, progress=False)
+  assert res.ok and res.check_ok, res.check
+  assert res.flops == 2 * 2 * 2 * 8 * 40 * (576 + 512) and res.gathered_bytes == 2 * 40 * 576
+  with pytest.raises(ValueError, match="causal"):
+    bench.run("dense_mla_decode", ("xla",), {**shape, "causal": 2}, iters=1, n_inputs=1, progress=False)
+
+
 @pytest.mark.skipif(not ON_CPU, reason="exercises the CPU interpret path of the demo")
 def test_demo_cpu(capsys):
   # xla at a small shape (2 steps) plus the mosaic kernel in interpret mode at its tiny shape (a few seconds).
