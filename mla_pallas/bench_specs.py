@@ -248,7 +248,7 @@ register(BenchSpec(
     cpu_defaults=dict(B=2, s_q=1, H=16, ctx=512, page=64, causal=0, **_SCALE_DEFAULTS),
     # memory-bound default (the peer kit's D3): 1.2 GB of FP8 cache read per call
     gpu_defaults=dict(B=64, s_q=1, H=16, ctx=32768, page=64, causal=0, **_SCALE_DEFAULTS),
-    preset=lambda name: {"H": _model_preset(name)["H"], "page": _model_preset(name)["page"]},
+    preset=lambda name: {k: v for k, v in _model_preset(name).items() if k in ("H", "page")},
     validate=_dense_validate,
     make_inputs=lambda s, key: _dense_inputs_jit(tuple(sorted(s.items())), key),
     op_kwargs=_dense_kwargs,
@@ -578,7 +578,7 @@ register(BenchSpec(
     keys=_ROPE_KEYS,
     cpu_defaults=dict(T=16, H=16, interleaved=1, page=64, max_pos=4096, kv_scale=1.0),
     gpu_defaults=dict(T=4096, H=128, interleaved=1, page=64, max_pos=32768, kv_scale=1.0),
-    preset=lambda name: {"H": _model_preset(name)["H"], "page": _model_preset(name)["page"]},
+    preset=lambda name: {k: v for k, v in _model_preset(name).items() if k in ("H", "page")},
     validate=_rope_validate,
     make_inputs=lambda s, key: _rope_inputs_jit(tuple(sorted(s.items())), True, key),
     op_kwargs=lambda s: {},

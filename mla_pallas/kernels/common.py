@@ -175,6 +175,48 @@ class SparseSm90Config(TuningConfigBase):
     raise NotImplementedError
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseRefs:
+  """The GMEM and SMEM refs and barriers of an sm_90 sparse design's kernel, by name (a design leaves the ones it
+  does not allocate as None; what each holds is in the design's module docstring).
+
+  GMEM: q_gmem, qs_gmem (row scales), kv_gmem, idx_gmem, scal_gmem (kv_scale), o_gmem, lse_gmem. SMEM: q_sw, k_sw
+  (K tiles), v16 (f16 V tile), p_sw (P or Pᵀ slots), idx_smem, lse_smem, head_smem (per-head rows: alpha,
+  kv_scale / l). Barriers: q_bar, idx_bar, k_full / k_empty (K tiles), p_full / p_empty (P slots; slot 2 of
+  p_full: kv_scale / l written).
+  """
+  q_gmem: object
+  qs_gmem: object
+  kv_gmem: object
+  idx_gmem: object
+  scal_gmem: object
+  o_gmem: object
+  lse_gmem: object
+  q_sw: object
+  k_sw: object
+  v16: object
+  p_sw: object
+  idx_smem: object
+  lse_smem: object
+  head_smem: object
+  q_bar: object
+  idx_bar: object
+  k_full: object
+  k_empty: object
+  p_full: object
+  p_empty: object
+
+
+def scale_columns(accs, values):
+  """Each [R, C] register tile of ``accs`` times a per-column [C] vector (heads on the columns: alpha, 1/l)."""
+  return tuple(a * lax.broadcast_in_dim(values, a.shape, [1]) for a in accs)
+
+
+def chunk_col(c: int) -> int:
+  """First cache column of K-tile chunk ``c`` (chunks 0-3: columns 128 c; chunk 4: the tail from 448)."""
+  return c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL
+
+
 def q_scratch(rows: int):
   """Q as five 128-column chunks [5, rows, 128] fp8 (latent | 0 | rope), 128-byte swizzled: wgmma-ready."""
   return plgpu.SMEM((SW_CHUNKS, rows, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
@@ -244,7 +286,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
       def issue_row(r):
         row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
         for c in range(SW_CHUNKS):
-          src = row.at[:, pl.ds(c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL, SW_CHUNK)]
+          src = row.at[:, pl.ds(chunk_col(c), SW_CHUNK)]
           plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
       for_rows_per_warp(TILE, issue_row)
     tiles(gather_rows)

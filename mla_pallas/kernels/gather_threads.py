@@ -43,11 +43,6 @@ CHUNK_BYTES = common.TILE * common.SW_CHUNK    # 8192: one [64, 128] chunk of th
 CP_ASYNC_PER_THREAD = PASSES * common.SW_CHUNKS  # 20
 
 
-def _chunk_col(c: int) -> int:
-  """First cache column of K-tile chunk ``c``."""
-  return c * common.SW_CHUNK if c < common.SW_CHUNKS - 1 else common.SW_TAIL_COL
-
-
 def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
   """Inside an ``inline_mgpu`` body: this thread's 20 ``cp.async`` of tile ``t`` (i32 value) from ``kv`` (GMEM
   memref [num_slots, 576] fp8) into ``k_tile`` (SMEM memref of one [5, 64, 128] swizzled K tile), row ids from
@@ -73,7 +68,7 @@ def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
     src_row = arith.addi(arith.addi(kv_base, arith.muli(wide(row), c64(common.D_QK))), wide(unit_col))
     dst_row = arith.addi(arith.addi(k_base, arith.muli(r, c32(common.SW_CHUNK))), swz)
     for c in range(common.SW_CHUNKS):
-      src = arith.addi(src_row, c64(_chunk_col(c)))
+      src = arith.addi(src_row, c64(common.chunk_col(c)))
       dst = arith.addi(dst_row, c32(c * CHUNK_BYTES))
       asm(ir.Type.parse("!llvm.void"), [dst, src, size], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
           "r,l,r", side_effects=True)

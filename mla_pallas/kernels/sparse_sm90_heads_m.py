@@ -132,32 +132,7 @@ class TuningConfig(common.SparseSm90Config):
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refs:
-  """The kernel's GMEM and SMEM refs and barriers, by name."""
-  q_gmem: object
-  qs_gmem: object
-  kv_gmem: object
-  idx_gmem: object
-  scal_gmem: object
-  o_gmem: object
-  lse_gmem: object
-  q_sw: object
-  k_sw: object
-  v16: object
-  p_sw: object       # P through SMEM: [2, 64, 64] f16 (hand-off schedules, or interpret mode); else None
-  idx_smem: object
-  lse_smem: object
-  head_smem: object  # hand-off: [3, 64] f32, alpha of P slot b in row b, kv_scale / l in row 2; else None
-  q_bar: object
-  idx_bar: object
-  k_full: object
-  k_empty: object
-  p_full: object     # hand-off: P slot b written (b = 0, 1); slot 2: kv_scale / l written; else None
-  p_empty: object    # hand-off: consumer 1 is done with P slot b; else None
-
-
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: _Refs):
+def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
   """WG2: Q and the split's indices, then the gathers of every tile (``common.gather_tiles``)."""
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
   for c in range(SW_CHUNKS):
@@ -173,19 +148,20 @@ ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [64]: one value per key
 
 
-def _qk_and_upcast(k_tiles, chunks, r: _Refs):
-  """S = Q·Kᵀ of one tile (five fp8 wgmmas, K chunks of 128), with the f16 upcast of V's 128-column ``chunks``
-  (``wg`` -> range) issued under the asynchronous wgmmas; returns S [64, 64] f32 (WGMMA layout)."""
+def _qk_and_upcast(k_tiles, stage_v, r: common.SparseRefs):
+  """S = Q·Kᵀ of one tile (five fp8 wgmmas, K chunks of 128); ``stage_v()`` (the f16 upcast of V chunks, or None)
+  is issued under the asynchronous wgmmas and committed. Returns S [64, 64] f32 (WGMMA layout)."""
   def qk(acc_ref):
     for c in range(SW_CHUNKS):
       plgpu.wgmma(acc_ref, r.q_sw.at[c], k_tiles.at[c].T)
-    chunks()
-    plgpu.commit_smem()
+    if stage_v is not None:
+      stage_v()
+      plgpu.commit_smem()
     return acc_ref[...]
   return pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
 
 
-def _upcast_half(k_tiles, wg, r: _Refs):
+def _upcast_half(k_tiles, wg, r: common.SparseRefs):
   """Consumer ``wg`` stages the f16 V columns it multiplies: chunks 2 wg, 2 wg + 1 (``wg`` traced)."""
   for w in range(2):
     @pl.when(wg == w)
@@ -193,7 +169,7 @@ def _upcast_half(k_tiles, wg, r: _Refs):
       common.stage_v16(k_tiles, r.v16, chunks=range(2 * w, 2 * w + 2))
 
 
-def _pv_half(acc, p_op, wg, interpret: bool, r: _Refs):
+def _pv_half(acc, p_op, wg, interpret: bool, r: common.SparseRefs):
   """acc [64, 256] f32 += P · V[:, 256 wg : 256 wg + 256] (f16 wgmma; P in registers or an SMEM ref)."""
   v_op = r.v16.at[:, pl.ds(wg * 256, 256)]
 
@@ -203,7 +179,7 @@ def _pv_half(acc, p_op, wg, interpret: bool, r: _Refs):
   return acc
 
 
-def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: _Refs):
+def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: common.SparseRefs):
   out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
   r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
 
@@ -215,12 +191,12 @@ def _zero_state():
   return acc0, m0, l0
 
 
-def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: _Refs):
+def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: _Refs):
+def _softmax_prologue(tile_q, r: common.SparseRefs):
   """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale)."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   plgpu.barrier_wait(r.q_bar)
@@ -228,7 +204,7 @@ def _softmax_prologue(tile_q, r: _Refs):
   return plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False), r.scal_gmem[0]
 
 
-def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: _Refs):
+def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: common.SparseRefs):
   """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
   output columns."""
   row_scale, kv_scale = _softmax_prologue(tile_q, r)
@@ -254,14 +230,14 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
-def _landed(t, cfg: TuningConfig, r: _Refs):
+def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   """A hand-off consumer's tile t once its K tile has landed: (K buffer, P slot, the K tiles ref)."""
   kb = lax.rem(t, cfg.k_buffers)
   plgpu.barrier_wait(r.k_full.at[kb])
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
-def _publish_p(t, pb, p16, alpha, r: _Refs):
+def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
   """Consumer 0 hands tile t's P (f16 [64, 64]) and alpha to consumer 1 in slot pb once that slot is free."""
   @pl.when(t >= P_BUFFERS)
   def _():
@@ -272,7 +248,7 @@ def _publish_p(t, pb, p16, alpha, r: _Refs):
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
-def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: _Refs):
+def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
   """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``), the lse,
   the final observation of the P slots; returns kv_scale / l [64] (row layout)."""
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
@@ -284,7 +260,7 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: _Refs):
   return inv
 
 
-def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, tile_q, split, r: _Refs):
+def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs):
   """schedule "handoff" (and "handoff_vt" in interpret mode), WG0: QKᵀ with the upcast of V chunks 0-1, the
   online softmax, P (f16) and alpha into P slot t % 2 for WG1, P·V into output columns 0-255 (P from registers;
   from its SMEM slot in interpret mode); at the end kv_scale / l for WG1, its half of O and the lse."""
@@ -306,7 +282,7 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: b
   _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
 
 
-def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: _Refs):
+def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs):
   """schedule "handoff" (and "handoff_vt" in interpret mode), WG1: the upcast of V chunks 2-3, then per tile the
   rescale by WG0's alpha and P·V into output columns 256-511 with P from its SMEM slot; at the end its half of O,
   scaled by WG0's kv_scale / l."""
@@ -336,26 +312,21 @@ def _zero_vt():
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * len(VT_BLOCKS[0])
 
 
-def _by_heads(accs, values):
-  """Oᵀ blocks (heads on the columns) times a per-head [64] vector read from ``head_smem``."""
-  return tuple(a * lax.broadcast_in_dim(values, a.shape, [1]) for a in accs)
-
-
-def _pv_vt(accs, words, pb, w: int, r: _Refs):
+def _pv_vt(accs, words, pb, w: int, r: common.SparseRefs):
   """Consumer w's Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major
   B, Vᵀ built in registers from ``words``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], _by_heads(accs, alpha), 2 * TILE,
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), 2 * TILE,
                                       blocks=VT_BLOCKS[w], p_rows=True))
 
 
-def _store_vt(accs, w: int, tile_q, split, r: _Refs):
+def _store_vt(accs, w: int, tile_q, split, r: common.SparseRefs):
   """Consumer w's Oᵀ blocks times kv_scale / l (``head_smem`` row 2) into O (16- or 8-byte row pieces)."""
   inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
-  vt_registers.store_o(_by_heads(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[w])
+  vt_registers.store_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[w])
 
 
-def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: _Refs):
+def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
   """schedule "handoff_vt" (hardware), WG0: QKᵀ, the online softmax, P and alpha into slot t % 2, its 32-bit
   word of Vᵀ from the K tile, release of the K buffer, Oᵀ blocks 0-3 += Vᵀ · Pᵀ; at the end kv_scale / l, the
   lse and its half of O."""
@@ -364,7 +335,7 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: _R
   def step(t, carry):
     accs, m, l = carry
     kb, pb, k_tiles = _landed(t, cfg, r)
-    s = _qk_and_upcast(k_tiles, lambda: None, r)
+    s = _qk_and_upcast(k_tiles, None, r)
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
     _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
     words = vt_registers.load_v_words(k_tiles, word=0)
@@ -377,7 +348,7 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: _R
   _store_vt(accs, 0, tile_q, split, r)
 
 
-def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: _Refs):
+def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
   """schedule "handoff_vt" (hardware), WG1: its 32-bit word of Vᵀ from the K tile, release, then after slot t % 2
   arrives Oᵀ blocks 4-7 += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
@@ -410,7 +381,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
   head_smem, rest = (rest[0], rest[1:]) if hand_off else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
   p_full, p_empty = rest if hand_off else (None, None)
-  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
+  r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
             lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
@@ -467,7 +438,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE),                                                          # Q
-          common.k_scratch(cfg.k_buffers),                                         # K
+          common.k_scratch(cfg.k_buffers),                                                 # K
           *v_scratch,                                                                      # V f16
           *p_scratch,                                                                      # P slots
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices

@@ -107,37 +107,12 @@ class TuningConfig(common.SparseSm90Config):
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refs:
-  """The kernel's GMEM and SMEM refs and barriers, by name."""
-  q_gmem: object
-  qs_gmem: object
-  kv_gmem: object
-  idx_gmem: object
-  scal_gmem: object
-  o_gmem: object
-  lse_gmem: object
-  q_sw: object
-  k_sw: object
-  v16: object        # interpret mode only: the f16 V tile
-  p_sw: object
-  idx_smem: object
-  lse_smem: object
-  head_smem: object
-  q_bar: object
-  idx_bar: object
-  k_full: object
-  k_empty: object
-  p_full: object     # [0], [1]: Pᵀ and alpha of P buffer b; [2]: kv_scale / l
-  p_empty: object
-
-
-def _head_values(r: _Refs, row):
+def _head_values(r: common.SparseRefs, row):
   """[16] f32 of head_smem row ``row``, one value per head (column of Sᵀ)."""
   return plgpu.load(r.head_smem.at[row, pl.ds(0, HEADS_N)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
 
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r: _Refs):
+def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r: common.SparseRefs):
   """WG2: Q and the heads' logit scales (``q_bar``), the split's indices (``idx_bar``), then the gathers."""
   n_tiles = cfg.tiles_per_split
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
@@ -156,7 +131,7 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
                       n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices)
 
 
-def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: _Refs):
+def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: common.SparseRefs):
   """WG0: Sᵀ = K·Qᵀ, the online softmax down the columns, Pᵀ / alpha to WG1 per tile; kv_scale / l and lse at the
   end."""
   key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
@@ -207,11 +182,7 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: _Refs):
   common.drain(r.p_empty, cfg.tiles_per_split, 2)
 
 
-def _rescale(accs, alpha):
-  return tuple(a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs)
-
-
-def _pv_loop(cfg: TuningConfig, r: _Refs, step):
+def _pv_loop(cfg: TuningConfig, r: common.SparseRefs, step):
   """The P.V consumer's tile loop, shared by both V paths: ``step(t, accs)`` over the split's tiles from zero Oᵀ
   accumulators (V_BLOCKS x [64 values of d, HEADS_N]), then the wait for 1/l (Pᵀ slot 2). Returns the normalised
   Oᵀ blocks and this CTA's O ref ``o_gmem[tile_q, split]``."""
@@ -223,7 +194,7 @@ def _pv_loop(cfg: TuningConfig, r: _Refs, step):
   return [a * lax.broadcast_in_dim(inv, a.shape, [1]) for a in accs], r.o_gmem.at[tile_q, split]
 
 
-def _pv_consumer(cfg: TuningConfig, r: _Refs):
+def _pv_consumer(cfg: TuningConfig, r: common.SparseRefs):
   """WG1: Vᵀ from the K tile into registers, Oᵀ += Vᵀ·Pᵀ per tile (``vt_registers``), the O store at the end."""
 
   def step(t, accs):
@@ -233,7 +204,7 @@ def _pv_consumer(cfg: TuningConfig, r: _Refs):
     words = vt_registers.load_v_words(r.k_sw.at[kb])
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
-    accs = _rescale(accs, _head_values(r, ALPHA_ROW + pb))
+    accs = common.scale_columns(accs, _head_values(r, ALPHA_ROW + pb))
     accs = vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * HEADS_N)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
@@ -243,7 +214,7 @@ def _pv_consumer(cfg: TuningConfig, r: _Refs):
   vt_registers.store_o(o_blocks, o_ref)
 
 
-def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: _Refs):
+def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.SparseRefs):
   """Interpret-mode stand-in for :func:`_pv_consumer` (no ``inline_mgpu`` there): WG1 upcasts V into the f16
   SMEM tile ``v16`` (chunks 0-1, then after Pᵀ arrives chunks 2-3 under the wgmmas of blocks 0-3) and runs
   Oᵀ[block] += Vᵀ[block]·Pᵀ with Vᵀ the transposed SMEM view; the O store is a transposed GMEM view per block."""
@@ -257,7 +228,7 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: _Refs):
     common.stage_v16(k_tiles, r.v16, chunks=(0, 1))
     plgpu.commit_smem()
     plgpu.barrier_wait(r.p_full.at[pb])
-    accs = _rescale(accs, _head_values(r, ALPHA_ROW + pb))
+    accs = common.scale_columns(accs, _head_values(r, ALPHA_ROW + pb))
 
     def pv(refs):
       for b, ref in enumerate(refs):
@@ -279,7 +250,7 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: _Refs):
 def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem,
           lse_gmem, q_sw, k_sw, *rest):
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  r = _Refs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest)
+  r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == LOADER)
@@ -325,7 +296,7 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(HEADS_N),                                                       # Q
-          common.k_scratch(cfg.k_buffers),                                         # K
+          common.k_scratch(cfg.k_buffers),                                                 # K
           *v_scratch,                                                                      # V f16 (interpret)
           plgpu.SMEM((2, TILE, HEADS_N), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_N)),   # Pᵀ
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
