@@ -105,6 +105,8 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff"),)),  # heads on M, one softmax warpgroup handing P to the other
     (128, (("schedule", "handoff"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, P slots reused
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),   # interpret mode runs "handoff" in its place
+    (64, (("schedule", "pairs"), ("k_buffers", 4))),        # consumers on alternate tiles, max / P exchanged
+    (128, (("schedule", "pairs"), ("tiles_per_split", 2), ("k_buffers", 2))),   # one pair per split, 2 splits
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -144,9 +146,11 @@ def test_default_config_rules():
     cfg = sd.default_config(h, 512, 2048)
     assert cfg.design == "sm90_heads_n" and cfg.module is heads_n
     assert cfg.kernel == heads_n.TuningConfig(tiles_per_split=32, k_buffers=4) and cfg.num_splits == 1
-  for h in (32, 64, 128):
+  for h in (32, 64, 128):     # a full 32-tile split: the hand-off with Vᵀ in registers; shorter ones: "twin"
     cfg = sd.default_config(h, 256, 2048)
-    assert cfg.design == "sm90_heads_m" and cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2)
+    assert cfg.design == "sm90_heads_m"
+    assert cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule="handoff_vt")
+  assert sd.default_config(64, 64, 2048).kernel == heads_m.TuningConfig(tiles_per_split=16, k_buffers=2)
   assert sd.default_config(64, 1, 512).num_splits == 2 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 4
   assert sd.default_config(8, 4, 2048, arch="sm100").design == "sm100"
   with pytest.raises(NotImplementedError, match="sm80"):
@@ -191,6 +195,19 @@ def test_registers_fit_the_launch_allocation():
   rounded down to 8: 168 per thread); asking for more hangs the kernel on the GPU."""
   r0 = 65536 // 384 // 8 * 8
   assert common.LOADER_REGS + 2 * common.CONSUMER_REGS <= 3 * r0 and common.CONSUMER_REGS % 8 == 0
+
+
+@pytest.mark.parametrize("tokens,tiles_per_token,topk,plan", [
+    (128, 1, 2048, (1, 32)),    # P4: 128 CTAs fill one wave; doubling to 256 CTAs of 16 tiles (2 waves) was slower
+    (64, 1, 2048, (2, 16)),     # P3: 128 CTAs of 16 tiles rather than 256 of 8
+    (16, 2, 2048, (4, 8)),      # C0
+    (4096, 2, 2048, (1, 32)),   # F1: 63 waves; more splits only shorten the last wave
+    (296, 2, 16384, (8, 32)),   # P5: the fewest splits that keep a split <= 2048 keys
+    (512, 1, 2048, (1, 32)),    # P2
+])
+def test_plan_minimises_waves(tokens, tiles_per_token, topk, plan):
+  """The split plan counts waves x (tiles + the CTA's fixed cost) on 132 SMs, one CTA per SM."""
+  assert sd._plan(tokens, tiles_per_token, topk, num_sms=132) == plan
 
 
 def test_plan_splits_small_batches():
@@ -264,6 +281,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "handoff"), (64, 1, 2051, 2, 1, "handoff"),
     (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
+    (128, 2, 2048, 1, 4, "pairs"), (64, 1, 2048, 2, 3, "pairs"),
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
 ])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
@@ -286,10 +304,20 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     kern = heads_n.build(n_tok, 4096, splits, -(-H // 8) * 8, H, out_dtype, cfg)
     q_aval, qs_aval = S((n_tok * H, common.Q_SW_COLS), FP8), S((n_tok * H,), jnp.float32)
   low = testing.lower_for_cuda(kern, q_aval, qs_aval, kv, idx, S((1,), jnp.float32), arch=(9, 0))
-  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only).
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
+  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only; "pairs": one
+  # path per consumer, each on its own tiles).
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20 * (2 if schedule == "pairs" else 1)
   if H > sd.HEADS_ON_N_MAX:
-    if schedule == "handoff_vt":
+    if schedule == "pairs":
+      # per consumer and pair: Oᵀ blocks += Vᵀ · Pᵀ for its own tile and the other's (4 blocks x 4 k16 steps
+      # each), with its word of Vᵀ loaded from both tiles; O in 8-byte bf16 pieces as "handoff_vt"
+      assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 2 * 16
+      assert low.count(r"ld\.shared\.b32 ") == 2 * 2 * 32 + 4
+      assert low.count(r"prmt\.b32") == 2 * 2 * 32 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 2 * 64
+      piece = r"\{alignment = 8 : i64\} : vector<4xbf16>" if splits == 1 else \
+          r"\{alignment = 16 : i64\} : vector<4xf32>"
+      assert low.count(piece) == 2 * 8 * 2 * 2
+    elif schedule == "handoff_vt":
       # Oᵀ: per consumer 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 32 32-bit loads of its
       # word of each (key, half), 32 byte permutes, 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
       assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 16

@@ -125,6 +125,7 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False):
 HEADS_ON_N_MAX = 16     # sm_90: kernels/sparse_sm90_heads_n.py up to this many heads, sparse_sm90_heads_m.py above
 MAX_SPLIT_TILES = 32    # <= 2048 keys per split (the index SMEM budget)
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys
+CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
 
 
@@ -168,18 +169,23 @@ def _tiles_per_token(h: int, design: str) -> int:
 
 
 def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132):
-  """Choose (num_splits, tiles_per_split) so that CTAs fill the GPU and each split is <= 2048 keys.
+  """Choose (num_splits, tiles_per_split): the least time in waves x (tiles per CTA + CTA_OVERHEAD_TILES).
 
-  One CTA per SM fits (SMEM), so splitting stops once there are at least ``num_sms`` CTAs or a split would be
-  shorter than MIN_SPLIT_TILES tiles.
+  One CTA fits per SM (SMEM), so a grid of ``ctas · splits`` CTAs runs in ceil(ctas · splits / num_sms) waves,
+  each CTA taking ``tiles_per_split`` tile times plus its fixed cost (CTA_OVERHEAD_TILES, fitted to the sweep of
+  2026-12-02: one wave of 32 / 16 / 8 tiles against two of 16 / 8 / 4 at P4 / P3 / C0 gave 2.7-5.9 tiles).
+  Splits range from the fewest that keep a split <= MAX_SPLIT_TILES tiles to the most that keep it >=
+  MIN_SPLIT_TILES; ties go to fewer splits (less partial output to merge). Doubling the splits until the CTAs
+  reach ``num_sms`` (the plan before) turned grids just short of the SM count into two waves of half-length CTAs
+  (docs/kernels/sparse_decode_sm90.md, "Split plan").
   """
   k_tiles = max(1, -(-topk // TILE))
   ctas = batch_tokens * tiles_per_token
-  splits = max(1, -(-k_tiles // MAX_SPLIT_TILES))
-  while ctas * splits < num_sms and k_tiles // (splits * 2) >= MIN_SPLIT_TILES:
-    splits *= 2
-  tps = -(-k_tiles // splits)
-  return splits, tps
+  fewest = max(1, -(-k_tiles // MAX_SPLIT_TILES))
+  most = max(fewest, k_tiles // MIN_SPLIT_TILES)
+  cost = lambda n: (-(-ctas * n // num_sms)) * (-(-k_tiles // n) + CTA_OVERHEAD_TILES)
+  splits = min(range(fewest, most + 1), key=lambda n: (cost(n), n))
+  return splits, -(-k_tiles // splits)
 
 
 def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90") -> KernelConfig:
@@ -190,7 +196,19 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90") -> 
   split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys."""
   design = _design(h, arch)
   splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms())
-  return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps))
+  tuning = _heads_m_tuning(tps) if design == "sm90_heads_m" else {}
+  return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps, **tuning))
+
+
+HANDOFF_MIN_TILES = 32  # heads on M: "handoff_vt" from splits this long; "twin" below (equal at 16, slower at 8)
+
+
+def _heads_m_tuning(tiles_per_split: int) -> dict:
+  """The heads-on-M schedule for a split length (measured 2026-12-02, docs/kernels/sparse_decode_sm90.md): the
+  hand-off with Vᵀ in registers wins on long splits (P1 403 -> 347 us, F1 6013 -> 5178), costs at short ones."""
+  if tiles_per_split >= HANDOFF_MIN_TILES:
+    return dict(schedule="handoff_vt")
+  return {}
 
 
 def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> KernelConfig:
@@ -204,9 +222,17 @@ def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> Kerne
   if set(kw) - fields:
     raise ValueError(f"tuning names {sorted(set(kw) - fields)}, which the {cfg.design} kernel's TuningConfig does "
                      f"not have (fields: {sorted(fields)})")
+  if kw.get("schedule", getattr(cfg.kernel, "schedule", None)) == "pairs":
+    kw["tiles_per_split"] = _even(kw.get("tiles_per_split", cfg.kernel.tiles_per_split))
   kernel = dataclasses.replace(cfg.kernel, **kw)
   splits = -(-max(1, -(-topk // TILE)) // kernel.tiles_per_split) if "tiles_per_split" in kw else cfg.num_splits
   return KernelConfig(cfg.design, splits, kernel)
+
+
+def _even(tiles_per_split: int) -> int:
+  """Split length for the "pairs" schedule, whose consumers take the tiles in pairs: rounded up to even (the
+  extra tile holds invalid ids)."""
+  return tiles_per_split + tiles_per_split % 2
 
 
 def sweep_configs(h: int, batch_tokens: int, topk: int,
@@ -220,9 +246,10 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
   field = "stages" if cfg.design == "sm100" else "k_buffers"
   current = getattr(cfg.kernel, field)
   candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
-  if cfg.design == "sm90_heads_m":      # the hand-off schedules (heads_m module docstring)
-    candidates += [(("schedule", "handoff"),), (("schedule", "handoff_vt"),),
-                   (("schedule", "handoff_vt"), ("k_buffers", 3))]
+  if cfg.design == "sm90_heads_m":      # the other schedules (heads_m module docstring)
+    candidates += [(("schedule", sched),) for sched in ("twin", "handoff_vt") if sched != cfg.kernel.schedule]
+    candidates += [(("schedule", "handoff_vt"), ("k_buffers", 3)),
+                   (("schedule", "pairs"), ("k_buffers", 3)), (("schedule", "pairs"), ("k_buffers", 4))]
   k_tiles = max(1, -(-topk // TILE))
   candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
