@@ -102,11 +102,10 @@ def _interpret_budget(case):
     (8, (("k_buffers", 2),)),       # heads on N, two and three K buffers
     (16, (("k_buffers", 3),)),
     (32, (("tiles_per_split", 2),)),   # a split-length override: 4 tiles -> 2 splits of 2
-    (64, (("schedule", "handoff"),)),  # heads on M, one softmax warpgroup handing P to the other
-    (128, (("schedule", "handoff"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, P slots reused
-    (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),   # interpret mode runs "handoff" in its place
-    (64, (("schedule", "pairs"), ("k_buffers", 4))),        # consumers on alternate tiles, max / P exchanged
-    (128, (("schedule", "pairs"), ("tiles_per_split", 2), ("k_buffers", 2))),   # one pair per split, 2 splits
+    # heads on M, one softmax warpgroup handing P to the other (interpret mode: with the f16 V tile)
+    (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
+    (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
+    (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -184,8 +183,7 @@ def test_tuning_errors():
   assert heads_m.TuningConfig().smem_budget() == 200192 and heads_n.TuningConfig().smem_budget() == 190976
   with pytest.raises(ValueError, match="schedule"):
     heads_m.TuningConfig(schedule="triple")
-  # hand-off: + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding); "handoff_vt" without the V tile
-  assert heads_m.TuningConfig(schedule="handoff").smem_budget() == 200192 + 2 * 8192 + 1024
+  # "handoff_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
   assert heads_m.TuningConfig(schedule="handoff_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
   assert heads_m.TuningConfig(schedule="handoff_vt", k_buffers=3).smem_budget() == 193024
 
@@ -279,9 +277,7 @@ def test_xla_masking_fuzz(idx_list, tl):
 
 @pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,schedule", [
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
-    (128, 2, 2048, 1, 2, "handoff"), (64, 1, 2051, 2, 1, "handoff"),
-    (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
-    (128, 2, 2048, 1, 4, "pairs"), (64, 1, 2048, 2, 3, "pairs"),
+    (128, 2, 2048, 1, 2, "handoff_vt"), (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
 ])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
@@ -304,20 +300,10 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     kern = heads_n.build(n_tok, 4096, splits, -(-H // 8) * 8, H, out_dtype, cfg)
     q_aval, qs_aval = S((n_tok * H, common.Q_SW_COLS), FP8), S((n_tok * H,), jnp.float32)
   low = testing.lower_for_cuda(kern, q_aval, qs_aval, kv, idx, S((1,), jnp.float32), arch=(9, 0))
-  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only; "pairs": one
-  # path per consumer, each on its own tiles).
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20 * (2 if schedule == "pairs" else 1)
+  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only).
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    if schedule == "pairs":
-      # per consumer and pair: Oᵀ blocks += Vᵀ · Pᵀ for its own tile and the other's (4 blocks x 4 k16 steps
-      # each), with its word of Vᵀ loaded from both tiles; O in 8-byte bf16 pieces as "handoff_vt"
-      assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 2 * 16
-      assert low.count(r"ld\.shared\.b32 ") == 2 * 2 * 32 + 4
-      assert low.count(r"prmt\.b32") == 2 * 2 * 32 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 2 * 64
-      piece = r"\{alignment = 8 : i64\} : vector<4xbf16>" if splits == 1 else \
-          r"\{alignment = 16 : i64\} : vector<4xf32>"
-      assert low.count(piece) == 2 * 8 * 2 * 2
-    elif schedule == "handoff_vt":
+    if schedule == "handoff_vt":
       # Oᵀ: per consumer 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 32 32-bit loads of its
       # word of each (key, half), 32 byte permutes, 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
       assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 16
@@ -328,9 +314,8 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
           r"\{alignment = 16 : i64\} : vector<4xf32>"
       assert low.count(piece) == 2 * 8 * 2 * 2
     else:
-      # P·V: 4 k16 steps of m64n256k16 per code path: one shared path ("twin"), or consumer 0's with P from
-      # registers and consumer 1's with P from SMEM ("handoff")
-      assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4 * (2 if schedule == "handoff" else 1)
+      # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
+      assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4
       assert low.count(r"prmt\.b32") == 0
   else:   # P·V: 8 blocks of Oᵀ x 4 k16 steps of m64n16k16; Vᵀ from the K tile: 32 64-bit loads, 64 byte permutes
     assert low.count(r"m64n16k32\.f32\.e4m3\.e4m3") == 20 and low.count(r"m64n16k16\.f32\.f16\.f16") == 32

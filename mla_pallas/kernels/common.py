@@ -115,7 +115,7 @@ def drain(barrier, n_steps: int, n_slots: int):
   for s in range(max(n_steps - n_slots, 0), n_steps):
     plgpu.barrier_wait(barrier.at[s % n_slots])
 
-def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, combine_max=None):
+def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
@@ -123,8 +123,6 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, comb
     valid_cols: [T] bool (False: masked key); row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
     log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
     (running sums per element: no reduction over the keys in this step, the caller sums once at the end).
-    combine_max: optional [R] -> [R] map applied to this tile's row maxima before they update ``m`` (a warpgroup
-    that shares the running max with another one exchanges its maxima there and returns the elementwise max).
   Returns:
     (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1], alpha [R] = 2^(m - m_new) to rescale the running output,
     m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
@@ -133,8 +131,7 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, comb
   valid = lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
   s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
   s = jnp.where(valid, s, -jnp.inf)
-  tile_max = s.max(axis=keys_axis)
-  m_new = jnp.maximum(m, tile_max if combine_max is None else combine_max(tile_max))
+  m_new = jnp.maximum(m, s.max(axis=keys_axis))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_use)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
@@ -186,7 +183,7 @@ class SparseRefs:
   GMEM: q_gmem, qs_gmem (row scales), kv_gmem, idx_gmem, scal_gmem (kv_scale), o_gmem, lse_gmem. SMEM: q_sw, k_sw
   (K tiles), v16 (f16 V tile), p_sw (P or Pᵀ slots), idx_smem, lse_smem, head_smem (per-head rows: alpha,
   kv_scale / l). Barriers: q_bar, idx_bar, k_full / k_empty (K tiles), p_full / p_empty (P slots; slot 2 of
-  p_full: kv_scale / l written), x_full (per consumer: a row vector of it published for the other one).
+  p_full: kv_scale / l written).
   """
   q_gmem: object
   qs_gmem: object
@@ -208,7 +205,6 @@ class SparseRefs:
   k_empty: object
   p_full: object
   p_empty: object
-  x_full: object = None
 
 
 def scale_columns(accs, values):

@@ -37,23 +37,22 @@ Warpgroup roles (3 warpgroups, Lane semantics)
   registers per thread) with P as an f16 register operand. S is computed by both consumers (no cross-warpgroup
   exchange of S or P). WG0 writes lse.
 
-Schedules (``TuningConfig.schedule``)
--------------------------------------
-* "twin" (default): as above, both consumers compute the same S and run the same softmax; nothing crosses between
-  them.
-* "handoff": WG0 alone computes S (one QKᵀ per tile instead of two: half the QK MMAs and their 80 KB of SMEM
-  operand reads), runs the softmax and writes P (f16 [64, 64], 128-byte swizzled) and alpha into slot t % 2 of
-  ``p_sw`` / ``head_smem`` (``p_full``); WG0 multiplies its half of V with P from registers. WG1 upcasts its half
-  of V, waits for the slot, rescales by alpha and multiplies with P from SMEM, then releases the slot
-  (``p_empty``); after the last tile WG0 publishes kv_scale / l (``p_full[2]``) for WG1's half of O. WG1's P·V of
-  tile t can run under WG0's QKᵀ of tile t + 1.
-* "handoff_vt": the hand-off of "handoff", with the output transposed, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the
-  register A operand built from the fp8 K tile (``kernels/vt_registers.py``: one 32-bit SMEM load per key and half,
-  ``prmt``, exact e4m3x2 → f16x2), Pᵀ the K-major view of P's slot. Each consumer holds 4 Oᵀ blocks of 64 latent
-  rows (latent column 8r + g in row r of block g: WG0 g = 0-3, WG1 g = 4-7; 4 × 32 f32 registers) and stores
-  8-byte (bf16) row pieces. No f16 V tile and no upcast pass: 64 KB of SMEM freed (k_buffers up to 3) and ~96 KB
-  less SMEM traffic per tile. Raw Mosaic GPU code: interpret mode runs "handoff" in its place (README:
-  interpret-only code paths).
+Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sparse_decode._heads_m_tuning``)
+--------------------------------------------------------------------------------------------------------------
+* "twin": as above, both consumers compute the same S and run the same softmax; nothing crosses between them.
+  The op's choice for splits shorter than 32 tiles.
+* "handoff_vt": WG0 alone computes S (one QKᵀ per tile instead of two), runs the softmax and writes P (f16
+  [64, 64], 128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``); the output is
+  transposed, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built from the fp8 K tile
+  (``kernels/vt_registers.py``: one 32-bit SMEM load per key and half, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the
+  K-major view of P's slot. Each consumer holds 4 Oᵀ blocks of 64 latent rows (latent column 8r + g in row r of
+  block g: WG0 g = 0-3, WG1 g = 4-7; 4 × 32 f32 registers) and stores 8-byte (bf16) row pieces. WG1 waits for
+  the slot, rescales by alpha, multiplies and releases the slot (``p_empty``); after the last tile WG0 publishes
+  kv_scale / l (``p_full[2]``). No f16 V tile and no upcast pass (k_buffers up to 3). The op's choice for 32-tile
+  splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
+  V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
+  paths).
+Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
 Interpret mode has no wgmma with a register A operand: there P goes through an SMEM tile [2, 64, 64] f16.
@@ -69,8 +68,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
-    "handoff": + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows 1 024 = 217 600
-    "handoff_vt": − V f16 65 536 + P slots and rows 17 408 = 152 064; with k_buffers = 3: 193 024
+    "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows 1 024 = 152 064;
+    with k_buffers = 3: 193 024
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader.
 """
 from __future__ import annotations
@@ -92,42 +91,26 @@ from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 
-P_BUFFERS = 2        # P / alpha slots of the hand-off schedules; "pairs": consumer w's P in slot w
+P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
-PAIR_X = 2            # "pairs": head_smem rows 2 + w carry consumer w's row maxima (at the end: its sum l)
-
-
-def _head_rows(cfg) -> int:
-  """Rows of head_smem ([rows, 64] f32): hand-off: alpha slots + kv_scale / l; "pairs": alpha (then kv_scale / l)
-  of each consumer + the two exchange rows."""
-  return PAIR_X + 2 if cfg.schedule == "pairs" else INV_SLOT + 1
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.SparseSm90Config):
   """Config of the heads-on-M design: ``tiles_per_split``, ``k_buffers`` (1-3, within the SMEM budget: a third K
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
-  consumers compute the same S and run the same softmax; "handoff" — consumer 0 alone does, and hands P (f16) and
-  alpha to consumer 1 through SMEM; "handoff_vt" — as "handoff", with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
-  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile."""
-  K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff", "handoff_vt", "pairs")
+  consumers compute the same S and run the same softmax; "handoff_vt" — consumer 0 alone does and hands P (f16)
+  and alpha to consumer 1 through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register operand read from the
+  fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile."""
+  K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   k_buffers: int = 2
   schedule: str = "twin"
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
-    if self.schedule == "pairs" and (self.tiles_per_split % 2 or self.k_buffers < 2):
-      raise ValueError("TuningConfig(schedule='pairs') needs an even tiles_per_split (the consumers take alternate "
-                       f"tiles) and k_buffers >= 2 (both tiles of a pair resident); got {self}")
     super().validate()
-
-  @property
-  def reduction_scratch(self) -> int:
-    """Mosaic's cross-warp reduction scratch: the default 2 KB; "pairs" reduces within quads only and needs the
-    room for a fourth K buffer."""
-    return 0 if self.schedule == "pairs" else 2048
 
   @property
   def hand_off(self) -> bool:
@@ -135,8 +118,8 @@ class TuningConfig(common.SparseSm90Config):
     return self.schedule != "twin"
 
   def smem_budget(self) -> int:
-    v_tile = (((TILE, D_V), jnp.float16),) if self.schedule in ("twin", "handoff") else ()
-    hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((_head_rows(self), TILE), jnp.float32)) \
+    v_tile = (((TILE, D_V), jnp.float16),) if not self.hand_off else ()
+    hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
         if self.hand_off else ()
     return common.smem_bytes(
         ((SW_CHUNKS, TILE, SW_CHUNK), FP8),                     # Q (latent | 0 | rope)
@@ -145,7 +128,7 @@ class TuningConfig(common.SparseSm90Config):
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
         *hand_off,                                              # P slots, alpha / (kv_scale / l) rows
-    ) + 64 * 8 + self.reduction_scratch   # barriers; Mosaic reduction scratch
+    ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
@@ -276,10 +259,10 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
   return inv
 
 
-def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs):
-  """schedule "handoff" (and "handoff_vt" in interpret mode), WG0: QKᵀ with the upcast of V chunks 0-1, the
-  online softmax, P (f16) and alpha into P slot t % 2 for WG1, P·V into output columns 0-255 (P from registers;
-  from its SMEM slot in interpret mode); at the end kv_scale / l for WG1, its half of O and the lse."""
+def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, tile_q, split, r: common.SparseRefs):
+  """"handoff_vt" in interpret mode, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and
+  alpha into P slot t % 2 for WG1, P·V into output columns 0-255 with P from its slot; at the end kv_scale / l for
+  WG1, its half of O and the lse."""
   row_scale, kv_scale = _softmax_prologue(tile_q, r)
 
   def step(t, carry):
@@ -291,17 +274,17 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: b
     p16 = p.astype(jnp.float16)
     _publish_p(t, pb, p16, alpha, r)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return _pv_half(acc, r.p_sw.at[pb] if interpret else p16, 0, interpret, r), m_new, l
+    return _pv_half(acc, r.p_sw.at[pb], 0, True, r), m_new, l
 
   acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
   inv = _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
   _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
 
 
-def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs):
-  """schedule "handoff" (and "handoff_vt" in interpret mode), WG1: the upcast of V chunks 2-3, then per tile the
-  rescale by WG0's alpha and P·V into output columns 256-511 with P from its SMEM slot; at the end its half of O,
-  scaled by WG0's kv_scale / l."""
+def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs):
+  """"handoff_vt" in interpret mode, WG1: the upcast of V chunks 2-3, then per tile the rescale by WG0's alpha and
+  P·V into output columns 256-511 with P from its SMEM slot; at the end its half of O, scaled by WG0's
+  kv_scale / l."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
 
   def step(t, acc):
@@ -311,7 +294,7 @@ def _pv_consumer(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
     alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], 1, interpret, r)
+    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], 1, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
 
@@ -383,111 +366,9 @@ def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
   _store_vt(accs, 1, tile_q, split, r)
 
 
-def _exchange_rows(values, w: int, r: common.SparseRefs):
-  """Consumer w publishes a [64] row vector (head_smem row PAIR_X + w, ``x_full[w]``) and returns the other
-  consumer's, once it is there (a rendezvous of the two consumers)."""
-  r.head_smem.at[PAIR_X + w][...] = values
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(r.x_full.at[w])
-  plgpu.barrier_wait(r.x_full.at[1 - w])
-  return plgpu.load(r.head_smem.at[PAIR_X + 1 - w], layout=ROW_LAYOUT, optimized=False)
-
-
-def _by_heads_col(values, w: int, r: common.SparseRefs):
-  """A [64] row vector of consumer w (row layout of S) re-read in the column layout of its Oᵀ blocks, through
-  its head_smem row w."""
-  r.head_smem.at[w][...] = values
-  plgpu.commit_smem()
-  return plgpu.load(r.head_smem.at[w], layout=COL_LAYOUT, optimized=False)
-
-
-def _pairs_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, w: int, tile_q, split,
-                    r: common.SparseRefs):
-  """schedule "pairs", consumer ``w`` (0 or 1, static). Per pair i of tiles (2i, 2i + 1): S = Q·Kᵀ of its own tile
-  2i + w; the row maxima exchanged with the other consumer (``_exchange_rows``), so both keep the same running
-  max m and rescale factor alpha; P (f16) into P slot w (``p_full[w]``); then for x = w and x = 1 - w: O[:, its
-  256 latent columns] += P_x · V[tile 2i + x] (P_x from slot x; hardware: Oᵀ = Vᵀ·Pᵀ with Vᵀ built in registers
-  from the fp8 K tile, interpret mode: the f16 upcast of V into ``v16[x]``). Each consumer sums l over its own
-  tiles; the two sums are exchanged after the last pair. Slot and row reuse need no release barrier: consumer w
-  rewrites them only after the next rendezvous, which the other consumer reaches after its last read of them."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
-  cols = pl.ds(w * 256, 256)
-
-  def exchange_max(tile_max):
-    return jnp.maximum(tile_max, _exchange_rows(tile_max, w, r))
-
-  if interpret:     # O [64 heads, 256] (natural layout), P·V with the f16 V tile of each of the pair's tiles
-    def stage(kb, x):
-      common.stage_v16(r.k_sw.at[kb], r.v16.at[x], chunks=(2 * w, 2 * w + 1))
-      plgpu.commit_smem()
-
-    def pv(acc, x, operand):
-      del operand
-
-      def issue(acc_refs):
-        plgpu.wgmma(acc_refs[0], r.p_sw.at[x], r.v16.at[x, :, cols])
-      return common.accumulate(issue, (acc,), True)[0]
-
-    def rescale(acc, alpha):
-      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    acc0 = _zero_state()[0]
-  else:             # Oᵀ blocks VT_BLOCKS[w] (latent 8r + g), Vᵀ from the K tile's 32-bit word w of each key
-    def stage(kb, x):
-      del x
-      return vt_registers.load_v_words(r.k_sw.at[kb], word=w)
-
-    def pv(accs, x, words):
-      return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[x], accs, 2 * TILE, blocks=VT_BLOCKS[w], p_rows=True))
-
-    def rescale(accs, alpha):
-      return common.scale_columns(accs, _by_heads_col(alpha, w, r))
-    acc0 = _zero_vt()
-
-  def step(i, carry):
-    acc, m, l = carry
-    t_own = 2 * i + w
-    kb_own = lax.rem(t_own, cfg.k_buffers)
-    plgpu.barrier_wait(r.k_full.at[kb_own])
-    s = _qk_and_upcast(r.k_sw.at[kb_own], None, r)
-    ids = plgpu.load(r.idx_smem.at[t_own], layout=COL_LAYOUT, optimized=False)
-    p, alpha, m_new, l = common.online_softmax_tile(s, common.valid_keys(ids, num_slots), row_scale, m, l,
-                                                    combine_max=exchange_max)
-    r.p_sw.at[w][...] = p.astype(jnp.float16)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(r.p_full.at[w])
-    acc = rescale(acc, alpha)
-    for x in (w, 1 - w):
-      kb = lax.rem(2 * i + x, cfg.k_buffers)
-      if x != w:
-        plgpu.barrier_wait(r.k_full.at[kb])
-      operand = stage(kb, x)
-      plgpu.barrier_arrive(r.k_empty.at[kb])
-      if x != w:
-        plgpu.barrier_wait(r.p_full.at[x])
-      acc = pv(acc, x, operand)
-    return acc, m_new, l
-
-  _, m0, l0 = _zero_state()
-  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split // 2, step, (acc0, m0, l0))
-  l = l + _exchange_rows(l, w, r)
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
-  if w == 0:
-    common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
-  if interpret:
-    _store_half(acc, inv, w, out_dtype, tile_q, split, r)
-  else:
-    vt_registers.store_o(common.scale_columns(acc, _by_heads_col(inv, w, r)), r.o_gmem.at[tile_q, split],
-                         VT_BLOCKS[w])
-
-
 def _has_v_tile(cfg: TuningConfig, interpret: bool) -> bool:
   """The f16 V tile exists unless the schedule reads Vᵀ into registers (interpret mode always upcasts)."""
-  return cfg.schedule in ("twin", "handoff") or interpret
-
-
-def _v_tiles(cfg: TuningConfig) -> tuple[int, ...]:
-  """Shape prefix of the f16 V scratch: one tile, two for "pairs" in interpret mode (one per tile of a pair)."""
-  return (2,) if cfg.schedule == "pairs" else ()
+  return not cfg.hand_off or interpret
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,
@@ -499,11 +380,8 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
   head_smem, rest = (rest[0], rest[1:]) if hand_off else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
   p_full, p_empty = rest if hand_off else (None, None)
-  x_full = None
-  if cfg.schedule == "pairs":      # p_full[w]: consumer w's P; x_full[w]: its exchange row
-    p_full, p_empty, x_full = p_empty, None, p_full
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
-            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty, x_full)
+            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
@@ -513,12 +391,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
   def _():
     _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
-  if cfg.schedule == "pairs":
-    for w in range(2):
-      @pl.when(wg == w)
-      def _():
-        _pairs_consumer(cfg, num_slots, out_dtype, interpret, w, tile_q, split, r)
-  elif cfg.schedule == "handoff_vt" and not interpret:
+  if hand_off and not interpret:
     @pl.when(wg == 0)
     def _():
       _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
@@ -526,14 +399,14 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
     @pl.when(wg == 1)
     def _():
       _pv_vt_consumer(cfg, tile_q, split, r)
-  elif hand_off:    # "handoff", and the interpret-mode stand-in of "handoff_vt" (same products, V upcast in SMEM)
+  elif hand_off:    # interpret mode's stand-in for "handoff_vt" (the same products, V upcast in SMEM)
     @pl.when(wg == 0)
     def _():
-      _softmax_consumer(cfg, num_slots, out_dtype, interpret, tile_q, split, r)
+      _softmax_consumer_interpret(cfg, num_slots, out_dtype, tile_q, split, r)
 
     @pl.when(wg == 1)
     def _():
-      _pv_consumer(cfg, out_dtype, interpret, tile_q, split, r)
+      _pv_consumer_interpret(cfg, out_dtype, tile_q, split, r)
   else:
     @pl.when(wg < LOADER)
     def _():
@@ -549,16 +422,13 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   interp = bool(interpret)
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp)
   hand_off = cfg.hand_off
-  v_scratch = [plgpu.SMEM((*_v_tiles(cfg), TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
+  v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if _has_v_tile(cfg, interp) else []
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if (interp or hand_off) else []
-  head_scratch = [plgpu.SMEM((_head_rows(cfg), TILE), jnp.float32)] if hand_off else []
+  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
                        plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
-  if cfg.schedule == "pairs":
-    hand_off_barriers = [plgpu.Barrier(num_barriers=2),                               # x_full (exchange rows)
-                         plgpu.Barrier(num_barriers=2)]                               # p_full (P slots)
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
@@ -580,7 +450,6 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           *hand_off_barriers,
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE,
-                                           reduction_scratch_bytes=cfg.reduction_scratch),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),
   )

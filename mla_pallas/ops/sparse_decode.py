@@ -222,17 +222,9 @@ def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> Kerne
   if set(kw) - fields:
     raise ValueError(f"tuning names {sorted(set(kw) - fields)}, which the {cfg.design} kernel's TuningConfig does "
                      f"not have (fields: {sorted(fields)})")
-  if kw.get("schedule", getattr(cfg.kernel, "schedule", None)) == "pairs":
-    kw["tiles_per_split"] = _even(kw.get("tiles_per_split", cfg.kernel.tiles_per_split))
   kernel = dataclasses.replace(cfg.kernel, **kw)
   splits = -(-max(1, -(-topk // TILE)) // kernel.tiles_per_split) if "tiles_per_split" in kw else cfg.num_splits
   return KernelConfig(cfg.design, splits, kernel)
-
-
-def _even(tiles_per_split: int) -> int:
-  """Split length for the "pairs" schedule, whose consumers take the tiles in pairs: rounded up to even (the
-  extra tile holds invalid ids)."""
-  return tiles_per_split + tiles_per_split % 2
 
 
 def sweep_configs(h: int, batch_tokens: int, topk: int,
@@ -247,9 +239,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
   current = getattr(cfg.kernel, field)
   candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
   if cfg.design == "sm90_heads_m":      # the other schedules (heads_m module docstring)
-    candidates += [(("schedule", sched),) for sched in ("twin", "handoff_vt") if sched != cfg.kernel.schedule]
-    candidates += [(("schedule", "handoff_vt"), ("k_buffers", 3)),
-                   (("schedule", "pairs"), ("k_buffers", 3)), (("schedule", "pairs"), ("k_buffers", 4))]
+    other = "twin" if cfg.kernel.schedule == "handoff_vt" else "handoff_vt"
+    candidates += [(("schedule", other),), (("schedule", other), ("k_buffers", 3))]
   k_tiles = max(1, -(-topk // TILE))
   candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
