@@ -41,6 +41,8 @@ ROWS_PER_PASS = 128 // UNITS_PER_CHUNK         # 16 rows per pass of the warpgro
 PASSES = common.TILE // ROWS_PER_PASS          # 4
 CHUNK_BYTES = common.TILE * common.SW_CHUNK    # 8192: one [64, 128] chunk of the tile
 CP_ASYNC_PER_THREAD = PASSES * common.SW_CHUNKS  # 20
+# One 16-byte piece: destination (u32 SMEM address), source (u64 address), source size (16, or 0 to zero-fill).
+CP_ASYNC = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
 
 
 def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
@@ -70,8 +72,7 @@ def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
     for c in range(common.SW_CHUNKS):
       src = arith.addi(src_row, c64(common.chunk_col(c)))
       dst = arith.addi(dst_row, c32(c * CHUNK_BYTES))
-      asm(ir.Type.parse("!llvm.void"), [dst, src, size], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-          "r,l,r", side_effects=True)
+      asm(ir.Type.parse("!llvm.void"), [dst, src, size], CP_ASYNC, "r,l,r", side_effects=True)
   asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", side_effects=True)
 
 

@@ -1,0 +1,230 @@
+"""Where the sparse sm_90 kernels spend their time (GPU): ptxas reports and ablations of the op's default kernel.
+
+Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
+
+1. **ptxas** (``--ptxas``): compiles the op's default kernel of each case with ``MOSAIC_GPU_DUMP_PTXAS=1`` and
+   ``MOSAIC_GPU_DUMP_TO=<out>/ptxas_<case>`` and prints what ptxas says about it: registers per thread, spills,
+   and any "wgmma ... serialized" performance warning (Mosaic GPU's own notes say that accumulators held as
+   64-bit register pairs make ptxas insert wgmma waits).
+2. **ablations** (default): times the default kernel with one part replaced, by patching the kernel modules'
+   functions for the duration of one row (the kernels are rebuilt and retraced per row). The ablated rows compute
+   wrong results by design and are not checked; only their time counts. ``variant`` rows are real alternatives
+   (checked against the reference): candidates to adopt if faster.
+
+   | row | what is replaced |
+   |---|---|
+   | ``no_gather`` | the loader's ``cp.async`` gather of each K tile (the loader still waits, fences, arrives) |
+   | ``no_qk`` | the five QKᵀ wgmmas of a tile (S = 0; the V upcast of "twin" still runs) |
+   | ``no_softmax`` | the online softmax (P = S, alpha = 1) |
+   | ``no_pv`` | the P·V wgmmas (both schedules) |
+   | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" (Vᵀ = 0) |
+   | ``no_gather+no_pv`` | both |
+   | ``variant:l2_256`` | the gather's ``cp.async`` with the ``L2::256B`` prefetch hint |
+   | ``variant:evict_last`` | the gather's ``cp.async`` with an L2 evict-last cache policy |
+
+Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
+
+    python3 benchmarks/sparse_sm90_diagnose_gpu.py --cases P1,F1 --ptxas --out /tmp/diag
+    python3 benchmarks/sparse_sm90_diagnose_gpu.py --shape B=64,s_q=1,H=64 --rows none,no_gather
+    python3 benchmarks/sparse_sm90_diagnose_gpu.py --cases P1 --tuning schedule=twin    # another schedule
+
+On a CPU, ``--lower-only`` lowers every row for sm_90a at a small shape (a check that each patch still traces;
+nothing is timed). Timing: the bench engine's CUPTI timer (median of ``--iters``, input sets rotated past L2).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import re
+import sys
+import unittest.mock
+
+import jax
+import jax.numpy as jnp
+
+from mla_pallas import bench, testing
+from mla_pallas.bench_engine import format_table, run_spec
+from mla_pallas.kernels import common, gather_threads, vt_registers
+from mla_pallas.kernels import sparse_sm90_heads_m as heads_m
+from mla_pallas.kernels import sparse_sm90_heads_n as heads_n
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CASES = {   # the peer kit's sparse cases (bench spec, shape)
+    "C0": ("sparse_mla_decode", dict(B=8, s_q=2, H=128, topk=2048, page=64, ctx=4096)),
+    "P1": ("sparse_mla_decode", dict(B=128, s_q=2, H=128, topk=2048, page=64, ctx=32768)),
+    "P2": ("sparse_mla_decode", dict(B=128, s_q=4, H=8, topk=2048, page=64, ctx=32768)),
+    "P3": ("sparse_mla_decode", dict(B=64, s_q=1, H=64, topk=2048, page=64, ctx=32768)),
+    "P4": ("sparse_mla_decode", dict(B=128, s_q=1, H=64, topk=2048, page=64, ctx=32768)),
+    "P5": ("sparse_mla_decode", dict(B=148, s_q=2, H=128, topk=16384, page=64, ctx=32768)),
+    "F1": ("sparse_mla_prefill", dict(T=4096, H=128, topk=2048, page=64, ctx=8192)),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The replacements (each a dict {(module, name): replacement})
+
+def _no_gather(*args, **kwargs):
+  del args, kwargs
+
+
+def _zero_s(k_tiles, stage_v, r):
+  def body(acc_ref):
+    if stage_v is not None:
+      stage_v()
+      plgpu.commit_smem()
+    return acc_ref[...]
+  return pl.run_scoped(body, plgpu.ACC((common.TILE, common.TILE), jnp.float32))
+
+
+def _no_softmax(t, s, m, l, row_scale, num_slots, r):
+  del t, row_scale, num_slots, r
+  return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
+
+
+def _pv_half_identity(acc, p_op, wg, interpret, r):
+  del p_op, wg, interpret, r
+  return acc
+
+
+def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False):
+  del words, pt_ref, swizzle, blocks, p_rows     # the words' loads are side-effecting asm: they stay
+  return tuple(accs)
+
+
+def _zero_words(k_tile_ref, word=None):
+  del k_tile_ref, word
+  return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
+
+
+_L2_256 = "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;"
+_EVICT_LAST = ("{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+               "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, pol;\n}")
+
+ROWS = {
+    "none": {},
+    "no_gather": {(gather_threads, "gather_tile"): _no_gather},
+    "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
+    "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
+    "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
+                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    "variant:l2_256": {(gather_threads, "CP_ASYNC"): _L2_256},
+    "variant:evict_last": {(gather_threads, "CP_ASYNC"): _EVICT_LAST},
+}
+
+
+@contextlib.contextmanager
+def patched(row: str):
+  """The kernel modules with ``row``'s replacements, rebuilt and retraced inside."""
+  with contextlib.ExitStack() as stack:
+    for (mod, name), new in ROWS[row].items():
+      stack.enter_context(unittest.mock.patch.object(mod, name, new))
+    _fresh()
+    try:
+      yield
+    finally:
+      _fresh()
+
+
+def _fresh():
+  heads_m.build.cache_clear()
+  heads_n.build.cache_clear()
+  jax.clear_caches()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def _full_shape(op: str, shape: dict) -> tuple:
+  spec = bench.get_spec(op)
+  return spec, spec.shape({k: str(v) for k, v in shape.items()})
+
+
+def ptxas_report(name: str, op: str, shape: dict, out: str) -> dict:
+  """Compile the default kernel of one case with ptxas dumps on; returns {registers, spills, warnings}."""
+  spec, full = _full_shape(op, shape)
+  folder = os.path.join(out, f"ptxas_{name}")
+  os.makedirs(folder, exist_ok=True)
+  env = {"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": folder}
+  with unittest.mock.patch.dict(os.environ, env):
+    _fresh()
+    inputs = spec.make_inputs(full, jax.random.key(0))
+    jax.block_until_ready(spec.tuned_op(full, (), False)(*inputs))
+  text = "\n".join(open(f, errors="replace").read() for f in sorted(glob.glob(os.path.join(folder, "**", "*"),
+                                                                              recursive=True))
+                   if os.path.isfile(f) and "ptxas" in os.path.basename(f).lower())
+  lines = [ln.strip() for ln in text.splitlines()]
+  return dict(case=name, folder=folder,
+              registers=[ln for ln in lines if re.search(r"Used \d+ registers", ln)],
+              spills=[ln for ln in lines if "spill" in ln.lower() and not re.search(r"\b0 bytes spill", ln)],
+              warnings=[ln for ln in lines if "serializ" in ln.lower() or "performance" in ln.lower()])
+
+
+def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> list:
+  spec, full = _full_shape(op, shape)
+  results = []
+  for row in rows:
+    with patched(row):
+      res = run_spec(spec, (), full, candidates={row: tuning}, check=row.startswith("variant") or row == "none",
+                     iters=iters, progress=False)
+    results += res
+  print(f"## {name} {shape}", flush=True)
+  print(format_table(results), flush=True)
+  return [dict(case=name, row=r.candidate, median_us=r.median_us, p10_us=r.p10_us, p90_us=r.p90_us,
+               status=r.status, check=r.check) for r in results]
+
+
+def lower_rows(op: str, shape: dict, rows, tuning=()) -> None:
+  """CPU check: every row's patched op lowers for sm_90a (small shape)."""
+  spec, full = _full_shape(op, shape)
+  inputs = spec.make_inputs(full, jax.random.key(0))
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+  for row in rows:
+    with patched(row):
+      low = testing.lower_for_cuda(spec.tuned_op(full, tuning, False), *avals)
+    print(f"{row}: lowered ({sum(len(m) for m in low.mosaic)} characters of Mosaic GPU IR)", flush=True)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--cases", default="P1,F1", help=f"comma-separated among {','.join(CASES)}")
+  p.add_argument("--shape", default=None, help="one sparse_mla_decode shape instead of --cases (B=..,s_q=..)")
+  p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated among {','.join(ROWS)}")
+  p.add_argument("--tuning", default="", help="TuningConfig overrides for every row, e.g. schedule=twin")
+  p.add_argument("--ptxas", action="store_true", help="also compile each case's default kernel with ptxas dumps")
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--out", default="results/diagnose")
+  p.add_argument("--lower-only", action="store_true", help="CPU: lower every row for sm_90a, time nothing")
+  a = p.parse_args(argv)
+  rows = a.rows.split(",")
+  tuning = tuple((k, int(v) if v.isdigit() else v) for k, v in (kv.split("=") for kv in a.tuning.split(",") if kv))
+  for row in rows:
+    if row not in ROWS:
+      p.error(f"--rows: unknown row {row!r}; one of {', '.join(ROWS)}")
+  if a.shape:
+    cases = {"shape": ("sparse_mla_decode", dict(kv.split("=") for kv in a.shape.split(",")))}
+  else:
+    cases = {c: CASES[c] for c in a.cases.split(",")}
+  os.makedirs(a.out, exist_ok=True)
+  if a.lower_only:
+    for name, (op, shape) in cases.items():
+      lower_rows(op, shape, rows, tuning)
+    return 0
+  report = []
+  for name, (op, shape) in cases.items():
+    if a.ptxas:
+      rep = ptxas_report(name, op, shape, a.out)
+      print(json.dumps(rep, indent=1), flush=True)
+      report.append(rep)
+    report += time_rows(name, op, shape, rows, a.iters, tuning)
+    with open(os.path.join(a.out, "diagnose.json"), "w") as f:
+      json.dump(report, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
