@@ -16,7 +16,7 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    | ``no_gather`` | the loader's ``cp.async`` gather of each K tile (the loader still waits, fences, arrives) |
    | ``no_qk`` | the five QKᵀ wgmmas of a tile (S = 0; the V upcast of "twin" still runs) |
    | ``no_softmax`` | the online softmax (P = S, alpha = 1) |
-   | ``no_pv`` | the P·V wgmmas (both schedules) |
+   | ``no_pv`` | the P·V wgmmas (every schedule) |
    | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" (Vᵀ = 0) |
    | ``no_gather+no_pv`` | both |
    | ``variant:l2_256`` | the gather's ``cp.async`` with the ``L2::256B`` prefetch hint |
@@ -95,6 +95,16 @@ def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BL
   return tuple(accs)
 
 
+def _qk_only(q_ref, k_ref, words, pt_ref, accs, blocks=vt_registers.ALL_BLOCKS):
+  del words, pt_ref, blocks
+
+  def qk(acc_ref):
+    for c in range(common.SW_CHUNKS):
+      plgpu.wgmma(acc_ref, q_ref.at[c], k_ref.at[c].T)
+    return acc_ref[...]
+  return pl.run_scoped(qk, plgpu.ACC((common.TILE, common.TILE), jnp.float32)), tuple(accs)
+
+
 def _zero_words(k_tile_ref, word=None):
   del k_tile_ref, word
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
@@ -109,10 +119,12 @@ ROWS = {
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
-    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
+              (vt_registers, "qk_then_pv_wgmmas"): _qk_only},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
-                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
+                        (vt_registers, "qk_then_pv_wgmmas"): _qk_only},
     "variant:l2_256": {(gather_threads, "CP_ASYNC"): _L2_256},
     "variant:evict_last": {(gather_threads, "CP_ASYNC"): _EVICT_LAST},
 }

@@ -180,6 +180,33 @@ def load_v_words(k_tile_ref, word: int | None = None):
   return f(k_tile_ref)
 
 
+def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool):
+  """Inside an ``inline_mgpu`` body: issue (and commit) accs[i] += Vᵀ[M block blocks[i]] · Pᵀ, one wgmma group per
+  block; returns the accumulators (their wgmmas in flight)."""
+  if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
+    pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
+  a_ops = block_operands(words, blocks)
+  out = []
+  for a, acc in zip(a_ops, accs):
+    acc = mgpu.WGMMAAccumulator.from_registers(acc)
+    out.append(mgpu.wgmma(acc, a, pt, swizzle=swizzle))
+    _commit()
+  return out
+
+
+def _commit():
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
+
+
+def _wait(pending: int):
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"wgmma.wait_group.sync.aligned {pending};", "",
+                  has_side_effects=True)
+
+
+def _acc_types(accs):
+  return tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
+
+
 def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False):
   """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
   B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
@@ -190,23 +217,52 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
   LLVM cannot move their uses above the wait."""
-  acc_ty = tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
-
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(jnp.float16, swizzle)),
                                 tuple(plgpu.Layout.WGMMA for _ in accs)),
-                     return_type=acc_ty)
+                     return_type=_acc_types(accs))
   def f(ctx, words, pt, accs):
     del ctx
-    if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
-      pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
-    a_ops = block_operands(words, blocks)
-    out = []
-    for a, acc in zip(a_ops, accs):
-      acc = mgpu.WGMMAAccumulator.from_registers(acc)
-      out.append(mgpu.wgmma(acc, a, pt, swizzle=swizzle))
-      llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "",
-                      has_side_effects=True)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.wait_group.sync.aligned 0;", "",
-                    has_side_effects=True)
+    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows)
+    _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
+
+
+def qk_then_pv_wgmmas(q_ref, k_ref, words, pt_ref, accs, blocks=ALL_BLOCKS):
+  """The next tile's S = Q·Kᵀ issued first, then this tile's ``accs`` += Vᵀ·Pᵀ as :func:`pv_wgmmas` (``p_rows``,
+  128-byte swizzle); waits for S only. q_ref, k_ref: [5, 64, 128] fp8, 128-byte swizzled (Q as latent | 0 | rope,
+  the gathered K tile): five K-major fp8 wgmmas of K = 128 into a fresh f32 accumulator.
+
+  Returns (S [64, 64] f32, WGMMA layout; the accumulators, whose wgmmas may still be running: the caller passes
+  them through :func:`wait_accs` before it reads or writes them, and must not reuse P's slot before). The point:
+  the caller's softmax of the next tile runs while the tensor cores finish this tile's P·V."""
+  sw = common.swizzled(common.FP8, ROW_BYTES)
+  acc_ty = _acc_types(accs)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(sw), plgpu.RefType(sw), plgpu.Layout.WGMMA,
+                                plgpu.RefType(common.swizzled(jnp.float16, 2 * TILE)),
+                                tuple(plgpu.Layout.WGMMA for _ in accs)),
+                     return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), jnp.float32, layout=plgpu.Layout.WGMMA),
+                                  acc_ty))
+  def f(ctx, q, k, words, pt, accs):
+    del ctx
+    s = mgpu.WGMMAAccumulator.zero(TILE, TILE)
+    for c in range(common.SW_CHUNKS):
+      k_t = mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k, c), (1, 0, 3, 2))
+      s = mgpu.wgmma(s, mgpu_utils.memref_slice(q, c), k_t, swizzle=ROW_BYTES)
+    _commit()
+    out = _issue_pv(words, pt, accs, 2 * TILE, blocks, True)
+    _wait(len(out))           # the P·V groups may stay in flight; S's group (the oldest) has landed
+    return fa.optimization_barrier(s.value), tuple(a.value for a in out)
+  return f(q_ref, k_ref, words, pt_ref, tuple(accs))
+
+
+def wait_accs(accs):
+  """Wait for every wgmma in flight (``wgmma.wait_group 0``) and return ``accs`` (f32 WGMMA-layout arrays) pinned
+  after the wait (an optimization barrier), for accumulators that :func:`qk_then_pv_wgmmas` left in flight."""
+  @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs),), return_type=_acc_types(accs))
+  def f(ctx, accs):
+    del ctx
+    _wait(0)
+    return tuple(fa.optimization_barrier(a) for a in accs)
+  return f(tuple(accs))

@@ -239,17 +239,21 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
   current = getattr(cfg.kernel, field)
   candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
   if cfg.design == "sm90_heads_m":      # the other schedules (heads_m module docstring)
-    other = "twin" if cfg.kernel.schedule == "handoff_vt" else "handoff_vt"
-    candidates += [(("schedule", other),), (("schedule", other), ("k_buffers", 3))]
+    schedules = cfg.module.TuningConfig.SCHEDULES
+    candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
+    candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
   k_tiles = max(1, -(-topk // TILE))
   candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
+  seen = {cfg}
   for tuning in candidates:
     try:
-      _config(h, batch_tokens, topk, arch, tuning)
+      cand = _config(h, batch_tokens, topk, arch, tuning)
     except ValueError:      # not a valid config of this design (K_BUFFERS, SMEM)
       continue
-    out[", ".join(f"{k}={v}" for k, v in tuning)] = tuning
+    if cand not in seen:    # (e.g. "schedule=<the default>, k_buffers=3" is "k_buffers=3")
+      seen.add(cand)
+      out[", ".join(f"{k}={v}" for k, v in tuning)] = tuning
   return out
 
 
