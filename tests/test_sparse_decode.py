@@ -107,6 +107,7 @@ def _interpret_budget(case):
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     (64, (("schedule", "handoff_vt_pipe"),)),       # config plumbing (interpret mode: the same stand-in)
+    (32, (("tiles_per_split", 2), ("partial_dtype", "bfloat16"))),   # bf16 partials (rounding 2^-9 << budget)
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -280,6 +281,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "handoff_vt"), (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
     (128, 2, 2048, 1, 2, "handoff_vt_pipe"), (64, 1, 2051, 2, 3, "handoff_vt_pipe"),
+    (128, 1, 16384, 2, 2, "handoff_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
 ])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):

@@ -243,8 +243,11 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
   k_tiles = max(1, -(-topk // TILE))
-  candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES)
+  # split lengths; 64 and 128 tiles (past MAX_SPLIT_TILES: a larger index buffer) only for long top-k
+  candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
+  if cfg.num_splits > 1 and cfg.design != "sm100":
+    candidates.append((("partial_dtype", "bfloat16"),))   # half the partial O traffic
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -282,7 +285,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   rows = rows.reshape(n_tok, splits * tps, TILE)
   q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
   row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
-  out_dtype = "bfloat16" if splits == 1 else "float32"
+  out_dtype = "bfloat16" if splits == 1 else cfg.kernel.partial_dtype
   if heads_on_n:        # flat, unpadded Q rows (the kernel reads 16 rows from row token · H); O [.., out_heads, 512]
     q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
