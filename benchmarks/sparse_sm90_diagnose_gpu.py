@@ -6,7 +6,8 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    ``MOSAIC_GPU_DUMP_TO=<out>/ptxas_<case>`` and prints what ptxas says about it: registers per thread, spills,
    and any "wgmma ... serialized" performance warning (Mosaic GPU's own notes say that accumulators held as
    64-bit register pairs make ptxas insert wgmma waits).
-2. **ablations** (default): times the default kernel with one part replaced, by patching the kernel modules'
+2. **ablations** (default): the per-kernel device times of one call (the Mosaic kernel and the XLA pre- and
+   post-passes: Q quantization, split merge), then the default kernel's time with one part replaced, by patching the kernel modules'
    functions for the duration of one row (the kernels are rebuilt and retraced per row). The ablated rows compute
    wrong results by design and are not checked; only their time counts. ``variant`` rows are real alternatives
    (checked against the reference): candidates to adopt if faster.
@@ -186,8 +187,12 @@ def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> l
     results += res
   print(f"## {name} {shape}", flush=True)
   print(format_table(results), flush=True)
+  for r in results:      # per-kernel device time of a call: the Mosaic kernel beside the XLA pre- and post-passes
+    if r.kernels:
+      parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.kernels.items(), key=lambda kv: -kv[1]))
+      print(f"  {r.candidate} kernels (us): {parts}", flush=True)
   return [dict(case=name, row=r.candidate, median_us=r.median_us, p10_us=r.p10_us, p90_us=r.p90_us,
-               status=r.status, check=r.check) for r in results]
+               status=r.status, check=r.check, kernels=r.kernels) for r in results]
 
 
 def lower_rows(op: str, shape: dict, rows, tuning=()) -> None:
