@@ -108,6 +108,7 @@ def _interpret_budget(case):
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     (64, (("schedule", "handoff_vt_pipe"),)),       # config plumbing (interpret mode: the same stand-in)
     (32, (("tiles_per_split", 2), ("partial_dtype", "bfloat16"))),   # bf16 partials (rounding 2^-9 << budget)
+    (128, (("tiles_per_split", 2), ("combine", "kernel"))),           # the merge kernel (kernels/split_combine.py)
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""

@@ -44,6 +44,8 @@ def test_prefill_routes_through_kernel(rng):
     pytest.param(8, 1, (("tiles_per_split", 8),), marks=pytest.mark.slow),   # a split-length override
     (64, 2, (("partial_dtype", "bfloat16"),)),             # split partials in bf16 (both designs write them)
     (16, 1, (("partial_dtype", "bfloat16"),)),
+    (128, 2, (("combine", "kernel"),)),                      # the merge kernel, f32 and bf16 partials
+    (64, 1, (("combine", "kernel"), ("partial_dtype", "bfloat16"))),
 ])
 def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   """Non-default configs of the sweep (``sweep_configs``) compute the same function on the GPU."""

@@ -109,12 +109,16 @@ class TuningConfig(common.SparseSm90Config):
   next QKᵀ issued ahead of its P·V."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt", "handoff_vt_pipe")
+  COMBINES: ClassVar[tuple[str, ...]] = ("xla", "kernel")
   k_buffers: int = 2
   schedule: str = "twin"
+  combine: str = "xla"     # the op's merge of split partials: XLA, or kernels/split_combine.py
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
+    if self.combine not in self.COMBINES:
+      raise ValueError(f"TuningConfig.combine must be one of {self.COMBINES}; got {self.combine!r}")
     super().validate()
 
   @property

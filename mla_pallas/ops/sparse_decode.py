@@ -248,6 +248,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
   if cfg.num_splits > 1 and cfg.design != "sm100":
     candidates.append((("partial_dtype", "bfloat16"),))   # half the partial O traffic
+  if cfg.num_splits > 1 and cfg.design == "sm90_heads_m":  # one merge kernel instead of XLA's fusions
+    candidates += [(("combine", "kernel"),), (("combine", "kernel"), ("partial_dtype", "bfloat16"))]
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -310,7 +312,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
-  if splits > 1:
+  if splits > 1 and getattr(cfg.kernel, "combine", "xla") == "kernel":   # heads on M: [.., splits, 64, 512]
+    from mla_pallas.kernels import split_combine
+    o, lse = split_combine.combine(o, lse, interpret=interpret)
+  elif splits > 1:
     o, lse = combine_splits(o, lse)
   else:
     o, lse = o[:, 0], lse[:, 0]
