@@ -46,6 +46,8 @@ def test_prefill_routes_through_kernel(rng):
     (16, 1, (("partial_dtype", "bfloat16"),)),
     (128, 2, (("combine", "kernel"),)),                      # the merge kernel, f32 and bf16 partials
     (64, 1, (("combine", "kernel"), ("partial_dtype", "bfloat16"))),
+    (128, 2, (("prepass", "kernel"),)),                      # Q quantized by kernels/q_quant.py
+    (64, 2, (("prepass", "kernel"), ("combine", "kernel"), ("partial_dtype", "bfloat16"))),
 ])
 def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   """Non-default configs of the sweep (``sweep_configs``) compute the same function on the GPU."""

@@ -113,12 +113,14 @@ class TuningConfig(common.SparseSm90Config):
   k_buffers: int = 2
   schedule: str = "twin"
   combine: str = "xla"     # the op's merge of split partials: XLA, or kernels/split_combine.py
+  prepass: str = "xla"     # the op's quantization of Q: XLA, or kernels/q_quant.py (H a multiple of 64)
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
-    if self.combine not in self.COMBINES:
-      raise ValueError(f"TuningConfig.combine must be one of {self.COMBINES}; got {self.combine!r}")
+    for name in ("combine", "prepass"):
+      if getattr(self, name) not in self.COMBINES:
+        raise ValueError(f"TuningConfig.{name} must be one of {self.COMBINES}; got {getattr(self, name)!r}")
     super().validate()
 
   @property

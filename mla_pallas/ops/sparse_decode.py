@@ -250,6 +250,10 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
     candidates.append((("partial_dtype", "bfloat16"),))   # half the partial O traffic
   if cfg.num_splits > 1 and cfg.design == "sm90_heads_m":  # one merge kernel instead of XLA's fusions
     candidates += [(("combine", "kernel"),), (("combine", "kernel"), ("partial_dtype", "bfloat16"))]
+  if cfg.design == "sm90_heads_m" and h % TILE == 0:      # one quantization kernel instead of XLA's fusions
+    candidates.append((("prepass", "kernel"),))
+    if cfg.num_splits > 1:
+      candidates.append((("prepass", "kernel"), ("combine", "kernel"), ("partial_dtype", "bfloat16")))
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -285,19 +289,25 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
-  q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
-  row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
   out_dtype = "bfloat16" if splits == 1 else cfg.kernel.partial_dtype
+  q_kernel = arch == "sm90" and getattr(cfg.kernel, "prepass", "xla") == "kernel" and h % TILE == 0
+  if q_kernel:          # one launch: Q8 tiles [.., 64, 640] (latent | 0 | rope) and their row scales
+    from mla_pallas.kernels import q_quant
+    q8, row_scale = q_quant.quantize_q(q.reshape(n_tok, h, D_QK), kv_scale, softmax_scale, interpret)
+  else:
+    q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
+    row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
   if heads_on_n:        # flat, unpadded Q rows (the kernel reads 16 rows from row token · H); O [.., out_heads, 512]
     q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
                             interpret=interpret)
   else:
-    if h < TILE:
-      q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))
-      row_scale = jnp.pad(row_scale, ((0, 0), (0, TILE - h)))
-    q8 = q8.reshape(n_tok * tiles_per_token, TILE, D_QK)
-    row_scale = row_scale.reshape(n_tok * tiles_per_token, TILE)
+    if not q_kernel:
+      if h < TILE:
+        q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))
+        row_scale = jnp.pad(row_scale, ((0, 0), (0, TILE - h)))
+      q8 = q8.reshape(n_tok * tiles_per_token, TILE, D_QK)
+      row_scale = row_scale.reshape(n_tok * tiles_per_token, TILE)
     if arch == "sm100":
       kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
                               cfg.kernel, interpret=interpret)
@@ -308,8 +318,9 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
   else:                 # 128-byte boxes of the 2-D cache; Q as latent | 0 | rope
-    zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
-    q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
+    if not q_kernel:
+      zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
+      q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
   if splits > 1 and getattr(cfg.kernel, "combine", "xla") == "kernel":   # heads on M: [.., splits, 64, 512]

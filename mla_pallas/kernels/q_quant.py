@@ -1,0 +1,107 @@
+"""The sparse sm_90 kernels' query pre-pass in one Mosaic GPU kernel: per-row FP8 quantization of Q into the
+heads-on-M layout, with the folded logit scale (sm_90; a candidate for ``ops.sparse_decode``'s XLA pre-pass).
+
+Per query row (one head of one token), in the float32 arithmetic of :func:`mla_pallas.quant.quantize_rows_fp8`:
+
+    amax      = max |q[row, :576]|
+    scale     = amax · f32(1/448)   (1 for an all-zero row)
+    q8[row]   = e4m3(clip(q · (1 / scale), ±448))  as latent (512) | 64 zeros | rope (64)   (640 bytes)
+    rs[row]   = scale · ((softmax_scale · kv_scale) · log2 e)
+
+so the bytes and scales equal the XLA pre-pass's (``_mosaic_sparse_decode``: ``quantize_rows_fp8``, the
+concatenation with zeros, the scale product), which XLA runs as three fusions and two reads of q.
+
+Shapes: q [num_tokens, H, 576] bf16 or f32 with H a multiple of 64; scal [1] f32 = kv_scale. Returns q8
+[num_tokens · H / 64, 64, 640] fp8 and rs [num_tokens · H / 64, 64] f32 (tile t = heads 64 (t % (H / 64)) ... of
+token t // (H / 64)).
+
+One warpgroup per 64-row tile (Lane semantics): three TMAs bring the tile [64, 576] into SMEM as three [64, 192]
+boxes, a first pass over nine [64, 64] column chunks in registers (WGMMA layout) takes the row maxima, a second
+converts and stores the fp8 chunks into five [64, 128] SMEM boxes of q8 (the zero columns written once), and
+TMAs write them and the row scales out. SMEM: q tile 72 KB (bf16; 144 KB for f32) + q8 40 KB + 256 B.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas.kernels import common
+from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
+
+ROWS = common.TILE
+CHUNK = 64                 # columns per register pass
+LOAD_COLS = 192            # columns per TMA box (576 = 3 x 192; <= 256 elements per box dimension)
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+
+
+def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem, rs_gmem, q_smem, q8_smem,
+          rs_smem, bar):
+  t = lax.axis_index("t")
+  token, head0 = lax.div(t, tiles_per_token), lax.rem(t, tiles_per_token) * ROWS
+  src = q_gmem.at[token, pl.ds(head0, ROWS)]
+  for b in range(common.D_QK // LOAD_COLS):
+    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(b * LOAD_COLS, LOAD_COLS)], q_smem.at[b], bar)
+
+  def out_piece(col):       # the [64, 64] piece of q8 at output column col (SMEM: five [64, 128] boxes)
+    return q8_smem.at[col // common.SW_CHUNK, :, pl.ds(col % common.SW_CHUNK, CHUNK)]
+  # the 64 zero columns meet latent 448-511 in the kernel's tail chunk (kernels/common.py, Q_SW_COLS)
+  out_piece(common.D_V)[...] = plgpu.layout_cast(jnp.zeros((ROWS, CHUNK), common.FP8), plgpu.Layout.WGMMA)
+  plgpu.barrier_wait(bar)
+
+  def chunk(c):             # q columns [64 c, 64 c + 64) as f32 registers
+    b, off = divmod(c * CHUNK, LOAD_COLS)
+    return plgpu.load(q_smem.at[b, :, pl.ds(off, CHUNK)], layout=plgpu.Layout.WGMMA,
+                      optimized=False).astype(jnp.float32)
+
+  amax = None
+  for c in range(common.D_QK // CHUNK):
+    m = jnp.abs(chunk(c)).max(axis=1)
+    amax = m if amax is None else jnp.maximum(amax, m)
+  scale = amax * _INV_FP8_MAX
+  scale = jnp.where(scale == 0.0, 1.0, scale)
+  inv = 1.0 / scale
+  for c in range(common.D_QK // CHUNK):
+    x8 = jnp.clip(chunk(c) * lax.broadcast_in_dim(inv, (ROWS, CHUNK), [0]), -FP8_MAX, FP8_MAX).astype(common.FP8)
+    out_piece(c * CHUNK if c * CHUNK < common.D_V else c * CHUNK + CHUNK)[...] = x8     # rope after the zeros
+  kv_scale = scal_gmem[0]
+  rs_smem[...] = scale * ((jnp.float32(softmax_scale) * kv_scale) * jnp.float32(common.LOG2E))
+  plgpu.commit_smem()
+  for b in range(common.SW_CHUNKS):
+    plgpu.copy_smem_to_gmem(q8_smem.at[b], q8_gmem.at[t, :, pl.ds(b * common.SW_CHUNK, common.SW_CHUNK)])
+  plgpu.copy_smem_to_gmem(rs_smem, rs_gmem.at[t])
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=32)
+def build(num_tokens: int, heads: int, dtype_name: str, softmax_scale: float, interpret=False):
+  """The kernel for these shapes (module docstring); ``interpret``: False, True or a ``plgpu.InterpretGPUParams``."""
+  if heads % ROWS:
+    raise NotImplementedError(f"q_quant handles H in multiples of {ROWS}; got H={heads}")
+  tiles = num_tokens * (heads // ROWS)
+  return plgpu.kernel(
+      functools.partial(_body, heads // ROWS, softmax_scale),
+      out_type=(jax.ShapeDtypeStruct((tiles, ROWS, common.Q_SW_COLS), common.FP8),
+                jax.ShapeDtypeStruct((tiles, ROWS), jnp.float32)),
+      grid=(tiles,), grid_names=("t",),
+      scratch_types=[plgpu.SMEM((common.D_QK // LOAD_COLS, ROWS, LOAD_COLS), jnp.dtype(dtype_name)),
+                     plgpu.SMEM((common.SW_CHUNKS, ROWS, common.SW_CHUNK), common.FP8),
+                     plgpu.SMEM((ROWS,), jnp.float32),
+                     plgpu.Barrier(num_arrivals=common.D_QK // LOAD_COLS)],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
+      **common.interpret_kwargs(interpret),
+  )
+
+
+def quantize_q(q, kv_scale, softmax_scale: float, interpret=False):
+  """(q8 [T · H / 64, 64, 640] fp8, rs [T · H / 64, 64] f32) of ``q`` [T, H, 576] (module docstring); kv_scale
+  a float32 scalar (array or number)."""
+  num_tokens, heads, d = q.shape
+  if d != common.D_QK:
+    raise ValueError(f"q must have shape [T, H, {common.D_QK}]; got {tuple(q.shape)}")
+  scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
+  return build(num_tokens, heads, jnp.dtype(q.dtype).name, float(softmax_scale), interpret)(q, scal)

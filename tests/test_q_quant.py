@@ -1,0 +1,80 @@
+"""kernels/q_quant.py: the sparse heads-on-M kernels' Q pre-pass in one kernel, bitwise against the XLA pre-pass
+(quant.quantize_rows_fp8, the zero columns, the folded scale) in interpret mode with race detection, lowered for
+sm_90a, and natively on a GPU; at the op level the kernel path gives bitwise the default path's outputs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_pallas import quant, testing
+from mla_pallas.kernels import common, q_quant
+
+from _sparse_inputs import make_case, run_kernel
+
+RACES = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
+
+
+def _xla(q, kv_scale, softmax_scale):
+  q8, scale = quant.quantize_rows_fp8(q)
+  rs = scale * (softmax_scale * jnp.float32(kv_scale) * common.LOG2E)
+  zeros = jnp.zeros(q8.shape[:-1] + (common.Q_SW_COLS - common.D_QK,), q8.dtype)
+  q8 = jnp.concatenate([q8[..., :common.D_V], zeros, q8[..., common.D_V:]], -1)
+  return q8.reshape(-1, 64, common.Q_SW_COLS), rs.reshape(-1, 64)
+
+
+def _inputs(rng, T, H, dtype):
+  q = jnp.asarray(rng.standard_normal((T, H, common.D_QK)) * 3, dtype)
+  q = q.at[0, 5].set(0)                           # an all-zero row: scale 1
+  q = q.at[-1, -1, 7].set(jnp.asarray(1e4, dtype))    # one large value: the row's scale
+  return q
+
+
+def _assert_bitwise(got, want):
+  (q8, rs), (w8, wrs) = got, want
+  assert q8.shape == w8.shape and q8.dtype == w8.dtype and rs.shape == wrs.shape
+  assert np.array_equal(np.asarray(q8).view(np.uint8), np.asarray(w8).view(np.uint8))
+  assert np.array_equal(np.asarray(rs), np.asarray(wrs))
+
+
+@pytest.mark.parametrize("T,H,dtype,kv_scale", [(3, 128, jnp.bfloat16, 0.5), (2, 64, jnp.float32, 1.0)])
+def test_bitwise_interpret(rng, T, H, dtype, kv_scale):
+  q = _inputs(rng, T, H, dtype)
+  testing.reset_interpreter()
+  got = q_quant.quantize_q(q, kv_scale, 192 ** -0.5, interpret=RACES)
+  assert not testing.races_found()
+  _assert_bitwise(got, _xla(q, kv_scale, 192 ** -0.5))
+
+
+def test_errors():
+  with pytest.raises(NotImplementedError, match="multiples of 64"):
+    q_quant.quantize_q(jnp.zeros((2, 32, 576), jnp.bfloat16), 1.0, 0.1)
+  with pytest.raises(ValueError, match="576"):
+    q_quant.quantize_q(jnp.zeros((2, 64, 512), jnp.bfloat16), 1.0, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_for_sm90(dtype):
+  S = jax.ShapeDtypeStruct
+  low = testing.lower_for_cuda(q_quant.build(4, 128, jnp.dtype(dtype).name, 0.04), S((4, 128, 576), dtype),
+                               S((1,), jnp.float32))
+  txt = "".join(low.mosaic)
+  assert txt.count("cp.async.bulk.tensor") >= 3 + 5 + 1 or txt.count("cp.async.bulk") >= 9   # 3 in, 5 + 1 out
+
+
+def test_op_prepass_kernel_is_bitwise_the_default(rng):
+  """sparse_mla_decode with TuningConfig(prepass="kernel") feeds the kernel the same Q bytes and scales."""
+  case = make_case(rng, B=2, s_q=1, H=64, topk=200, page_size=16, num_pages=64)
+  base = run_kernel(case, interpret=True)
+  out = run_kernel(case, interpret=True, tuning=(("prepass", "kernel"),))
+  for a, b in zip(out, base):
+    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("T,H", [(256, 128), (37, 64)])
+def test_bitwise_gpu(rng, T, H):
+  q = _inputs(rng, T, H, jnp.bfloat16)
+  _assert_bitwise(q_quant.quantize_q(q, 0.5, 576 ** -0.5), jax.jit(_xla, static_argnums=2)(q, 0.5, 576 ** -0.5))
