@@ -43,11 +43,12 @@ def test_prefill_routes_through_kernel(rng):
     pytest.param(16, 2, (("k_buffers", 2),), marks=pytest.mark.slow),
     pytest.param(8, 1, (("tiles_per_split", 8),), marks=pytest.mark.slow),   # a split-length override
     (64, 2, (("partial_dtype", "bfloat16"),)),             # split partials in bf16 (both designs write them)
-    (16, 1, (("partial_dtype", "bfloat16"),)),
+    pytest.param(16, 1, (("partial_dtype", "bfloat16"),), marks=pytest.mark.slow),
     (128, 2, (("combine", "kernel"),)),                      # the merge kernel, f32 and bf16 partials
-    (64, 1, (("combine", "kernel"), ("partial_dtype", "bfloat16"))),
+    pytest.param(64, 1, (("combine", "kernel"), ("partial_dtype", "bfloat16")), marks=pytest.mark.slow),
     (128, 2, (("prepass", "kernel"),)),                      # Q quantized by kernels/q_quant.py
-    (64, 2, (("prepass", "kernel"), ("combine", "kernel"), ("partial_dtype", "bfloat16"))),
+    pytest.param(64, 2, (("prepass", "kernel"), ("combine", "kernel"), ("partial_dtype", "bfloat16")),
+                 marks=pytest.mark.slow),
 ])
 def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   """Non-default configs of the sweep (``sweep_configs``) compute the same function on the GPU."""

@@ -8,12 +8,13 @@ FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
   ``b`` -> ``block_table[b, p // page_size] * page_size + p % page_size``; ``-1`` for positions past the
   sequence, past the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to
   :func:`mla_pallas.ops.sparse_decode.sparse_mla_decode` with ``impl="mosaic"``. Q is quantized to e4m3 per
-  (token, head) row, P to e4m3 as fp8(256 p), both products on FP8 tensor cores with f32 accumulation. The key
+  (token, head) row and QKᵀ runs on FP8 tensor cores; on sm_90 P·V is f16 (P kept in f16, the e4m3 V upcast
+  exactly), f32 accumulation throughout (the sparse op's docstring has the sm_100 variant). The key
   count is the whole block table (``P * page_size``), whatever the lengths are: size the block table to the
   longest sequence of the batch.
-* ``impl="xla"``: the same quantization of Q and P with FP8 ``dot_general``s in XLA, as a flash-style scan over
-  chunks of pages (online softmax), so at most ~256 MiB of logits and gathered fp8 rows (one chunk) are live at a
-  time, never a ``[B, s_q, H, P * page_size]`` tensor for long contexts.
+* ``impl="xla"``: Q and P quantized to e4m3 (P as fp8(256 p)) with FP8 ``dot_general``s in XLA, as a
+  flash-style scan over chunks of pages (online softmax), so at most ~256 MiB of logits and gathered fp8 rows
+  (one chunk) are live at a time, never a ``[B, s_q, H, P * page_size]`` tensor for long contexts.
 
 Shapes and index rules:
   q [B, s_q, H, 576] bfloat16/float32 (absorbed query: latent [0, 512) ‖ rope [512, 576)); the s_q query tokens
