@@ -289,7 +289,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
-  out_dtype = "bfloat16" if splits == 1 else cfg.kernel.partial_dtype
+  out_dtype = "bfloat16" if splits == 1 else getattr(cfg.kernel, "partial_dtype", "float32")   # sm100: f32
   q_kernel = arch == "sm90" and getattr(cfg.kernel, "prepass", "xla") == "kernel" and h % TILE == 0
   if q_kernel:          # one launch: Q8 tiles [.., 64, 640] (latent | 0 | rope) and their row scales
     from mla_pallas.kernels import q_quant
