@@ -15,10 +15,11 @@ Shapes: q [num_tokens, H, 576] bf16 or f32 with H a multiple of 64; scal [1] f32
 [num_tokens · H / 64, 64, 640] fp8 and rs [num_tokens · H / 64, 64] f32 (tile t = heads 64 (t % (H / 64)) ... of
 token t // (H / 64)).
 
-One warpgroup per 64-row tile (Lane semantics): three TMAs bring the tile [64, 576] into SMEM as three [64, 192]
-boxes, a first pass over nine [64, 64] column chunks in registers (WGMMA layout) takes the row maxima, a second
-converts and stores the fp8 chunks into five [64, 128] SMEM boxes of q8 (the zero columns written once), and
-TMAs write them and the row scales out. SMEM: q tile 72 KB (bf16; 144 KB for f32) + q8 40 KB + 256 B.
+One warpgroup per 64-row tile (Lane semantics): TMAs bring the tile [64, 576] into SMEM as 128-byte-swizzled
+chunks (nine [64, 64] for bf16, eighteen [64, 32] for f32), so that the register loads (WGMMA layout) are free
+of bank conflicts; a first pass over nine 64-column chunks takes the row maxima, a second converts them and
+stores the fp8 tile as five swizzled [64, 128] boxes (two chunks each; the last is 64 zeros | rope), which five
+TMAs write out beside one for the row scales. SMEM: q 72 KB (bf16; 144 KB for f32) + q8 40 KB + 256 B.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
 ROWS = common.TILE
 CHUNK = 64                 # columns per register pass
-LOAD_COLS = 192            # columns per TMA box (576 = 3 x 192; <= 256 elements per box dimension)
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 
 
@@ -44,19 +44,18 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
   t = lax.axis_index("t")
   token, head0 = lax.div(t, tiles_per_token), lax.rem(t, tiles_per_token) * ROWS
   src = q_gmem.at[token, pl.ds(head0, ROWS)]
-  for b in range(common.D_QK // LOAD_COLS):
-    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(b * LOAD_COLS, LOAD_COLS)], q_smem.at[b], bar)
+  chunk_cols = q_smem.shape[-1]            # 128 bytes of q per chunk: 64 bf16 or 32 f32 columns
+  n_chunks = common.D_QK // chunk_cols
+  for c in range(n_chunks):
+    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c * chunk_cols, chunk_cols)], q_smem.at[c], bar)
 
-  def out_piece(col):       # the [64, 64] piece of q8 at output column col (SMEM: five [64, 128] boxes)
-    return q8_smem.at[col // common.SW_CHUNK, :, pl.ds(col % common.SW_CHUNK, CHUNK)]
-  # the 64 zero columns meet latent 448-511 in the kernel's tail chunk (kernels/common.py, Q_SW_COLS)
-  out_piece(common.D_V)[...] = plgpu.layout_cast(jnp.zeros((ROWS, CHUNK), common.FP8), plgpu.Layout.WGMMA)
   plgpu.barrier_wait(bar)
 
-  def chunk(c):             # q columns [64 c, 64 c + 64) as f32 registers
-    b, off = divmod(c * CHUNK, LOAD_COLS)
-    return plgpu.load(q_smem.at[b, :, pl.ds(off, CHUNK)], layout=plgpu.Layout.WGMMA,
-                      optimized=False).astype(jnp.float32)
+  def chunk(c):             # q columns [64 c, 64 c + 64) as f32 registers (swizzled chunks: conflict-free)
+    per = CHUNK // chunk_cols
+    parts = [plgpu.load(q_smem.at[c * per + i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+             for i in range(per)]
+    return parts[0] if per == 1 else jnp.concatenate(parts, axis=1)
 
   amax = None
   for c in range(common.D_QK // CHUNK):
@@ -65,9 +64,15 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
   scale = amax * _INV_FP8_MAX
   scale = jnp.where(scale == 0.0, 1.0, scale)
   inv = 1.0 / scale
-  for c in range(common.D_QK // CHUNK):
-    x8 = jnp.clip(chunk(c) * lax.broadcast_in_dim(inv, (ROWS, CHUNK), [0]), -FP8_MAX, FP8_MAX).astype(common.FP8)
-    out_piece(c * CHUNK if c * CHUNK < common.D_V else c * CHUNK + CHUNK)[...] = x8     # rope after the zeros
+  def quantized(c):         # q8 of columns [64 c, 64 c + 64)
+    return jnp.clip(chunk(c) * lax.broadcast_in_dim(inv, (ROWS, CHUNK), [0]), -FP8_MAX, FP8_MAX).astype(common.FP8)
+
+  # five 128-column boxes: latent 0-511 in pairs of chunks, then 64 zeros | rope (the zeros meet latent 448-511 in
+  # the attention kernel's tail chunk, kernels/common.py Q_SW_COLS)
+  zeros = plgpu.layout_cast(jnp.zeros((ROWS, CHUNK), common.FP8), plgpu.Layout.WGMMA)
+  for b in range(common.SW_CHUNKS):
+    lo, hi = (quantized(2 * b), quantized(2 * b + 1)) if b < common.SW_CHUNKS - 1 else (zeros, quantized(2 * b))
+    q8_smem.at[b][...] = jnp.concatenate([lo, hi], axis=1)
   kv_scale = scal_gmem[0]
   rs_smem[...] = scale * ((jnp.float32(softmax_scale) * kv_scale) * jnp.float32(common.LOG2E))
   plgpu.commit_smem()
@@ -75,6 +80,11 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
     plgpu.copy_smem_to_gmem(q8_smem.at[b], q8_gmem.at[t, :, pl.ds(b * common.SW_CHUNK, common.SW_CHUNK)])
   plgpu.copy_smem_to_gmem(rs_smem, rs_gmem.at[t])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _chunk_cols(dtype_name: str) -> int:
+  """Columns of q in one 128-byte-swizzled SMEM chunk (one TMA box)."""
+  return 128 // jnp.dtype(dtype_name).itemsize
 
 
 @functools.lru_cache(maxsize=32)
@@ -88,10 +98,12 @@ def build(num_tokens: int, heads: int, dtype_name: str, softmax_scale: float, in
       out_type=(jax.ShapeDtypeStruct((tiles, ROWS, common.Q_SW_COLS), common.FP8),
                 jax.ShapeDtypeStruct((tiles, ROWS), jnp.float32)),
       grid=(tiles,), grid_names=("t",),
-      scratch_types=[plgpu.SMEM((common.D_QK // LOAD_COLS, ROWS, LOAD_COLS), jnp.dtype(dtype_name)),
-                     plgpu.SMEM((common.SW_CHUNKS, ROWS, common.SW_CHUNK), common.FP8),
+      scratch_types=[plgpu.SMEM((common.D_QK // _chunk_cols(dtype_name), ROWS, _chunk_cols(dtype_name)),
+                                jnp.dtype(dtype_name), transforms=common.swizzled(jnp.dtype(dtype_name), 128)),
+                     plgpu.SMEM((common.SW_CHUNKS, ROWS, common.SW_CHUNK), common.FP8,
+                                transforms=common.swizzled(common.FP8, common.SW_CHUNK)),
                      plgpu.SMEM((ROWS,), jnp.float32),
-                     plgpu.Barrier(num_arrivals=common.D_QK // LOAD_COLS)],
+                     plgpu.Barrier(num_arrivals=common.D_QK // _chunk_cols(dtype_name))],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),
   )
