@@ -118,6 +118,28 @@ def test_dense_decode_xla_matches_reference(rng, s_q, causal, page_size):
   assert np.all(np.asarray(out, np.float32)[empty] == 0)
 
 
+# BF16 attention on a bfloat16 cache against the float32 reference on the same rows: P and both outputs rounded
+# to bf16 (RMS <= 2^-8/sqrt(3) relative each, three terms), f32 accumulation: rel-L2 <= 3 * 2^-8 (safety 3).
+BF16_ATTN_BUDGET = 3.0 * 2.0 ** -8
+
+
+@pytest.mark.parametrize("s_q,causal", [(1, False), (3, True)])
+def test_dense_decode_bf16_cache_matches_reference(rng, s_q, causal):
+  """A bfloat16 cache (NaN in unread slots, -1 / out-of-range pages, a hole, empty sequences) runs BF16 attention
+  on the XLA path, also under impl="auto" in interpret mode (the kernel reads FP8 caches; "mosaic" refuses)."""
+  q, pages, table, lens = dense_case(rng, s_q=s_q, page_size=16)
+  pages = pages.astype(jnp.bfloat16)
+  kw = dict(softmax_scale=SCALE, kv_scale=0.5, causal=causal)
+  out, lse = dense_mla_decode(q, pages, table, lens, impl="auto", interpret=True, **kw)
+  assert _dispatch.last_impl("dense_mla_decode") == "xla"
+  r_out, r_lse = ref.dense_mla_decode(q, pages, table, lens, **kw)
+  testing.assert_close_fp8(out, r_out, rel_l2=BF16_ATTN_BUDGET, what="dense bf16 cache out")
+  assert_lse_close(lse, r_lse, 1e-4)     # only f32 rounding of the logits
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  with pytest.raises(NotImplementedError, match="float8_e4m3fn caches"):
+    dense_mla_decode(q, pages, table, lens, impl="mosaic", interpret=True, **kw)
+
+
 def test_dense_decode_xla_chunked_scan_matches_reference(rng, monkeypatch):
   """Force one page per scan step (several online-softmax steps) and compare with the reference."""
   q, pages, table, lens = dense_case(rng, s_q=2)
@@ -189,7 +211,7 @@ def test_dense_decode_validation(rng):
   cases = [
       ("q", (q[..., :512], pages, table, lens), kw),
       ("kv_cache", (q, pages.reshape(-1, D), table, lens), kw),
-      ("kv_cache", (q, pages.astype(jnp.bfloat16), table, lens), kw),
+      ("kv_cache", (q, pages.astype(jnp.float16), table, lens), kw),     # float8_e4m3fn or bfloat16 only
       ("block_table", (q, pages, table[:2], lens), kw),
       ("block_table", (q, pages, table.astype(jnp.int16), lens), kw),
       ("cache_seqlens", (q, pages, table, lens[:2]), kw),

@@ -6,6 +6,8 @@ round Q (per row) and P to e4m3 (unit roundoff 2^-4), the reference does not; th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +69,39 @@ def test_xla_path_matches_reference(rng, B, s_q, H, topk, page, tl):
   _check_against_reference(case, out, lse, _budget(case, fp8_mma=False))
   out2, _ = _run(case, "xla")
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"
+
+
+# BF16 attention (a bfloat16 cache) against the float32 reference on the same bf16 rows: q and the rows are exact;
+# P is rounded to bf16 for P·V and both outputs to bf16 (unit roundoff 2^-8, RMS <= 2^-8/sqrt(3) relative each,
+# three independent terms), f32 accumulation: rel-L2 <= 3 (safety) * sqrt(3) * 2^-8 / sqrt(3) ~= 0.012. lse sees
+# only f32 rounding of the logits.
+BF16_ATTN_BUDGET = 3.0 * 2.0 ** -8
+
+
+@pytest.mark.parametrize("B,s_q,H,topk,page,tl", [(2, 2, 16, 129, 16, True), (1, 3, 64, 37, 64, False)])
+def test_bf16_cache_xla_matches_reference(rng, B, s_q, H, topk, page, tl):
+  """A bfloat16 cache (NaN in unused rows, invalid ids, an all-invalid row, topk_length) runs BF16 attention on
+  the XLA path, under impl="auto" too (the kernels read FP8 caches: "mosaic" refuses it)."""
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=max(4, 1024 // page),
+                   with_topk_length=tl, kv_scale=0.5)
+  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
+  out, lse = _run(case, "auto", interpret=True)
+  assert _dispatch.last_impl("sparse_mla_decode") == "xla"
+  ref_out, ref_lse = _ref(case)
+  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 cache out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 cache lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  with pytest.raises(NotImplementedError, match="float8_e4m3fn caches"):
+    _run(case, "mosaic", interpret=True)
+  # prefill: the same computation with B = T tokens, s_q = 1
+  q_t, idx_t = case.q.reshape(-1, H, 576), case.indices.reshape(-1, topk)
+  tl_t = None if case.topk_length is None else jnp.repeat(case.topk_length, s_q)
+  p_out, _ = mla_pallas.sparse_mla_prefill(q_t, case.kv, idx_t, softmax_scale=case.softmax_scale,
+                                           kv_scale=case.kv_scale, topk_length=tl_t)
+  r_out, _ = reference.sparse_mla_prefill(q_t, case.kv, idx_t, softmax_scale=case.softmax_scale,
+                                          kv_scale=case.kv_scale, topk_length=tl_t)
+  testing.assert_close_fp8(p_out, r_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 cache prefill")
 
 
 @pytest.mark.parametrize("B,s_q,H,topk,page,tl", [
@@ -357,8 +392,8 @@ def test_argument_errors(rng):
     mla_pallas.sparse_mla_decode(case.q[..., :512], case.kv, case.indices, **kw)
   with pytest.raises(ValueError, match="q must have dtype"):
     mla_pallas.sparse_mla_decode(case.q.astype(jnp.float16), case.kv, case.indices, **kw)
-  with pytest.raises(ValueError, match="kv_cache must have dtype float8_e4m3fn"):
-    mla_pallas.sparse_mla_decode(case.q, case.kv.astype(jnp.bfloat16), case.indices, **kw)
+  with pytest.raises(ValueError, match="kv_cache must have dtype float8_e4m3fn"):   # or bfloat16; not float16
+    mla_pallas.sparse_mla_decode(case.q, case.kv.astype(jnp.float16), case.indices, **kw)
   with pytest.raises(ValueError, match=r"indices must have rank 3 with shape \[B=1, s_q=1, topk\]"):
     mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices[0], **kw)
   with pytest.raises(ValueError, match="indices must have dtype int32"):

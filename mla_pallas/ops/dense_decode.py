@@ -19,7 +19,8 @@ FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 Shapes and index rules:
   q [B, s_q, H, 576] bfloat16/float32 (absorbed query: latent [0, 512) ‖ rope [512, 576)); the s_q query tokens
   are the last s_q tokens of each sequence (MTP).
-  kv_cache [num_pages, page_size, 576] float8_e4m3fn (paged only: the block table needs the page size);
+  kv_cache [num_pages, page_size, 576] float8_e4m3fn, or bfloat16 for BF16 attention (XLA path); paged only
+  (the block table needs the page size);
   dequantized row = fp8 · kv_scale; the value of a row is its first 512 entries.
   block_table [B, P] int32 page ids; entries past the sequence may be anything (e.g. -1); page ids outside
   [0, num_pages) are masked (never read).
@@ -39,7 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_pallas import _checks, _dispatch, quant
+from mla_pallas import _checks, _dispatch
 from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
 from mla_pallas.ops import sparse_decode as _sparse
 
@@ -55,7 +56,7 @@ def _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale
   _checks.check_array("q", q, ndim=4, shape=(None, None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
                       expect="[B, s_q, H, 576]")
   b = q.shape[0]
-  _checks.check_array("kv_cache", kv_cache, ndim=3, shape=(None, None, D_QK), dtypes=(FP8,),
+  _checks.check_array("kv_cache", kv_cache, ndim=3, shape=(None, None, D_QK), dtypes=_sparse.CACHE_DTYPES,
                       expect="[num_pages, page_size, 576]")
   if kv_cache.shape[0] < 1:
     raise ValueError(f"kv_cache must have num_pages >= 1; got shape {tuple(kv_cache.shape)}")
@@ -110,7 +111,8 @@ def _chunk_pages(b, s_q, h, page_size, max_pages, causal):
 
 
 def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal):
-  """FP8 XLA path: online softmax over chunks of ``cp`` pages (a ``lax.scan``)."""
+  """XLA path (FP8, or BF16 attention for a bfloat16 cache: ``sparse_decode.xla_operands``): online softmax over
+  chunks of ``cp`` pages (a ``lax.scan``)."""
   b, s_q, h, _ = q.shape
   num_pages, page_size, _ = kv_cache.shape
   max_pages = block_table.shape[1]
@@ -122,17 +124,17 @@ def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax
   limit = _limits(cache_seqlens, s_q, n_pos, causal)                       # [B, s_q]
   row_limit = jnp.max(limit, axis=1)                                       # [B]: rows any token may read
 
-  q8, q_scale = quant.quantize_rows_fp8(q)                                 # [B, s_q, H, 576], [B, s_q, H]
+  q8, q_scale, p_op, p_scale = _sparse.xla_operands(q, kv_cache.dtype)     # [B, s_q, H, 576], [B, s_q, H]
   logit_scale = (q_scale * (softmax_scale * kv_scale * LOG2E))[..., None]  # base-2 logits
   c = cp * page_size
   offs = jnp.arange(c, dtype=jnp.int32)
-  zero8 = jnp.zeros((), FP8)
+  zero8 = jnp.zeros((), kv_cache.dtype)
 
   def step(carry, xs):
     m, l, acc = carry
     ci, pages = xs                                                         # pages [B, cp]
     page_ok = (pages >= 0) & (pages < num_pages)
-    rows = jnp.take(kv_cache, jnp.where(page_ok, pages, 0), axis=0)        # [B, cp, page, 576] fp8
+    rows = jnp.take(kv_cache, jnp.where(page_ok, pages, 0), axis=0)        # [B, cp, page, 576]
     rows = rows.reshape(b, c, D_QK)
     pos = ci * c + offs                                                    # [c]
     ok = jnp.repeat(page_ok, page_size, axis=1)                            # [B, c]
@@ -151,7 +153,7 @@ def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax
     alpha = jnp.exp2(m - m_use)                                            # 0 while m = -inf
     p = jnp.exp2(s - m_use[..., None])                                     # 0 where masked
     l = l * alpha + jnp.sum(p, axis=-1)
-    p8 = (p * _sparse.P_SCALE).astype(FP8)
+    p8 = p_op(p)
     if rows_t is not None:
       pv = jnp.einsum("bshc,bscd->bshd", p8, rows_t[..., :D_V], preferred_element_type=jnp.float32)
     else:
@@ -163,7 +165,7 @@ def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax
           jnp.zeros((b, s_q, h, D_V), jnp.float32))
   (m, l, acc), _ = lax.scan(step, init, (jnp.arange(n_chunks, dtype=jnp.int32), table))
   has = l > 0
-  o = acc * (kv_scale / (_sparse.P_SCALE * jnp.where(has, l, 1.0)))[..., None]
+  o = acc * (kv_scale / (p_scale * jnp.where(has, l, 1.0)))[..., None]
   o = jnp.where(has[..., None], o, 0.0)
   lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * math.log(2.0), -jnp.inf)
   return o.astype(jnp.bfloat16), lse
@@ -180,8 +182,8 @@ def _indices_jit(block_table, cache_seqlens, *, page_size, num_pages, s_q, causa
                        causal=causal)
 
 
-def _kernel_supported(q_shape, num_slots=None, interpret=False):
-  sparse_check = _sparse._kernel_supported(q_shape, num_slots, interpret)
+def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8):
+  sparse_check = _sparse._kernel_supported(q_shape, num_slots, interpret, cache_dtype)
 
   def check():
     try:
@@ -199,7 +201,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     q: [B, s_q, H, 576] bfloat16 (or float32): absorbed queries (512 latent ‖ 64 rope); the s_q query tokens are
       the last s_q tokens of each sequence.
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn; dequantized value = fp8 · kv_scale; the value vector of
-      a row is its first 512 entries.
+      a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q and P in bf16, f32
+      accumulation) on the XLA path ("auto" picks it: the kernels read FP8 caches).
     block_table: [B, P] int32 page ids; position p of sequence b is at flat slot
       ``block_table[b, p // page_size] * page_size + p % page_size``. Entries past the sequence may be anything
       (e.g. -1); a page id outside [0, num_pages) is masked (never read).
@@ -226,7 +229,7 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   causal = bool(causal)
   num_slots = kv_cache.shape[0] * kv_cache.shape[1]
   used = _dispatch.choose(OP, impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, num_slots, interpret))
+                          supported=_kernel_supported(q.shape, num_slots, interpret, kv_cache.dtype))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
   if used == "mosaic":
     num_pages, page_size, _ = kv_cache.shape

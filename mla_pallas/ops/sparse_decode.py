@@ -16,8 +16,10 @@ where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
 * ``impl="xla"``: the same quantization of Q and P with FP8 ``einsum``s in XLA (cuBLASLt on a GPU), so both paths
   can be compared like for like.
 
+A bfloat16 cache (BF16 attention: q and P in bf16, f32 accumulation, no scales rounded) runs on the XLA path.
+
 Shapes (decode): q [B, s_q, H, 576] bf16/f32; kv_cache [num_pages, page_size, 576] or [num_slots, 576]
-float8_e4m3fn; indices [B, s_q, topk] int32 flat slot ids (slot = page · page_size + offset; < 0 or ≥ num_slots
+float8_e4m3fn (or bfloat16); indices [B, s_q, topk] int32 flat slot ids (slot = page · page_size + offset; < 0 or ≥ num_slots
 masked); topk_length [B] int32 or None (only the first topk_length[b] indices of batch b count). Returns
 out [B, s_q, H, 512] bf16 and lse [B, s_q, H] f32 (natural log; −inf and out 0 where nothing is valid).
 """
@@ -35,6 +37,7 @@ from mla_pallas import _checks, _dispatch, quant
 from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E, P_SCALE, Q_SW_COLS, TILE   # P_SCALE: XLA path's P
 
 KERNEL_HEADS = (8, 16, 32, 64, 128)
+CACHE_DTYPES = (FP8, jnp.bfloat16)    # bfloat16: BF16 attention (q and P in bf16), XLA path only
 KERNEL_ARCHS = ("sm90", "sm100")
 # Families on which the kernel ran and matched the reference on real hardware: impl="auto" picks the kernel
 # natively only there. sm100: lowered and interpreted only (no Blackwell GPU has run it).
@@ -54,11 +57,11 @@ def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, p
     _checks.check_array("indices", indices, ndim=3, shape=(q.shape[0], q.shape[1], None), dtypes=(jnp.int32,),
                         expect=f"[B={q.shape[0]}, s_q={q.shape[1]}, topk]")
     lead = q.shape[0]
-  _checks.check_array("kv_cache", kv_cache, ndim=(2, 3), dtypes=(FP8,),
+  _checks.check_array("kv_cache", kv_cache, ndim=(2, 3), dtypes=CACHE_DTYPES,
                       expect="[num_pages, page_size, 576] or [num_slots, 576]")
   if kv_cache.shape[-1] != D_QK:
     raise ValueError("kv_cache must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
-                     f"float8_e4m3fn; got shape {tuple(kv_cache.shape)}")
+                     f"float8_e4m3fn or bfloat16; got shape {tuple(kv_cache.shape)}")
   if kv_cache.ndim == 3:
     _checks.check_page_size("kv_cache.shape[1] (page_size)", kv_cache.shape[1])
   if indices.shape[-1] < 1:
@@ -80,23 +83,32 @@ def _valid_mask(indices, num_slots, topk_length):
   return valid
 
 
+def xla_operands(q, cache_dtype):
+  """The XLA paths' arithmetic by cache dtype: (q operand, per-row q scale, P operand fn, P scale). FP8 cache: q
+  in e4m3 per (token, head) row with its scale, P as fp8(P_SCALE p); bfloat16 cache (BF16 attention): q and P in
+  bf16, no scales. Both multiply into f32 accumulators."""
+  if cache_dtype == FP8:
+    q8, q_scale = quant.quantize_rows_fp8(q)
+    return q8, q_scale, lambda p: (p * P_SCALE).astype(FP8), P_SCALE
+  return q.astype(jnp.bfloat16), jnp.ones(q.shape[:-1], jnp.float32), lambda p: p.astype(jnp.bfloat16), 1.0
+
+
 def _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length):
-  """FP8 XLA path. q [B, S, H, 576]; kv_flat [N, 576] fp8; indices [B, S, K]."""
+  """XLA path. q [B, S, H, 576]; kv_flat [N, 576] fp8 or bf16; indices [B, S, K]."""
   num_slots = kv_flat.shape[0]
   valid = _valid_mask(indices, num_slots, topk_length)                      # [B, S, K]
-  rows = jnp.take(kv_flat, jnp.where(valid, indices, 0), axis=0)           # [B, S, K, 576] fp8
-  rows = jnp.where(valid[..., None], rows, jnp.zeros((), FP8))             # masked rows: exact zeros, never NaN
-  q8, q_scale = quant.quantize_rows_fp8(q)                                 # per (token, head) row
-  s = jnp.einsum("bshd,bskd->bshk", q8, rows, preferred_element_type=jnp.float32)
+  rows = jnp.take(kv_flat, jnp.where(valid, indices, 0), axis=0)           # [B, S, K, 576]
+  rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))      # masked rows: exact zeros, never NaN
+  q_op, q_scale, p_op, p_scale = xla_operands(q, kv_flat.dtype)
+  s = jnp.einsum("bshd,bskd->bshk", q_op, rows, preferred_element_type=jnp.float32)
   s = s * (q_scale * (softmax_scale * kv_scale * LOG2E))[..., None]        # base-2 logits
   s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   m_use = jnp.where(m == -jnp.inf, 0.0, m)
   p = jnp.exp2(s - m_use[..., None])
   l = jnp.sum(p, axis=-1)
-  p8 = (p * P_SCALE).astype(FP8)
-  o = jnp.einsum("bshk,bskd->bshd", p8, rows[..., :D_V], preferred_element_type=jnp.float32)
-  o = o * (kv_scale / (P_SCALE * jnp.where(l == 0, 1.0, l)))[..., None]
+  o = jnp.einsum("bshk,bskd->bshd", p_op(p), rows[..., :D_V], preferred_element_type=jnp.float32)
+  o = o * (kv_scale / (p_scale * jnp.where(l == 0, 1.0, l)))[..., None]
   lse = (m + jnp.log2(l)) * math.log(2.0)
   return o.astype(jnp.bfloat16), lse
 
@@ -104,9 +116,12 @@ def _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length
 MAX_KERNEL_SLOTS = (2 ** 31 - 1) // 9 - 2    # the kernel addresses 64-byte chunks of the cache with int32
 
 
-def _kernel_supported(q_shape, num_slots=None, interpret=False):
+def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8):
   def check():
     _, s_q, h, _ = q_shape
+    if cache_dtype != FP8:
+      raise NotImplementedError(f"sparse_mla_decode kernels read float8_e4m3fn caches; a {jnp.dtype(cache_dtype).name} "
+                                "cache runs on the XLA path")
     if num_slots is not None and num_slots > MAX_KERNEL_SLOTS:
       raise NotImplementedError(f"sparse_mla_decode kernel supports caches of up to {MAX_KERNEL_SLOTS} slots; "
                                 f"got {num_slots}")
@@ -373,7 +388,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
     q: [B, s_q, H, 576] bfloat16 (or float32): absorbed queries (512 latent ‖ 64 rope), s_q query tokens per
       sequence (MTP).
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn (or flat [num_slots, 576]); dequantized value = fp8 ·
-      kv_scale; the value vector of a row is its first 512 entries.
+      kv_scale; the value vector of a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q
+      and P in bf16, f32 accumulation; the XLA path: the kernels read FP8 caches, so "auto" picks XLA).
     indices: [B, s_q, topk] int32 flat slot ids (page · page_size + offset). Entries < 0 or ≥ num_slots are
       ignored (never read); duplicates count as often as they appear.
     softmax_scale: python float multiplying q·k (e.g. 1/sqrt(192) for DeepSeek-V3.2).
@@ -392,7 +408,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret),
+                          supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret, kv_flat.dtype),
                           validated_on=VALIDATED_ON)
   arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
