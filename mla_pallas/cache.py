@@ -282,12 +282,7 @@ def _write_impl(pages, slots, rows, kv_scale):
   shape = pages.shape
   flat = pages.reshape(-1, D_QK)
   n = flat.shape[0]
-  if rows.dtype == pages.dtype:
-    vals = rows
-  elif pages.dtype == FP8:
-    vals = _quantize(rows, kv_scale)
-  else:
-    vals = (rows.astype(jnp.float32) * (1.0 / jnp.asarray(kv_scale, jnp.float32))).astype(pages.dtype)
+  vals = rows if rows.dtype == pages.dtype else quant.encode_cache_rows(rows, kv_scale, pages.dtype)
   slots = slots.astype(jnp.int32)
   keep = _last_occurrence(slots, n)
   # Invalid and overwritten entries point one past the end; mode="drop" discards them.

@@ -40,7 +40,7 @@ __all__ = [
     "quantize_fp8", "dequantize_fp8",
     "quantize_rows_fp8", "quantize_tensor_fp8",
     "quantize_blocks_fp8", "dequantize_blocks_fp8",
-    "amax_to_scale", "expand_block_scales",
+    "amax_to_scale", "expand_block_scales", "encode_cache_rows",
 ]
 
 FP8 = jnp.float8_e4m3fn
@@ -98,6 +98,15 @@ def quantize_fp8(x, scale):
   inv = 1.0 / jnp.asarray(scale, jnp.float32)  # f32 reciprocal, then a multiply (see module doc)
   q = x.astype(jnp.float32) * inv
   return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def encode_cache_rows(rows, kv_scale, dtype):
+  """Cache rows as stored in a cache of ``dtype`` with per-tensor scale ``kv_scale`` (stored · kv_scale = row):
+  float8_e4m3fn: :func:`quantize_fp8` (clip to ±448, round to nearest even); bfloat16 / float32:
+  ``(rows · f32(1 / kv_scale)).astype(dtype)`` (no clip; with kv_scale 1 only the rounding)."""
+  if jnp.dtype(dtype) == FP8:
+    return quantize_fp8(rows, kv_scale)
+  return (rows.astype(jnp.float32) * (1.0 / jnp.asarray(kv_scale, jnp.float32))).astype(dtype)
 
 
 def dequantize_fp8(x8, scale, dtype=jnp.float32):

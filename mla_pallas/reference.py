@@ -405,7 +405,8 @@ def rope_rmsnorm_quantize_write(pages, kv, q_rope, positions, cos, sin, norm_wei
   """Fused MLA cache write: :func:`rope_rmsnorm`, FP8 quantization and a scatter into the cache.
 
   Args:
-    pages: float8_e4m3fn cache ``[num_pages, page_size, 576]`` or flat ``[num_slots, 576]``.
+    pages: float8_e4m3fn cache ``[num_pages, page_size, 576]`` or flat ``[num_slots, 576]`` (or bfloat16:
+      rows stored as ``quant.encode_cache_rows``, rounded, not clipped).
     kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved: as in :func:`rope_rmsnorm`.
     kv_scale: python float or f32 scalar (per-tensor cache scale).
     slots: int32 ``[T]`` flat slot ids. A slot outside ``[0, num_slots)`` (e.g. -1, padding tokens) is
@@ -417,7 +418,7 @@ def rope_rmsnorm_quantize_write(pages, kv, q_rope, positions, cos, sin, norm_wei
     ``row = rms_norm(kv[:, :512]) ‖ rope(kv[:, 512:])`` is kept in float32 (not rounded to bf16 first, as a
     fused kernel keeps it in registers); ``q_rope_out`` as in :func:`rope_rmsnorm`.
   """
-  check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8,),
+  check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8, jnp.bfloat16),
               expect="[num_pages, page_size, 576] or [num_slots, 576]")
   if pages.shape[-1] != D_QK:
     raise ValueError(f"pages must have shape [num_pages, page_size, 576] or [num_slots, 576]; "
@@ -428,7 +429,7 @@ def rope_rmsnorm_quantize_write(pages, kv, q_rope, positions, cos, sin, norm_wei
   eps = check_scalar("eps", eps)
   kv_scale = check_scalar("kv_scale", kv_scale, positive=True)
   rows = _kv_rows_f32(kv, positions, cos, sin, norm_weight, eps, interleaved)
-  rows8 = quant.quantize_fp8(rows, kv_scale)
+  rows8 = quant.encode_cache_rows(rows, kv_scale, pages.dtype)
   q_out = _rope_f32(q_rope, positions, cos, sin, interleaved).astype(q_rope.dtype)
   flat = pages.reshape(-1, D_QK)
   num_slots = flat.shape[0]

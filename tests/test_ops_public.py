@@ -315,6 +315,27 @@ def test_fused_write_matches_reference_and_touches_only_its_slots(rng, paged):
   assert not np.isnan(np.asarray(new_pages, np.float32).reshape(n, D)[sorted(written)]).any()
 
 
+def test_fused_write_bf16_cache(rng):
+  """A bfloat16 cache: the rows are stored rounded to bf16 (``quant.encode_cache_rows``: rows / kv_scale, no clip),
+  bitwise the jitted reference's; unwritten slots (NaN here) stay bitwise; the kernel writes FP8 caches only."""
+  kv, q_rope, positions, cos, sin, w = rope_inputs(rng, t=5)
+  base = np.full((2, 16, D), np.nan, np.float32).astype(jnp.bfloat16)
+  slots = jnp.asarray([3, -1, 17, 3, 31], jnp.int32)              # dup 3 (last wins), -1 skipped
+  new_pages, q_out = fused_rope_rmsnorm_quantization(jnp.asarray(base), kv, q_rope, positions, cos, sin, w,
+                                                     eps=1e-6, kv_scale=0.5, slots=slots, impl="auto")
+  assert _dispatch.last_impl("fused_rope_rmsnorm_quantization") == "xla" and new_pages.dtype == jnp.bfloat16
+  r_pages, r_q = REF['write'](jnp.asarray(base), kv, q_rope, positions, cos, sin, w, eps=1e-6, kv_scale=0.5,
+                              slots=slots)
+  np.testing.assert_array_equal(bits(new_pages), bits(r_pages))
+  np.testing.assert_array_equal(bits(q_out), bits(r_q))
+  got = np.asarray(new_pages, np.float32).reshape(-1, D)
+  assert np.isnan(got[[s for s in range(32) if s not in (3, 17, 31)]]).all()
+  assert np.isfinite(got[[3, 17, 31]]).all()
+  from mla_pallas.ops import rope_rmsnorm as rr
+  with pytest.raises(NotImplementedError, match="float8_e4m3fn caches"):     # the kernel's support check
+    rr._kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, 32, jnp.bfloat16)()
+
+
 def test_fused_write_all_slots_invalid_leaves_cache_unchanged(rng):
   kv, q_rope, positions, cos, sin, w = rope_inputs(rng, t=3)
   base = np.asarray(jnp.asarray(rng.normal(size=(2, 16, D)), jnp.float32).astype(FP8))
@@ -356,7 +377,7 @@ def test_rope_ops_dispatch_and_validation(rng):
       ("kv", lambda: rope_rmsnorm(kv[:, :512], q_rope, positions, cos, sin, w, eps=1e-6)),
       ("q_rope", lambda: rope_rmsnorm(kv, q_rope[:2], positions, cos, sin, w, eps=1e-6)),
       ("norm_weight", lambda: rope_rmsnorm(kv, q_rope, positions, cos, sin, w[:64], eps=1e-6)),
-      ("pages", lambda: fused_rope_rmsnorm_quantization(pages.astype(jnp.bfloat16), kv, q_rope, positions, cos,
+      ("pages", lambda: fused_rope_rmsnorm_quantization(pages.astype(jnp.float16), kv, q_rope, positions, cos,
                                                         sin, w, eps=1e-6, kv_scale=1.0, slots=slots)),
       ("slots", lambda: fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, w, eps=1e-6,
                                                         kv_scale=1.0, slots=slots[:2])),

@@ -115,7 +115,7 @@ def test_bad_inputs_raise_value_error_before_dispatch(rng):
     mla_pallas.fused_rope_rmsnorm_quantization(pages, case.kv, case.q_rope, case.positions, case.cos, case.sin,
                                                case.w, kv_scale=1.0, slots=case.slots[:2], **kw)
   with pytest.raises(ValueError, match="pages"):
-    mla_pallas.fused_rope_rmsnorm_quantization(pages.astype(jnp.bfloat16), case.kv, case.q_rope, case.positions,
+    mla_pallas.fused_rope_rmsnorm_quantization(pages.astype(jnp.float16), case.kv, case.q_rope, case.positions,
                                                case.cos, case.sin, case.w, kv_scale=1.0, slots=case.slots, **kw)
 
 

@@ -146,9 +146,12 @@ def _config(t, h, fused, tuning=()):
   return dataclasses.replace(default_config(t, h, fused), **kw)
 
 
-def _kernel_supported(op, kv, q_rope, num_slots=None):
+def _kernel_supported(op, kv, q_rope, num_slots=None, pages_dtype=quant.FP8):
   """``supported`` callable for :func:`_dispatch.choose`: raises NotImplementedError for inputs the kernel lacks."""
   def check():
+    if pages_dtype != quant.FP8:
+      raise NotImplementedError(f"{op}: the Mosaic GPU kernel writes float8_e4m3fn caches; a "
+                                f"{np.dtype(pages_dtype).name} cache runs on the XLA path")
     arch = _dispatch.mosaic_arch(False)
     if arch != "sm90":
       raise NotImplementedError(f"{op} has a Mosaic GPU kernel for sm_90 (Hopper) only; this device needs the "
@@ -345,7 +348,7 @@ def _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scal
   # kv in float32 -> rows stay float32 (the reference casts to float32 first, so this is bitwise its math)
   rows, q_out = reference.rope_rmsnorm(kv.astype(jnp.float32), q_rope, positions, cos, sin, norm_weight,
                                        eps=eps, interleaved=interleaved)
-  rows8 = quant.quantize_fp8(rows, kv_scale)
+  rows8 = quant.encode_cache_rows(rows, kv_scale, pages.dtype)   # e4m3 (clipped), or bf16 rounding
   flat = pages.reshape(-1, D_QK)
   num_slots = flat.shape[0]
   dest = _dest_slots(slots, num_slots, unique_slots, num_slots)   # out of bounds -> dropped by the scatter
@@ -359,7 +362,8 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   """Fused MLA cache write: :func:`rope_rmsnorm`, FP8 quantization and a scatter into the paged cache.
 
   Args:
-    pages: float8_e4m3fn cache [num_pages, page_size, 576] or flat [num_slots, 576]. DONATED: both paths are
+    pages: float8_e4m3fn cache [num_pages, page_size, 576] or flat [num_slots, 576], or a bfloat16 one (rows
+      stored as ``quant.encode_cache_rows``: rounded to bf16, not clipped; the XLA path). DONATED: both paths are
       jitted with ``donate_argnums=0`` (the kernel writes the donated buffer in place, through an input/output
       alias), so on backends that support donation (GPU, TPU, CPU) the buffer passed in
       is consumed and must not be used afterwards; keep a copy if you need the old contents.
@@ -391,11 +395,11 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
     rounded to bfloat16 first); q_rope_out [T, H, 64] in q_rope's dtype = rope(q_rope, positions).
   """
   _dispatch.check_impl(impl)
-  _checks.check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8,),
+  _checks.check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8, jnp.bfloat16),
                       expect="[num_pages, page_size, 576] or [num_slots, 576]")
   if pages.shape[-1] != D_QK:
     raise ValueError("pages must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
-                     f"float8_e4m3fn; got shape {tuple(pages.shape)}")
+                     f"float8_e4m3fn or bfloat16; got shape {tuple(pages.shape)}")
   interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
   t = kv.shape[0]
   _checks.check_array("slots", slots, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
@@ -403,7 +407,7 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   unique_slots = _check_bool("unique_slots", unique_slots)
   num_slots = pages.size // D_QK
   used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
-                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots))
+                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype))
   if used == "mosaic":
     return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                          jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved,
