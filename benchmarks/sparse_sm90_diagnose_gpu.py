@@ -41,6 +41,7 @@ import json
 import os
 import re
 import sys
+import types
 import unittest.mock
 
 import jax
@@ -72,6 +73,9 @@ def _no_gather(*args, **kwargs):
   del args, kwargs
 
 
+_QK = heads_m._qk_and_upcast     # the unpatched QKᵀ (the "no_qk" row replaces the module attribute)
+
+
 def _zero_s(k_tiles, stage_v, r):
   def body(acc_ref):
     if stage_v is not None:
@@ -97,13 +101,8 @@ def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BL
 
 
 def _qk_only(q_ref, k_ref, words, pt_ref, accs, blocks=vt_registers.ALL_BLOCKS):
-  del words, pt_ref, blocks
-
-  def qk(acc_ref):
-    for c in range(common.SW_CHUNKS):
-      plgpu.wgmma(acc_ref, q_ref.at[c], k_ref.at[c].T)
-    return acc_ref[...]
-  return pl.run_scoped(qk, plgpu.ACC((common.TILE, common.TILE), jnp.float32)), tuple(accs)
+  del words, pt_ref, blocks      # the kernel's own QKᵀ (waited for), no P·V
+  return _QK(k_ref, None, types.SimpleNamespace(q_sw=q_ref)), tuple(accs)
 
 
 def _zero_words(k_tile_ref, word=None):

@@ -244,6 +244,13 @@ def fp8_error_terms(*, quantized_q: bool = True, quantized_kv: bool = False, qua
   }
 
 
+#: Rel-L2 tolerance of BF16 attention (a bfloat16 cache; q and P in bf16, f32 accumulation) against the float32
+#: reference on the same bf16 rows: q and the rows are exact; P is rounded to bf16 for P·V and both outputs to
+#: bf16 (unit roundoff 2^-8, RMS <= 2^-8/sqrt(3) relative each), three independent terms: sqrt(3) · 2^-8 / sqrt(3)
+#: = 2^-8, times a safety factor of 3 (~0.012). The lse sees only f32 rounding of the logits.
+BF16_ATTENTION_REL_L2 = 3.0 * 2.0 ** -8
+
+
 def fp8_error_budget(*, quantized_q: bool = True, quantized_kv: bool = False, quantized_p: bool = True,
                      fp8_mma: bool = True, d_qk: int = 576, pv_length: int = 2048,
                      logit_std: float = 1.0, bf16_output: bool = True, safety: float = 3.0) -> float:

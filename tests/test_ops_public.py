@@ -118,9 +118,8 @@ def test_dense_decode_xla_matches_reference(rng, s_q, causal, page_size):
   assert np.all(np.asarray(out, np.float32)[empty] == 0)
 
 
-# BF16 attention on a bfloat16 cache against the float32 reference on the same rows: P and both outputs rounded
-# to bf16 (RMS <= 2^-8/sqrt(3) relative each, three terms), f32 accumulation: rel-L2 <= 3 * 2^-8 (safety 3).
-BF16_ATTN_BUDGET = 3.0 * 2.0 ** -8
+# BF16 attention's error model: mla_pallas.testing.BF16_ATTENTION_REL_L2.
+BF16_ATTN_BUDGET = testing.BF16_ATTENTION_REL_L2
 
 
 @pytest.mark.parametrize("s_q,causal", [(1, False), (3, True)])

@@ -71,11 +71,8 @@ def test_xla_path_matches_reference(rng, B, s_q, H, topk, page, tl):
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"
 
 
-# BF16 attention (a bfloat16 cache) against the float32 reference on the same bf16 rows: q and the rows are exact;
-# P is rounded to bf16 for P·V and both outputs to bf16 (unit roundoff 2^-8, RMS <= 2^-8/sqrt(3) relative each,
-# three independent terms), f32 accumulation: rel-L2 <= 3 (safety) * sqrt(3) * 2^-8 / sqrt(3) ~= 0.012. lse sees
-# only f32 rounding of the logits.
-BF16_ATTN_BUDGET = 3.0 * 2.0 ** -8
+# BF16 attention's error model: mla_pallas.testing.BF16_ATTENTION_REL_L2.
+BF16_ATTN_BUDGET = testing.BF16_ATTENTION_REL_L2
 
 
 @pytest.mark.parametrize("B,s_q,H,topk,page,tl", [(2, 2, 16, 129, 16, True), (1, 3, 64, 37, 64, False)])

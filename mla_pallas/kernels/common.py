@@ -258,9 +258,6 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
   ``k_sw``, issued per warp, each arriving on ``k_full`` (5 · 64 arrivals); an invalid id copies row
   ``num_slots``, wholly past the end of ``kv_gmem``, which the copy zero-fills.
   """
-  if not interpret:
-    from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
-
   def tiles(gather):     # per tile t: wait for its buffer, before_gather(t), gather(t, buffer)
     @pl.loop(0, n_tiles)
     def _(t):

@@ -293,10 +293,9 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   splits, tps = cfg.num_splits, cfg.kernel.tiles_per_split
   k_pad = splits * tps * TILE
 
-  # Pre-pass (fused XLA ops): per-row quantized Q with folded scales (padded to the 64-row tile with the heads on
-  # M, flat and unpadded with the heads on N); the indices only where needed: the sm_90 kernels mask ids outside
-  # [0, num_slots) themselves, so they pass through unless topk_length masks a tail or the split grid needs
-  # padding (the sm_100 kernel takes sanitised unsigned ids).
+  # Pre-pass (fused XLA ops): Q in the kernel's layout (_kernel_q); the indices only where needed: the sm_90
+  # kernels mask ids outside [0, num_slots) themselves, so they pass through unless topk_length masks a tail or
+  # the split grid needs padding (the sm_100 kernel takes sanitised unsigned ids).
   rows = indices
   if arch == "sm100" or topk_length is not None:
     rows = jnp.where(_valid_mask(indices, num_slots, topk_length), indices, num_slots)
@@ -305,37 +304,21 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = "bfloat16" if splits == 1 else getattr(cfg.kernel, "partial_dtype", "float32")   # sm100: f32
-  q_kernel = arch == "sm90" and getattr(cfg.kernel, "prepass", "xla") == "kernel" and h % TILE == 0
-  if q_kernel:          # one launch: Q8 tiles [.., 64, 640] (latent | 0 | rope) and their row scales
-    from mla_pallas.kernels import q_quant
-    q8, row_scale = q_quant.quantize_q(q.reshape(n_tok, h, D_QK), kv_scale, softmax_scale, interpret)
-  else:
-    q8, q_scale = quant.quantize_rows_fp8(q.reshape(n_tok, h, D_QK))
-    row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
-  if heads_on_n:        # flat, unpadded Q rows (the kernel reads 16 rows from row token · H); O [.., out_heads, 512]
-    q8, row_scale = q8.reshape(n_tok * h, D_QK), row_scale.reshape(n_tok * h)
+  q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
+                            interpret)
+  if heads_on_n:        # O [.., out_heads, 512]
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
                             interpret=interpret)
+  elif arch == "sm100":
+    kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
+                            cfg.kernel, interpret=interpret)
   else:
-    if not q_kernel:
-      if h < TILE:
-        q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))
-        row_scale = jnp.pad(row_scale, ((0, 0), (0, TILE - h)))
-      q8 = q8.reshape(n_tok * tiles_per_token, TILE, D_QK)
-      row_scale = row_scale.reshape(n_tok * tiles_per_token, TILE)
-    if arch == "sm100":
-      kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
-                              cfg.kernel, interpret=interpret)
-    else:
-      kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                              interpret=interpret)
+    kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
+                            interpret=interpret)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
-  else:                 # 128-byte boxes of the 2-D cache; Q as latent | 0 | rope
-    if not q_kernel:
-      zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
-      q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
+  else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
   if splits > 1 and getattr(cfg.kernel, "combine", "xla") == "kernel":   # heads on M: [.., splits, 64, 512]
@@ -348,6 +331,29 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
   lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
   return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
+
+
+def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
+  """Q [T, H, 576] as the design's kernel reads it, with its per-row logit scales (q_scale · softmax_scale ·
+  kv_scale · log2 e): heads on N flat and unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64,
+  ...], H < 64 zero-padded); on sm_90 each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent
+  448-511 in the 128-byte tail chunk). ``TuningConfig.prepass="kernel"`` (heads on M, H a multiple of 64):
+  kernels/q_quant.py in one launch, the same bytes and scales."""
+  n_tok, h, _ = q.shape
+  if arch == "sm90" and getattr(cfg.kernel, "prepass", "xla") == "kernel" and h % TILE == 0:
+    from mla_pallas.kernels import q_quant
+    return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
+  q8, q_scale = quant.quantize_rows_fp8(q)
+  row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
+  if arch == "sm90":
+    zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
+    q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
+  if cfg.design == "sm90_heads_n":   # the kernel reads 16 rows from row token · H
+    return q8.reshape(n_tok * h, q8.shape[-1]), row_scale.reshape(n_tok * h)
+  if h < TILE:
+    q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))
+    row_scale = jnp.pad(row_scale, ((0, 0), (0, TILE - h)))
+  return q8.reshape(n_tok * tiles_per_token, TILE, q8.shape[-1]), row_scale.reshape(n_tok * tiles_per_token, TILE)
 
 
 def combine_splits(o, lse):
