@@ -41,7 +41,6 @@ import json
 import os
 import re
 import sys
-import types
 import unittest.mock
 
 import jax
@@ -73,7 +72,6 @@ def _no_gather(*args, **kwargs):
   del args, kwargs
 
 
-_QK = heads_m._qk_and_upcast     # the unpatched QKᵀ (the "no_qk" row replaces the module attribute)
 
 
 def _zero_s(k_tiles, stage_v, r):
@@ -100,11 +98,6 @@ def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BL
   return tuple(accs)
 
 
-def _qk_only(q_ref, k_ref, words, pt_ref, accs, blocks=vt_registers.ALL_BLOCKS):
-  del words, pt_ref, blocks      # the kernel's own QKᵀ (waited for), no P·V
-  return _QK(k_ref, None, types.SimpleNamespace(q_sw=q_ref)), tuple(accs)
-
-
 def _zero_words(k_tile_ref, word=None):
   del k_tile_ref, word
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
@@ -119,12 +112,10 @@ ROWS = {
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
-    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
-              (vt_registers, "qk_then_pv_wgmmas"): _qk_only},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
-                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
-                        (vt_registers, "qk_then_pv_wgmmas"): _qk_only},
+                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     "variant:l2_256": {(gather_threads, "CP_ASYNC"): _L2_256},
     "variant:evict_last": {(gather_threads, "CP_ASYNC"): _EVICT_LAST},
 }

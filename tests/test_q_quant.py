@@ -1,6 +1,7 @@
 """kernels/q_quant.py: the sparse heads-on-M kernels' Q pre-pass in one kernel, bitwise against the XLA pre-pass
 (quant.quantize_rows_fp8, the zero columns, the folded scale) in interpret mode with race detection, lowered for
-sm_90a, and natively on a GPU; at the op level the kernel path gives bitwise the default path's outputs."""
+sm_90a, and natively on a GPU; at the op level (where it is the default pre-pass for H a multiple of 64) the kernel gives bitwise the outputs of
+the XLA pre-pass."""
 from __future__ import annotations
 
 import jax
@@ -63,11 +64,21 @@ def test_lowers_for_sm90(dtype):
   assert txt.count("cp.async.bulk.tensor") >= 3 + 5 + 1 or txt.count("cp.async.bulk") >= 9   # 3 in, 5 + 1 out
 
 
-def test_op_prepass_kernel_is_bitwise_the_default(rng):
-  """sparse_mla_decode with TuningConfig(prepass="kernel") feeds the kernel the same Q bytes and scales."""
-  case = make_case(rng, B=2, s_q=1, H=64, topk=200, page_size=16, num_pages=64)
+@pytest.mark.parametrize("H", [64, 128])
+def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
+  """sparse_mla_decode's default pre-pass (this kernel) feeds the attention kernel the same Q bytes and scales as
+  the XLA pre-pass: the op's outputs are bitwise equal with the kernel replaced by the XLA ops."""
+  case = make_case(rng, B=2, s_q=1, H=H, topk=200, page_size=16, num_pages=64)
+  out = run_kernel(case, interpret=True)
+  calls = []
+
+  def xla_prepass(q, kv_scale, softmax_scale, interpret=False):
+    calls.append(q.shape)
+    return _xla(q, kv_scale, softmax_scale)
+  monkeypatch.setattr(q_quant, "quantize_q", xla_prepass)
+  jax.clear_caches()
   base = run_kernel(case, interpret=True)
-  out = run_kernel(case, interpret=True, tuning=(("prepass", "kernel"),))
+  assert calls, "the op did not route its pre-pass through q_quant.quantize_q"
   for a, b in zip(out, base):
     assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 

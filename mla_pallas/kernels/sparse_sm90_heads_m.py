@@ -52,10 +52,6 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
   V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
   paths).
-* "handoff_vt_pipe": "handoff_vt" with consumer 0 software-pipelined: it issues tile t + 1's QKᵀ before tile t's
-  P·V and waits only for the QKᵀ (``vt_registers.qk_then_pv_wgmmas``), so its softmax of tile t + 1 overlaps the
-  tensor cores' P·V of tile t; the P·V accumulators are waited for (``vt_registers.wait_accs``) just before their
-  next rescale. Same SMEM as "handoff_vt". A sweep candidate, not yet measured.
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
@@ -72,7 +68,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
-    "handoff_vt", "handoff_vt_pipe": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
+    "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
     1 024 = 152 064; with k_buffers = 3: 193 024
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader.
 """
@@ -105,22 +101,16 @@ class TuningConfig(common.SparseSm90Config):
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
   consumers compute the same S and run the same softmax; "handoff_vt" — consumer 0 alone does and hands P (f16)
   and alpha to consumer 1 through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register operand read from the
-  fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile; "handoff_vt_pipe" — the same with consumer 0's
-  next QKᵀ issued ahead of its P·V."""
+  fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
+  indices) fits both schedules."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt", "handoff_vt_pipe")
-  COMBINES: ClassVar[tuple[str, ...]] = ("xla", "kernel")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   k_buffers: int = 2
   schedule: str = "twin"
-  combine: str = "xla"     # the op's merge of split partials: XLA, or kernels/split_combine.py
-  prepass: str = "xla"     # the op's quantization of Q: XLA, or kernels/q_quant.py (H a multiple of 64)
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
-    for name in ("combine", "prepass"):
-      if getattr(self, name) not in self.COMBINES:
-        raise ValueError(f"TuningConfig.{name} must be one of {self.COMBINES}; got {getattr(self, name)!r}")
     super().validate()
 
   @property
@@ -358,44 +348,6 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: co
   _store_vt(accs, 0, tile_q, split, r)
 
 
-def _softmax_vt_pipe_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
-  """schedule "handoff_vt_pipe" (hardware), WG0: "handoff_vt"'s consumer 0 with tile t + 1's QKᵀ issued before tile
-  t's P·V and only the QKᵀ waited for (``vt_registers.qk_then_pv_wgmmas``): the softmax of tile t + 1 runs while the
-  tensor cores finish the P·V of tile t, whose accumulators are waited for (``wait_accs``) just before their
-  rescale. The K buffer of tile t is released once its Vᵀ words are in registers."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
-  n_tiles = cfg.tiles_per_split
-
-  def softmax(t, s, m, l):
-    """Tile t's softmax, P and alpha into slot t % 2, its Vᵀ words; returns (words, K buffer, slot, m, l)."""
-    kb, pb = lax.rem(t, cfg.k_buffers), lax.rem(t, P_BUFFERS)
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
-    return vt_registers.load_v_words(r.k_sw.at[kb], word=0), kb, pb, m_new, l
-
-  def step(t, carry):       # t < n_tiles - 1: softmax and P·V of tile t, QKᵀ of tile t + 1
-    accs, s, m, l = carry
-    words, kb, pb, m, l = softmax(t, s, m, l)
-    alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-    accs = common.scale_columns(vt_registers.wait_accs(accs), alpha)
-    kb_next = lax.rem(t + 1, cfg.k_buffers)
-    plgpu.barrier_wait(r.k_full.at[kb_next])
-    s, accs = vt_registers.qk_then_pv_wgmmas(r.q_sw, r.k_sw.at[kb_next], words, r.p_sw.at[pb], accs,
-                                             blocks=VT_BLOCKS[0])
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    return tuple(accs), s, m, l
-
-  plgpu.barrier_wait(r.k_full.at[0])
-  s0 = _qk_and_upcast(r.k_sw.at[0], None, r)
-  _, m0, l0 = _zero_state()
-  accs, s, m, l = lax.fori_loop(0, n_tiles - 1, step, (_zero_vt(), s0, m0, l0))
-  words, kb, pb, m, l = softmax(n_tiles - 1, s, m, l)        # the last tile: P·V waited for
-  accs = _pv_vt(vt_registers.wait_accs(accs), words, pb, 0, r)
-  plgpu.barrier_arrive(r.k_empty.at[kb])
-  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
-  _store_vt(accs, 0, tile_q, split, r)
-
-
 def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
   """schedule "handoff_vt" (hardware), WG1: its 32-bit word of Vᵀ from the K tile, release, then after slot t % 2
   arrives Oᵀ blocks 4-7 += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
@@ -443,10 +395,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
   if hand_off and not interpret:
     @pl.when(wg == 0)
     def _():
-      if cfg.schedule == "handoff_vt_pipe":
-        _softmax_vt_pipe_consumer(cfg, num_slots, tile_q, split, r)
-      else:
-        _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
+      _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
 
     @pl.when(wg == 1)
     def _():

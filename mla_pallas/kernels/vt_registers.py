@@ -21,8 +21,7 @@ Per thread and 64 x 512 tile: 32 ``ld.shared.v2.b32``, 64 ``prmt``, 128 ``cvt.rn
 m64nNk16 wgmmas (8 M blocks x 4 k16 steps). What it measured: docs/kernels/sparse_decode_sm90.md (v8).
 
 The heads-on-M design's hand-off schedules (``kernels/sparse_sm90_heads_m.py``) use the same operand with N = 64
-heads and half of the M blocks per consumer (``word``, ``blocks``, ``p_rows``); :func:`qk_then_pv_wgmmas` and
-:func:`wait_accs` let its consumer 0 issue the next tile's QKᵀ ahead of this tile's P·V ("handoff_vt_pipe").
+heads and half of the M blocks per consumer (``word``, ``blocks``, ``p_rows``).
 
 Everything here is raw Mosaic GPU (``plgpu.inline_mgpu``, inline PTX). Interpret mode has no ``inline_mgpu``: the
 kernel keeps the SMEM upcast there (same products, natural row order), so this module is checked by lowering on
@@ -230,43 +229,3 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
-
-
-def qk_then_pv_wgmmas(q_ref, k_ref, words, pt_ref, accs, blocks=ALL_BLOCKS):
-  """The next tile's S = Q·Kᵀ issued first, then this tile's ``accs`` += Vᵀ·Pᵀ as :func:`pv_wgmmas` (``p_rows``,
-  128-byte swizzle); waits for S only. q_ref, k_ref: [5, 64, 128] fp8, 128-byte swizzled (Q as latent | 0 | rope,
-  the gathered K tile): five K-major fp8 wgmmas of K = 128 into a fresh f32 accumulator.
-
-  Returns (S [64, 64] f32, WGMMA layout; the accumulators, whose wgmmas may still be running: the caller passes
-  them through :func:`wait_accs` before it reads or writes them, and must not reuse P's slot before). The point:
-  the caller's softmax of the next tile runs while the tensor cores finish this tile's P·V."""
-  sw = common.swizzled(common.FP8, ROW_BYTES)
-  acc_ty = _acc_types(accs)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(sw), plgpu.RefType(sw), plgpu.Layout.WGMMA,
-                                plgpu.RefType(common.swizzled(jnp.float16, 2 * TILE)),
-                                tuple(plgpu.Layout.WGMMA for _ in accs)),
-                     return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), jnp.float32, layout=plgpu.Layout.WGMMA),
-                                  acc_ty))
-  def f(ctx, q, k, words, pt, accs):
-    del ctx
-    s = mgpu.WGMMAAccumulator.zero(TILE, TILE)
-    for c in range(common.SW_CHUNKS):
-      k_t = mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k, c), (1, 0, 3, 2))
-      s = mgpu.wgmma(s, mgpu_utils.memref_slice(q, c), k_t, swizzle=ROW_BYTES)
-    _commit()
-    out = _issue_pv(words, pt, accs, 2 * TILE, blocks, True)
-    _wait(len(out))           # the P·V groups may stay in flight; S's group (the oldest) has landed
-    return fa.optimization_barrier(s.value), tuple(a.value for a in out)
-  return f(q_ref, k_ref, words, pt_ref, tuple(accs))
-
-
-def wait_accs(accs):
-  """Wait for every wgmma in flight (``wgmma.wait_group 0``) and return ``accs`` (f32 WGMMA-layout arrays) pinned
-  after the wait (an optimization barrier), for accumulators that :func:`qk_then_pv_wgmmas` left in flight."""
-  @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs),), return_type=_acc_types(accs))
-  def f(ctx, accs):
-    del ctx
-    _wait(0)
-    return tuple(fa.optimization_barrier(a) for a in accs)
-  return f(tuple(accs))

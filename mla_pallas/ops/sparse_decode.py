@@ -138,7 +138,8 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
 # Shape -> kernel config (the one place), sweep candidates, split plan
 
 HEADS_ON_N_MAX = 16     # sm_90: kernels/sparse_sm90_heads_n.py up to this many heads, sparse_sm90_heads_m.py above
-MAX_SPLIT_TILES = 32    # <= 2048 keys per split (the index SMEM budget)
+MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index SMEM; longer splits not measured)
+HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys
 CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
@@ -183,20 +184,28 @@ def _tiles_per_token(h: int, design: str) -> int:
   return 1 if design == "sm90_heads_n" else max(1, h // TILE)
 
 
-def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132):
+def _max_split_tiles(design: str) -> int:
+  """The longest split the plan makes for a design: HEADS_M_MAX_SPLIT_TILES on heads on M (P5, top-k 16384:
+  2 splits of 128 tiles 2725 us, 4 of 64 2844, 8 of 32 3129; docs/kernels/sparse_decode_sm90.md, "Split plan"),
+  MAX_SPLIT_TILES on the others (longer splits not measured there)."""
+  return HEADS_M_MAX_SPLIT_TILES if design == "sm90_heads_m" else MAX_SPLIT_TILES
+
+
+def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132,
+          max_split_tiles: int = MAX_SPLIT_TILES):
   """Choose (num_splits, tiles_per_split): the least time in waves x (tiles per CTA + CTA_OVERHEAD_TILES).
 
   One CTA fits per SM (SMEM), so a grid of ``ctas · splits`` CTAs runs in ceil(ctas · splits / num_sms) waves,
   each CTA taking ``tiles_per_split`` tile times plus its fixed cost (CTA_OVERHEAD_TILES, fitted to the sweep of
   2026-12-02: one wave of 32 / 16 / 8 tiles against two of 16 / 8 / 4 at P4 / P3 / C0 gave 2.7-5.9 tiles).
-  Splits range from the fewest that keep a split <= MAX_SPLIT_TILES tiles to the most that keep it >=
+  Splits range from the fewest that keep a split <= ``max_split_tiles`` tiles to the most that keep it >=
   MIN_SPLIT_TILES; ties go to fewer splits (less partial output to merge). Doubling the splits until the CTAs
   reach ``num_sms`` (the plan before) turned grids just short of the SM count into two waves of half-length CTAs
   (docs/kernels/sparse_decode_sm90.md, "Split plan").
   """
   k_tiles = max(1, -(-topk // TILE))
   ctas = batch_tokens * tiles_per_token
-  fewest = max(1, -(-k_tiles // MAX_SPLIT_TILES))
+  fewest = max(1, -(-k_tiles // max_split_tiles))
   most = max(fewest, k_tiles // MIN_SPLIT_TILES)
   cost = lambda n: (-(-ctas * n // num_sms)) * (-(-k_tiles // n) + CTA_OVERHEAD_TILES)
   splits = min(range(fewest, most + 1), key=lambda n: (cost(n), n))
@@ -210,7 +219,8 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90") -> 
   (sparse_sm90_heads_n, 4 K buffers), more on the 64 MMA rows (sparse_sm90_heads_m, 2 K buffers); the top-k is
   split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys."""
   design = _design(h, arch)
-  splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms())
+  splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
+                      _max_split_tiles(design))
   tuning = _heads_m_tuning(tps) if design == "sm90_heads_m" else {}
   return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps, **tuning))
 
@@ -246,8 +256,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
                   arch: str = "sm90") -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled tuning overrides for benchmark sweeps (each a valid ``tuning=`` of :func:`_sparse_decode_jit`),
   first ``"default": ()``: the other K-buffer counts (sm_90) or gather ring depths (sm_100), the heads-on-M
-  design's other schedules (``schedule``), and split lengths of 8, 16 and 32 tiles where they differ from
-  the default plan."""
+  design's other schedules (``schedule``), split lengths of 8-128 tiles where they differ from the default plan,
+  and bf16 split partials (``partial_dtype``) where the top-k is split."""
   cfg = default_config(h, batch_tokens, topk, arch)
   out = {"default": ()}
   field = "stages" if cfg.design == "sm100" else "k_buffers"
@@ -258,17 +268,11 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
   k_tiles = max(1, -(-topk // TILE))
-  # split lengths; 64 and 128 tiles (past MAX_SPLIT_TILES: a larger index buffer) only for long top-k
-  candidates += [(("tiles_per_split", t),) for t in (8, 16, MAX_SPLIT_TILES, 64, 128)
+  # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
+  candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
   if cfg.num_splits > 1 and cfg.design != "sm100":
     candidates.append((("partial_dtype", "bfloat16"),))   # half the partial O traffic
-  if cfg.num_splits > 1 and cfg.design == "sm90_heads_m":  # one merge kernel instead of XLA's fusions
-    candidates += [(("combine", "kernel"),), (("combine", "kernel"), ("partial_dtype", "bfloat16"))]
-  if cfg.design == "sm90_heads_m" and h % TILE == 0:      # one quantization kernel instead of XLA's fusions
-    candidates.append((("prepass", "kernel"),))
-    if cfg.num_splits > 1:
-      candidates.append((("prepass", "kernel"), ("combine", "kernel"), ("partial_dtype", "bfloat16")))
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -293,7 +297,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   splits, tps = cfg.num_splits, cfg.kernel.tiles_per_split
   k_pad = splits * tps * TILE
 
-  # Pre-pass (fused XLA ops): Q in the kernel's layout (_kernel_q); the indices only where needed: the sm_90
+  # Pre-pass: Q in the kernel's layout (_kernel_q); the indices (fused XLA ops) only where needed: the sm_90
   # kernels mask ids outside [0, num_slots) themselves, so they pass through unless topk_length masks a tail or
   # the split grid needs padding (the sm_100 kernel takes sanitised unsigned ids).
   rows = indices
@@ -321,10 +325,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
-  if splits > 1 and getattr(cfg.kernel, "combine", "xla") == "kernel":   # heads on M: [.., splits, 64, 512]
-    from mla_pallas.kernels import split_combine
-    o, lse = split_combine.combine(o, lse, interpret=interpret)
-  elif splits > 1:
+  if splits > 1:
     o, lse = combine_splits(o, lse)
   else:
     o, lse = o[:, 0], lse[:, 0]
@@ -337,10 +338,11 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
   """Q [T, H, 576] as the design's kernel reads it, with its per-row logit scales (q_scale · softmax_scale ·
   kv_scale · log2 e): heads on N flat and unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64,
   ...], H < 64 zero-padded); on sm_90 each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent
-  448-511 in the 128-byte tail chunk). ``TuningConfig.prepass="kernel"`` (heads on M, H a multiple of 64):
-  kernels/q_quant.py in one launch, the same bytes and scales."""
+  448-511 in the 128-byte tail chunk). Heads on M with H a multiple of 64: kernels/q_quant.py, one launch that
+  reads q once (the same bytes and scales as the XLA ops below; P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027,
+  C0 43.2 / 43.5: docs/kernels/sparse_decode_sm90.md); otherwise fused XLA ops."""
   n_tok, h, _ = q.shape
-  if arch == "sm90" and getattr(cfg.kernel, "prepass", "xla") == "kernel" and h % TILE == 0:
+  if cfg.design == "sm90_heads_m" and h % TILE == 0:
     from mla_pallas.kernels import q_quant
     return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
   q8, q_scale = quant.quantize_rows_fp8(q)
