@@ -138,7 +138,6 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
-    (32, (("tiles_per_split", 2), ("partial_dtype", "bfloat16"))),   # bf16 partials (rounding 2^-9 << budget)
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""

@@ -160,21 +160,14 @@ class SparseSm90Config(TuningConfigBase):
     plan sets it).
   k_buffers: gathered K tiles in flight (the loader runs k_buffers - 1 tiles ahead of the consumers); one of the
     design's ``K_BUFFERS``.
-  partial_dtype: "float32" or "bfloat16": the dtype of each split's normalised partial O when the op splits the
-    top-k (the kernel's output; merged in f32 by ``ops.sparse_decode.combine_splits``). One split writes bf16.
   """
   K_BUFFERS: ClassVar[tuple[int, ...]] = ()
-  PARTIAL_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
   tiles_per_split: int = 32
   k_buffers: int = 2
-  partial_dtype: str = "float32"
 
   def validate(self):
     if self.k_buffers not in self.K_BUFFERS:
       raise ValueError(f"{type(self).__name__}.k_buffers must be one of {self.K_BUFFERS}; got {self.k_buffers}")
-    if self.partial_dtype not in self.PARTIAL_DTYPES:
-      raise ValueError(f"{type(self).__name__}.partial_dtype must be one of {self.PARTIAL_DTYPES}; "
-                       f"got {self.partial_dtype!r}")
     self.check_split()
     self.check_smem(self.smem_budget())
 

@@ -256,8 +256,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
                   arch: str = "sm90") -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled tuning overrides for benchmark sweeps (each a valid ``tuning=`` of :func:`_sparse_decode_jit`),
   first ``"default": ()``: the other K-buffer counts (sm_90) or gather ring depths (sm_100), the heads-on-M
-  design's other schedules (``schedule``), split lengths of 8-128 tiles where they differ from the default plan,
-  and bf16 split partials (``partial_dtype``) where the top-k is split."""
+  design's other schedules (``schedule``), and split lengths of 8-128 tiles where they differ
+  from the default plan."""
   cfg = default_config(h, batch_tokens, topk, arch)
   out = {"default": ()}
   field = "stages" if cfg.design == "sm100" else "k_buffers"
@@ -271,8 +271,6 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
-  if cfg.num_splits > 1 and cfg.design != "sm100":
-    candidates.append((("partial_dtype", "bfloat16"),))   # half the partial O traffic
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -307,7 +305,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
-  out_dtype = "bfloat16" if splits == 1 else getattr(cfg.kernel, "partial_dtype", "float32")   # sm100: f32
+  out_dtype = "bfloat16" if splits == 1 else "float32"      # split partials in f32 (merged by combine_splits)
   q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
                             interpret)
   if heads_on_n:        # O [.., out_heads, 512]
