@@ -7,6 +7,8 @@ round Q (per row) and P to e4m3 (unit roundoff 2^-4), the reference does not; th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +140,8 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
+    (64, (("fused_q", True),)),                                    # Q quantized by the consumers ("twin")
+    (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2), ("fused_q", True))),   # ... in the hand-off
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -363,6 +367,48 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   assert low.count(r"cp\.async\.commit_group") == 1
   assert low.count(fr"cp\.async\.wait_group {lag};") == 1 + (lag == 0)
   assert low.count(r"cp\.async\.wait_group 0;") == 1 + (lag == 0)
+
+
+@pytest.mark.parametrize("H,s_q,dtype,tuning", [
+    (64, 1, jnp.bfloat16, ()), (128, 2, jnp.float32, (("schedule", "handoff_vt"),)),
+    (128, 1, jnp.bfloat16, (("schedule", "twin"), ("tiles_per_split", 2))),
+])
+def test_fused_q_is_bitwise_the_prepass(rng, H, s_q, dtype, tuning):
+  """Fused Q (the consumers quantize Q, TuningConfig.fused_q) writes the same fp8 bytes and row scales as the
+  pre-pass (kernels/q_quant.py), so the op's outputs are bitwise equal (interpret mode, bf16 and f32 q)."""
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=200, page_size=16, num_pages=64, kv_scale=0.75)
+  case = dataclasses.replace(case, q=case.q.astype(dtype))
+  base = run_kernel(case, interpret=True, tuning=tuning)
+  out = run_kernel(case, interpret=True, tuning=tuning + (("fused_q", True),))
+  for a, b in zip(out, base):
+    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("b,s_q,h,topk,schedule", [(128, 2, 128, 2048, "handoff_vt"), (8, 2, 128, 2048, "twin"),
+                                                   (4, 1, 64, 2051, "twin")])
+def test_fused_q_lowers_for_sm90(b, s_q, h, topk, schedule):
+  """Fused Q at sm_90a: one launch (no pre-pass kernel), no Q TMAs, and per consumer thread 9 chunks x 16 4-byte
+  GMEM loads for the row maxima plus 16 per chunk of the boxes it writes (consumer 0: 5 chunks, 1: 4), with one
+  e4m3x2 conversion per pair of its quantized values. "handoff_vt" has a code path per consumer (both take the
+  maxima), "twin" one shared path with a branch per consumer's boxes."""
+  S = jax.ShapeDtypeStruct
+  cfg = sd._config(h, b * s_q, topk, "sm90", (("fused_q", True),))
+  assert cfg.kernel.schedule == schedule
+
+  def lower(tuning):
+    fn = functools.partial(sd._sparse_decode_jit, softmax_scale=0.1, impl="mosaic", interpret=False, arch="sm90",
+                           tuning=tuning)
+    return testing.lower_for_cuda(lambda q, kv, i, sc: fn(q, kv, i, sc, None), S((b, s_q, h, 576), jnp.bfloat16),
+                                  S((4096 * 8, 576), FP8), S((b, s_q, topk), jnp.int32), S((), jnp.float32))
+  fused, base = lower((("fused_q", True),)), lower(())
+  assert len(fused.mosaic) == 1 and len(base.mosaic) == 2            # the pre-pass kernel is gone
+  kernel, base_kernel = fused.mosaic[0], base.mosaic[-1]
+  q_loads = len(re.findall(r"llvm\.load [^\n]*!llvm\.ptr -> vector<2xbf16>", kernel))
+  assert q_loads == (2 if schedule == "handoff_vt" else 1) * 9 * 16 + (5 + 4) * 16
+  cvt = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
+  assert len(re.findall(cvt, kernel)) - len(re.findall(cvt, base_kernel)) == (5 + 4) * 16
+  tma = r"cp\.async\.bulk\.tensor"
+  assert len(re.findall(tma, base_kernel)) - len(re.findall(tma, kernel)) == 5     # Q's five boxes
 
 
 def test_argument_errors(rng):

@@ -57,29 +57,47 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
              for i in range(per)]
     return parts[0] if per == 1 else jnp.concatenate(parts, axis=1)
 
+  scale, inv = tile_scales(chunk)
+  store_boxes(chunk, inv, q8_smem)
+  kv_scale = scal_gmem[0]
+  rs_smem[...] = row_scales(scale, softmax_scale, kv_scale)
+  plgpu.commit_smem()
+  for b in range(common.SW_CHUNKS):
+    plgpu.copy_smem_to_gmem(q8_smem.at[b], q8_gmem.at[t, :, pl.ds(b * common.SW_CHUNK, common.SW_CHUNK)])
+  plgpu.copy_smem_to_gmem(rs_smem, rs_gmem.at[t])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def tile_scales(chunk):
+  """(scale, 1 / scale), each [64] f32 in the row layout, of one 64-row tile of q: ``chunk(c)`` returns q's
+  columns [64 c, 64 c + 64) as f32 [64, 64] (WGMMA layout), c = 0..8. Arithmetic of quant.quantize_rows_fp8."""
   amax = None
   for c in range(common.D_QK // CHUNK):
     m = jnp.abs(chunk(c)).max(axis=1)
     amax = m if amax is None else jnp.maximum(amax, m)
   scale = amax * _INV_FP8_MAX
   scale = jnp.where(scale == 0.0, 1.0, scale)
-  inv = 1.0 / scale
+  return scale, 1.0 / scale
+
+
+def store_boxes(chunk, inv, q8_ref, boxes=range(common.SW_CHUNKS)):
+  """Write the fp8 tile's 128-column boxes ``boxes`` (of five: latent 0-511 in pairs of 64-column chunks, then
+  64 zeros | rope, the zeros meeting latent 448-511 in the attention kernel's tail chunk, ``common.Q_SW_COLS``)
+  into ``q8_ref`` [5, 64, 128] fp8 (128-byte swizzled); ``chunk`` as in :func:`tile_scales`, ``inv`` its 1 / scale.
+  The caller fences (``plgpu.commit_smem``) before an async-proxy reader."""
   def quantized(c):         # q8 of columns [64 c, 64 c + 64)
     return jnp.clip(chunk(c) * lax.broadcast_in_dim(inv, (ROWS, CHUNK), [0]), -FP8_MAX, FP8_MAX).astype(common.FP8)
 
-  # five 128-column boxes: latent 0-511 in pairs of chunks, then 64 zeros | rope (the zeros meet latent 448-511 in
-  # the attention kernel's tail chunk, kernels/common.py Q_SW_COLS)
   zeros = plgpu.layout_cast(jnp.zeros((ROWS, CHUNK), common.FP8), plgpu.Layout.WGMMA)
-  for b in range(common.SW_CHUNKS):
+  for b in boxes:
     lo, hi = (quantized(2 * b), quantized(2 * b + 1)) if b < common.SW_CHUNKS - 1 else (zeros, quantized(2 * b))
-    q8_smem.at[b][...] = jnp.concatenate([lo, hi], axis=1)
-  kv_scale = scal_gmem[0]
-  rs_smem[...] = scale * ((jnp.float32(softmax_scale) * kv_scale) * jnp.float32(common.LOG2E))
-  plgpu.commit_smem()
-  for b in range(common.SW_CHUNKS):
-    plgpu.copy_smem_to_gmem(q8_smem.at[b], q8_gmem.at[t, :, pl.ds(b * common.SW_CHUNK, common.SW_CHUNK)])
-  plgpu.copy_smem_to_gmem(rs_smem, rs_gmem.at[t])
-  plgpu.wait_smem_to_gmem(0)
+    q8_ref.at[b][...] = jnp.concatenate([lo, hi], axis=1)
+
+
+def row_scales(scale, softmax_scale: float, kv_scale):
+  """The attention kernels' per-row logit scale: q's scale · ((softmax_scale · kv_scale) · log2 e), in this order
+  (the XLA pre-pass's, so that every path gives the same bits)."""
+  return scale * ((jnp.float32(softmax_scale) * kv_scale) * jnp.float32(common.LOG2E))
 
 
 def _chunk_cols(dtype_name: str) -> int:

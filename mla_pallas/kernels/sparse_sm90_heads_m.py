@@ -52,6 +52,15 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
   V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
   paths).
+
+Fused Q (``TuningConfig.fused_q``, a sweep candidate; the op allows it for H a multiple of 64)
+----------------------------------------------------------------------------------------------
+The kernel takes q itself (bf16 or f32 [num_q_tiles, 64, 576], no ``qs``; ``build(softmax_scale=...)``) instead of
+the pre-pass's q8 and row scales: each consumer reads the tile's rows from GMEM in 64-column chunks straight into
+registers (WGMMA layout, 4- or 8-byte loads), takes the row maxima over all 576 columns, quantizes and writes its
+share of Q's five fp8 boxes (consumer 0 boxes 0, 1, 4; consumer 1 boxes 2, 3; ``FUSED_Q_BOXES``) and arrives on
+``q_bar`` (two arrivals instead of the five TMAs), all in the arithmetic of ``kernels/q_quant.py``, so the bytes
+and scales are those of the pre-pass. The loader issues no Q TMA and starts gathering at once. Same SMEM.
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
@@ -84,7 +93,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, vt_registers
+from mla_pallas.kernels import common, q_quant, vt_registers
 from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_CHUNK, SW_CHUNKS, TILE,
                                        swizzled)
 
@@ -107,10 +116,13 @@ class TuningConfig(common.SparseSm90Config):
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   k_buffers: int = 2
   schedule: str = "twin"
+  fused_q: bool = False    # the consumers quantize Q (module docstring, "Fused Q"); the op: H a multiple of 64
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
+    if not isinstance(self.fused_q, bool):
+      raise ValueError(f"TuningConfig.fused_q must be a bool; got {self.fused_q!r}")
     super().validate()
 
   @property
@@ -132,10 +144,12 @@ class TuningConfig(common.SparseSm90Config):
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
-  """WG2: Q and the split's indices, then the gathers of every tile (``common.gather_tiles``)."""
+def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, fused_q: bool, tile_q, split, token,
+            r: common.SparseRefs):
+  """WG2: Q (unless the consumers quantize it, ``fused_q``) and the split's indices, then the gathers of every
+  tile (``common.gather_tiles``)."""
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
-  for c in range(SW_CHUNKS):
+  for c in range(SW_CHUNKS if not fused_q else 0):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * SW_CHUNK, SW_CHUNK)], r.q_sw.at[c], r.q_bar)
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
@@ -196,18 +210,55 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: common.SparseRefs):
-  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale)."""
+FUSED_Q_BOXES = ((0, 1, 4), (2, 3))   # fused Q: the 128-column boxes of the fp8 tile consumer 0 / 1 writes
+
+
+def _quantize_q(wg, softmax_scale: float, tile_q, r: common.SparseRefs):
+  """Fused Q: consumer ``wg`` (0 / 1, static or traced) reads the tile's 64 rows of q (bf16 or f32 GMEM,
+  [.., 64, 576]) in 64-column chunks straight into registers, takes the row maxima over all 576 columns
+  (``q_quant.tile_scales``; both consumers do), writes its boxes FUSED_Q_BOXES[wg] of the fp8 tile into ``q_sw``
+  and arrives on ``q_bar`` (two arrivals: Q complete). Returns the row scales [64] (``q_quant.row_scales``)."""
+  def chunk(c):
+    return plgpu.load(r.q_gmem.at[tile_q, :, pl.ds(c * q_quant.CHUNK, q_quant.CHUNK)], layout=plgpu.Layout.WGMMA,
+                      optimized=False).astype(jnp.float32)
+  scale, inv = q_quant.tile_scales(chunk)
+  if isinstance(wg, int):
+    q_quant.store_boxes(chunk, inv, r.q_sw, FUSED_Q_BOXES[wg])
+  else:
+    for w in range(2):
+      @pl.when(wg == w)
+      def _():
+        q_quant.store_boxes(chunk, inv, r.q_sw, FUSED_Q_BOXES[w])
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(r.q_bar)
+  return q_quant.row_scales(scale, softmax_scale, r.scal_gmem[0])
+
+
+def _softmax_prologue(wg, softmax_scale, tile_q, r: common.SparseRefs):
+  """A softmax consumer's start: its registers, Q (quantized here when ``softmax_scale`` is given: fused Q) and
+  the indices landed; returns (row_scale [64], kv_scale)."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  if softmax_scale is not None:
+    row_scale = _quantize_q(wg, softmax_scale, tile_q, r)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
-  return plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False), r.scal_gmem[0]
+  if softmax_scale is None:
+    row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
+  return row_scale, r.scal_gmem[0]
 
 
-def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split, r: common.SparseRefs):
+def _hand_off_prologue(softmax_scale, tile_q, r: common.SparseRefs):
+  """Consumer 1's start in the hand-off schedules: its registers and, with fused Q, its boxes of Q."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  if softmax_scale is not None:
+    _quantize_q(1, softmax_scale, tile_q, r)
+
+
+def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, softmax_scale, wg, tile_q, split,
+              r: common.SparseRefs):
   """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
   output columns."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(wg, softmax_scale, tile_q, r)
 
   def step(t, carry):
     acc, m, l = carry
@@ -260,11 +311,12 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
   return inv
 
 
-def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, tile_q, split, r: common.SparseRefs):
+def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, softmax_scale, tile_q, split,
+                                r: common.SparseRefs):
   """"handoff_vt" in interpret mode, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and
   alpha into P slot t % 2 for WG1, P·V into output columns 0-255 with P from its slot; at the end kv_scale / l for
   WG1, its half of O and the lse."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(0, softmax_scale, tile_q, r)
 
   def step(t, carry):
     acc, m, l = carry
@@ -282,11 +334,11 @@ def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, ti
   _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
 
 
-def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs):
+def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, softmax_scale, tile_q, split, r: common.SparseRefs):
   """"handoff_vt" in interpret mode, WG1: the upcast of V chunks 2-3, then per tile the rescale by WG0's alpha and
   P·V into output columns 256-511 with P from its SMEM slot; at the end its half of O, scaled by WG0's
   kv_scale / l."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  _hand_off_prologue(softmax_scale, tile_q, r)
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
@@ -326,11 +378,11 @@ def _store_vt(accs, w: int, tile_q, split, r: common.SparseRefs):
   vt_registers.store_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[w])
 
 
-def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
+def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, softmax_scale, tile_q, split, r: common.SparseRefs):
   """schedule "handoff_vt" (hardware), WG0: QKᵀ, the online softmax, P and alpha into slot t % 2, its 32-bit
   word of Vᵀ from the K tile, release of the K buffer, Oᵀ blocks 0-3 += Vᵀ · Pᵀ; at the end kv_scale / l, the
   lse and its half of O."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(0, softmax_scale, tile_q, r)
 
   def step(t, carry):
     accs, m, l = carry
@@ -348,10 +400,10 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: co
   _store_vt(accs, 0, tile_q, split, r)
 
 
-def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
+def _pv_vt_consumer(cfg: TuningConfig, softmax_scale, tile_q, split, r: common.SparseRefs):
   """schedule "handoff_vt" (hardware), WG1: its 32-bit word of Vᵀ from the K tile, release, then after slot t % 2
   arrives Oᵀ blocks 4-7 += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  _hand_off_prologue(softmax_scale, tile_q, r)
 
   def step(t, accs):
     kb, pb, k_tiles = _landed(t, cfg, r)
@@ -372,8 +424,12 @@ def _has_v_tile(cfg: TuningConfig, interpret: bool) -> bool:
   return not cfg.hand_off or interpret
 
 
-def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem,
-          o_gmem, lse_gmem, q_sw, k_sw, *rest):
+def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, softmax_scale, *refs):
+  if softmax_scale is None:     # Q quantized by the op: q8, qs
+    q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
+  else:                         # fused Q: q (bf16 / f32), quantized by the consumers
+    q_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
+    qs_gmem = None
   hand_off = cfg.hand_off
   v16, rest = (rest[0], rest[1:]) if _has_v_tile(cfg, interpret) else (None, rest)
   p_sw, rest = (rest[0], rest[1:]) if (interpret or hand_off) else (None, rest)
@@ -390,38 +446,43 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_gmem, qs_gmem
 
   @pl.when(wg == LOADER)
   def _():
-    _loader(cfg, num_slots, interpret, tile_q, split, token, r)
+    _loader(cfg, num_slots, interpret, softmax_scale is not None, tile_q, split, token, r)
 
   if hand_off and not interpret:
     @pl.when(wg == 0)
     def _():
-      _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
+      _softmax_vt_consumer(cfg, num_slots, softmax_scale, tile_q, split, r)
 
     @pl.when(wg == 1)
     def _():
-      _pv_vt_consumer(cfg, tile_q, split, r)
+      _pv_vt_consumer(cfg, softmax_scale, tile_q, split, r)
   elif hand_off:    # interpret mode's stand-in for "handoff_vt" (the same products, V upcast in SMEM)
     @pl.when(wg == 0)
     def _():
-      _softmax_consumer_interpret(cfg, num_slots, out_dtype, tile_q, split, r)
+      _softmax_consumer_interpret(cfg, num_slots, out_dtype, softmax_scale, tile_q, split, r)
 
     @pl.when(wg == 1)
     def _():
-      _pv_consumer_interpret(cfg, out_dtype, tile_q, split, r)
+      _pv_consumer_interpret(cfg, out_dtype, softmax_scale, tile_q, split, r)
   else:
     @pl.when(wg < LOADER)
     def _():
-      _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r)
+      _consumer(cfg, num_slots, out_dtype, interpret, softmax_scale, wg, tile_q, split, r)
 
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
-          cfg: TuningConfig, interpret=False):
+          cfg: TuningConfig, interpret=False, softmax_scale: float | None = None):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
-  a ``plgpu.InterpretGPUParams``."""
+  a ``plgpu.InterpretGPUParams``. ``cfg.fused_q``: the kernel takes q (bf16 / f32 [num_q_tiles, 64, 576]) in
+  place of (q8, qs) and quantizes it itself, with this python float ``softmax_scale`` folded into the row
+  scales."""
+  if cfg.fused_q and softmax_scale is None:
+    raise ValueError("build: cfg.fused_q needs the softmax_scale (a python float) to fold into the row scales")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp)
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp,
+                           float(softmax_scale) if cfg.fused_q else None)
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if _has_v_tile(cfg, interp) else []
@@ -444,7 +505,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           *head_scratch,                                                                   # alpha, 1/l
-          plgpu.Barrier(num_arrivals=SW_CHUNKS),                                           # q_bar
+          plgpu.Barrier(num_arrivals=2 if cfg.fused_q else SW_CHUNKS),                     # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
                         num_barriers=cfg.k_buffers),                                       # k_full

@@ -248,6 +248,8 @@ def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> Kerne
     raise ValueError(f"tuning names {sorted(set(kw) - fields)}, which the {cfg.design} kernel's TuningConfig does "
                      f"not have (fields: {sorted(fields)})")
   kernel = dataclasses.replace(cfg.kernel, **kw)
+  if getattr(kernel, "fused_q", False) and h % TILE:
+    raise ValueError(f"tuning fused_q=True needs H a multiple of {TILE} (whole 64-row query tiles); got H={h}")
   splits = -(-max(1, -(-topk // TILE)) // kernel.tiles_per_split) if "tiles_per_split" in kw else cfg.num_splits
   return KernelConfig(cfg.design, splits, kernel)
 
@@ -271,6 +273,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
+  if cfg.design == "sm90_heads_m" and h % TILE == 0:     # Q quantized by the consumers, no pre-pass launch
+    candidates.append((("fused_q", True),))
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -306,8 +310,12 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = "bfloat16" if splits == 1 else "float32"      # split partials in f32 (merged by combine_splits)
-  q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
-                            interpret)
+  fused_q = getattr(cfg.kernel, "fused_q", False)
+  if fused_q:           # the kernel quantizes Q itself: q as 64-row tiles, no pre-pass
+    q8, row_scale = q.reshape(n_tok * tiles_per_token, TILE, D_QK), None
+  else:
+    q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
+                              interpret)
   if heads_on_n:        # O [.., out_heads, 512]
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
                             interpret=interpret)
@@ -316,10 +324,12 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                             cfg.kernel, interpret=interpret)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                            interpret=interpret)
+                            interpret=interpret, softmax_scale=softmax_scale if fused_q else None)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
+  elif fused_q:
+    o, lse = kern(q8, kv_flat, rows, scal)
   else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
