@@ -42,10 +42,13 @@ Branches (``t`` = tokens, ``T = B * s_q`` for decode):
 dynamic FP8 quantization of the activation, FP8 x FP8 products, f32 accumulation, bf16 result) versus bf16
 weights with ``jnp.einsum`` (bf16 operands, ``preferred_element_type=float32``, rounded to bf16). In the BF16
 dense prefill the dequantized latent is rounded to bf16 before the matmuls (the FP8 variant quantizes it per
-token inside the BMM). Both variants write the same FP8 cache (the cache format is FP8) through the same fused op
-and run attention through the same ops (whose implementations quantize q and P to FP8, see
-:mod:`mla_pallas.ops.sparse_decode`); ``mla_prefill`` runs cuDNN flash attention on a CUDA GPU (bf16 operands,
-P rounded to bf16) and float32 math elsewhere (:mod:`mla_pallas.ops.prefill`).
+token inside the BMM).
+
+**Cache dtype.** The FP8 branches take a float8_e4m3fn cache (``pages``). The BF16 branches take a bfloat16
+cache (BF16 end to end: the fused op only rounds the new rows to bf16, and the attention ops keep q and P in
+bf16 with f32 accumulation, :mod:`mla_pallas.ops.sparse_decode`) or, as before, a float8_e4m3fn one (the
+attention ops then quantize q and P to FP8). ``mla_prefill`` runs cuDNN flash attention on a CUDA GPU (bf16
+operands, P rounded to bf16) and float32 math elsewhere (:mod:`mla_pallas.ops.prefill`).
 
 **Which implementation ran.** Every step goes through a public op with ``impl=`` (a string for all steps, or a
 dict ``{op_name: impl, "default": impl}``); after the call :func:`graph_report` returns, for the last graph that
@@ -180,7 +183,8 @@ _LAST: dict[str, Any] = {"report": None}
 
 def graph_report() -> dict | None:
   """Report of the last graph call: ``{"graph": name, "branch": "decode"|"prefill"|"sparse_prefill",
-  "variant": "fp8"|"bf16", "steps": [{"step", "op", "impl"}, ...]}`` (None before any graph ran)."""
+  "variant": "fp8"|"bf16" (the weights), "cache_dtype": "float8_e4m3fn"|"bfloat16", "steps": [{"step", "op",
+  "impl"}, ...]}`` (None before any graph ran)."""
   r = _LAST["report"]
   return None if r is None else {**r, "steps": [dict(s) for s in r["steps"]]}
 
@@ -190,7 +194,7 @@ def format_report(report: dict | None = None) -> str:
   r = graph_report() if report is None else report
   if r is None:
     return "(no graph has run)"
-  lines = [f"{r['graph']} (branch {r['branch']}, {r['variant']} weights)"]
+  lines = [f"{r['graph']} (branch {r['branch']}, {r['variant']} weights, {r['cache_dtype']} cache)"]
   w1 = max(len(s["step"]) for s in r["steps"])
   w2 = max(len(s["op"]) for s in r["steps"])
   lines += [f"  {s['step']:<{w1}}  {s['op']:<{w2}}  {s['impl']}" for s in r["steps"]]
@@ -288,7 +292,7 @@ def _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, si
       slots=slots, interleaved=interleaved, unique_slots=unique_slots,
       impl=_impl_for(impl, "fused_rope_rmsnorm_quantization"),
       interpret=interpret)
-  rec.op("rmsnorm+rope+fp8 cache write", "fused_rope_rmsnorm_quantization")
+  rec.op(f"rmsnorm+rope+{'fp8' if pages.dtype == _FP8 else 'bf16'} cache write", "fused_rope_rmsnorm_quantization")
   return new_pages, q_rot
 
 
@@ -299,6 +303,7 @@ def _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, si
 _ACT = (jnp.bfloat16, jnp.float32)
 _I32 = (jnp.int32,)
 _FP8 = jnp.float8_e4m3fn
+_CACHE = {True: (_FP8,), False: (_FP8, jnp.bfloat16), None: (_FP8, jnp.bfloat16)}   # pages dtypes by variant
 _BOTH = "pass either indices= (sparse) or block_table= and cache_seqlens= (dense)"
 
 
@@ -356,7 +361,7 @@ def _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positi
   _checks.check_array("kv", kv, shape=lead + (D_QK,), dtypes=_ACT, expect=f"[{axes}, 576]")
   _checks.check_array("positions", positions, shape=lead, dtypes=_I32, expect=f"[{axes}]")
   _checks.check_array("slots", slots, shape=lead, dtypes=_I32, expect=f"[{axes}]")
-  _checks.check_array("pages", pages, ndim=3, shape=(None, None, D_QK), dtypes=(_FP8,),
+  _checks.check_array("pages", pages, ndim=3, shape=(None, None, D_QK), dtypes=_CACHE[fp8],
                       expect="[num_pages, page_size, 576]")
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
   _checks.check_array("cos", cos, ndim=2, shape=(None, D_ROPE // 2), dtypes=(jnp.float32,),
@@ -428,7 +433,8 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
                             interpret=interpret)
     rec.op("attention (dense, paged)", "dense_mla_decode")
   out = _v_up(weights, o.reshape(t, h, D_V), fp8, impl, interpret, rec)
-  _REPORTS[key] = dict(graph=graph, branch="decode", variant="fp8" if fp8 else "bf16", steps=rec.steps)
+  _REPORTS[key] = dict(graph=graph, branch="decode", variant="fp8" if fp8 else "bf16",
+                      cache_dtype=jnp.dtype(pages.dtype).name, steps=rec.steps)
   return out.reshape(b, s_q, h, -1), new_pages
 
 
@@ -446,7 +452,8 @@ def _sparse_prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions
                             interpret=interpret)
   rec.op("attention (sparse top-k prefill)", "sparse_mla_prefill")
   out = _v_up(weights, o, fp8, impl, interpret, rec)
-  _REPORTS[key] = dict(graph=graph, branch="sparse_prefill", variant="fp8" if fp8 else "bf16", steps=rec.steps)
+  _REPORTS[key] = dict(graph=graph, branch="sparse_prefill", variant="fp8" if fp8 else "bf16",
+                      cache_dtype=jnp.dtype(pages.dtype).name, steps=rec.steps)
   return out, new_pages
 
 
@@ -478,7 +485,8 @@ def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots
   out, _ = mla_prefill(q, k, v, cu_seqlens, softmax_scale=cfg.softmax_scale, causal=True,
                        impl=_impl_for(impl, "mla_prefill"), interpret=interpret)
   rec.op("attention (causal varlen)", "mla_prefill")
-  _REPORTS[key] = dict(graph=graph, branch="prefill", variant="fp8" if fp8 else "bf16", steps=rec.steps)
+  _REPORTS[key] = dict(graph=graph, branch="prefill", variant="fp8" if fp8 else "bf16",
+                      cache_dtype=jnp.dtype(pages.dtype).name, steps=rec.steps)
   return out, new_pages
 
 
@@ -525,9 +533,10 @@ _DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form): ``s_q`` n
 
   Args:
     weights: :class:`{wcls}` (``H = weights.w_uk.shape[0]``: all heads, or one tensor-parallel shard's).
-    pages: float8_e4m3fn cache ``[num_pages, page_size, 576]`` (layout: :mod:`mla_pallas.cache`). DONATED: do not
-      use it after the call (inside an outer jit the donation is up to that jit).
-    kv_scale: per-tensor cache scale, python float > 0 or float32 scalar (``dequantized = fp8 * kv_scale``).
+    pages: cache ``[num_pages, page_size, 576]`` (layout: :mod:`mla_pallas.cache`): float8_e4m3fn, or for the
+      BF16 branch also bfloat16 (BF16 attention; module docstring, "Cache dtype"). DONATED: do not use it after
+      the call (inside an outer jit the donation is up to that jit).
+    kv_scale: per-tensor cache scale, python float > 0 or float32 scalar (``dequantized = stored * kv_scale``).
     q_nope: ``[B, s_q, H, nope]`` bfloat16/float32 (``nope = cfg.qk_nope_head_dim``).
     q_rope: ``[B, s_q, H, 64]`` bfloat16/float32, before RoPE.
     kv: ``[B, s_q, 576]`` bfloat16/float32, the new tokens' rows before RMSNorm / RoPE (``x @ W_kv_a``: 512 latent

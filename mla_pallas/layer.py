@@ -31,7 +31,8 @@ them (as jit constants) per traced call.
 
 :func:`mla_pallas.checkpoint.load_hf_attention` builds a layer from a Hugging Face safetensors checkpoint.
 
-:class:`PagedCache` bundles the FP8 pages, the per-tensor scale, the block table and the sequence lengths.
+:class:`PagedCache` bundles the pages (FP8, or bf16 for a BF16 layer's BF16 attention), the per-tensor scale, the
+block table and the sequence lengths.
 :func:`reference_prefill` / :func:`reference_decode` are the float32 oracles of :meth:`MLAAttention.prefill` /
 :meth:`MLAAttention.decode` (the reference graph of :mod:`mla_pallas.graph`, float32 projections).
 """
@@ -65,10 +66,11 @@ _MATRICES = ("w_q_a", "w_q_b", "w_kv_a", "w_uk", "w_uv", "w_o")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-  """Paged FP8 latent cache of a batch (layout: :mod:`mla_pallas.cache`).
+  """Paged latent cache of a batch (layout: :mod:`mla_pallas.cache`).
 
   Attributes:
-    pages: float8_e4m3fn ``[num_pages, page_size, 576]``.
+    pages: ``[num_pages, page_size, 576]`` float8_e4m3fn (576 B per token), or bfloat16 (1152 B per token) for a
+      BF16 layer's BF16 attention (an FP8 layer needs float8_e4m3fn).
     kv_scale: float32 scalar (per-tensor scale).
     block_table: int32 ``[B, max_pages_per_seq]``.
     seq_lens: int32 ``[B]`` tokens already in the cache per sequence.
@@ -79,17 +81,22 @@ class PagedCache:
   seq_lens: jax.Array
 
   @staticmethod
-  def create(cfg: MLAConfig, batch: int, max_len: int, *, kv_scale: float = 1.0 / 16, num_pages=None,
-             shuffle_key=None) -> "PagedCache":
+  def create(cfg: MLAConfig, batch: int, max_len: int, *, kv_scale: float | None = None, num_pages=None,
+             shuffle_key=None, dtype=_cache.FP8) -> "PagedCache":
     """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (``page_size = cfg.page_size``).
 
     Sequence b owns pages ``block_table[b]`` (consecutive, or a random permutation with ``shuffle_key``).
-    ``kv_scale``: the per-tensor scale (the RMS-normed latent is O(1): 1/16 keeps values up to 28 in range).
+    ``dtype``: float8_e4m3fn (default) or bfloat16 (:mod:`mla_pallas.cache`). ``kv_scale``: the per-tensor scale
+    (default 1/16 for FP8: the RMS-normed latent is O(1), and 1/16 keeps values up to 28 in range; 1 for bf16,
+    which needs no scale).
     """
     per_seq = -(-max_len // cfg.page_size)
     n = num_pages or batch * per_seq
     ids = np.arange(n) if shuffle_key is None else np.asarray(jax.random.permutation(shuffle_key, n))
-    return PagedCache(_cache.allocate(n, cfg.page_size), jnp.asarray(kv_scale, jnp.float32),
+    pages = _cache.allocate(n, cfg.page_size, dtype=dtype)
+    if kv_scale is None:
+      kv_scale = 1.0 / 16 if pages.dtype == _cache.FP8 else 1.0
+    return PagedCache(pages, jnp.asarray(kv_scale, jnp.float32),
                       jnp.asarray(ids[:batch * per_seq].reshape(batch, per_seq), jnp.int32),
                       jnp.zeros((batch,), jnp.int32))
 

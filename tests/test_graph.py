@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_pallas import cache as mcache, graph, reference, testing
+from mla_pallas import cache as mcache, graph, quant, reference, testing
 from mla_pallas.config import deepseek_v32, glm5
 
 FP8 = jnp.float8_e4m3fn
@@ -62,20 +62,21 @@ def _bf16(rng, *shape, scale=1.0):
   return jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
 
 
-def _poisoned_cache(rng, num_pages, written_slots, kv_scale):
-  """FP8 cache: random rows at ``written_slots``, NaN everywhere else."""
+def _poisoned_cache(rng, num_pages, written_slots, kv_scale, dtype=FP8):
+  """Cache of ``dtype`` (FP8 or bf16): random rows at ``written_slots``, NaN everywhere else."""
   rows = np.full((num_pages * PAGE, 576), np.nan, np.float32)
   rows[written_slots] = rng.standard_normal((len(written_slots), 576))
-  return mcache.quantize_rows(jnp.asarray(rows), kv_scale).reshape(num_pages, PAGE, 576)
+  return quant.encode_cache_rows(jnp.asarray(rows), kv_scale, dtype).reshape(num_pages, PAGE, 576)
 
 
 def _bits(pages):
-  return np.asarray(jax.lax.bitcast_convert_type(pages, jnp.uint8))
+  """The pages' bytes, one row of 576 entries per line."""
+  return np.asarray(pages).view(np.uint8).reshape(-1, 576 * jnp.dtype(pages.dtype).itemsize)
 
 
 def _check_pages(new, want, old, slots):
   """new == want bitwise; rows differ from old only at ``slots`` (NaN-poisoned rows elsewhere stay NaN)."""
-  nb, wb, ob = (_bits(x).reshape(-1, 576) for x in (new, want, old))
+  nb, wb, ob = (_bits(x) for x in (new, want, old))
   np.testing.assert_array_equal(nb, wb)
   slots = np.asarray(slots).reshape(-1)
   slots = slots[slots >= 0]
@@ -86,6 +87,15 @@ def _check_pages(new, want, old, slots):
 
 def _attention_budget(pv_length, cfg):
   return testing.fp8_error_budget(logit_std=_logit_std(cfg), pv_length=pv_length, fp8_mma=False)
+
+
+def _bf16_budget(cfg, rounded=3):
+  """BF16 end to end (bf16 weights and cache) against the float32 reference on the same weights and cache rows:
+  the cache rows are exact on both sides; the graph rounds q576 (the q_latent einsum's output and the rope part)
+  to bf16, which moves the logits by ~logit_std · 2^-8/sqrt(3), and ``rounded`` operands of the output path to
+  bf16 (RMS 2^-8/sqrt(3) each, passing ~1:1 to the output): P (BF16 attention), the attention output, the
+  w_uv einsum's output. Times the safety factor 3 (0.028 / 0.021 for DeepSeek-V3.2 / GLM-5 here)."""
+  return 3 * math.sqrt(_logit_std(cfg) ** 2 + rounded) * 2.0 ** -8 / math.sqrt(3)
 
 
 def _prefill_budget(cfg):
@@ -109,7 +119,7 @@ def _check_report(expect_attention_op, interpret_attention=False):
 # decode
 # ----------------------------------------------------------------------------------------------------------
 
-def _decode_case(rng, cfg, *, B=2, s_q=2, sparse, num_pages=12, kv_scale=0.05):
+def _decode_case(rng, cfg, *, B=2, s_q=2, sparse, num_pages=12, kv_scale=0.05, cache_dtype=FP8):
   h, nope = cfg.num_heads, cfg.qk_nope_head_dim
   max_pages = 4
   perm = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
@@ -118,7 +128,7 @@ def _decode_case(rng, cfg, *, B=2, s_q=2, sparse, num_pages=12, kv_scale=0.05):
   new_lens = prev + s_q
   ctx_pos = [np.arange(p) for p in prev]
   ctx_slots = np.concatenate([perm[b, ps // PAGE] * PAGE + ps % PAGE for b, ps in enumerate(ctx_pos)])
-  pages = _poisoned_cache(rng, num_pages, ctx_slots, kv_scale)
+  pages = _poisoned_cache(rng, num_pages, ctx_slots, kv_scale, cache_dtype)
   positions = jnp.asarray(prev[:, None] + np.arange(s_q)[None], jnp.int32)        # [B, s_q]
   slots = mcache.slots_for_positions(block_table, positions, PAGE)
   cos, sin = cfg.rope_tables(512)
@@ -208,12 +218,12 @@ def test_wrong_weights_and_missing_attention_inputs(rng):
 # prefill
 # ----------------------------------------------------------------------------------------------------------
 
-def _prefill_case(rng, cfg, *, lens=(5, 11), num_pages=10, kv_scale=0.05, pad=2, sparse=False):
+def _prefill_case(rng, cfg, *, lens=(5, 11), num_pages=10, kv_scale=0.05, pad=2, sparse=False, cache_dtype=FP8):
   h, nope = cfg.num_heads, cfg.qk_nope_head_dim
   B = len(lens)
   max_pages = 2
   perm = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
-  pages = _poisoned_cache(rng, num_pages, np.zeros(0, np.int64), kv_scale)        # all NaN
+  pages = _poisoned_cache(rng, num_pages, np.zeros(0, np.int64), kv_scale, cache_dtype)        # all NaN
   positions = np.concatenate([np.arange(n) for n in lens] + [np.zeros(pad, np.int64)]).astype(np.int32)
   seq = np.concatenate([np.full(n, b) for b, n in enumerate(lens)] + [np.zeros(pad, np.int64)])
   slots = perm[seq, positions // PAGE] * PAGE + positions % PAGE
@@ -269,6 +279,45 @@ def test_sparse_prefill_branch_matches_reference(rng, preset, fp8):
   testing.assert_close_fp8(out, ref_out, rel_l2=_attention_budget(8, cfg), min_cos=0.97, what="sparse prefill out")
   rep = _check_report("sparse_mla_prefill")
   assert rep["branch"] == "sparse_prefill"
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+@pytest.mark.parametrize("branch", ["decode_sparse", "decode_dense", "prefill", "sparse_prefill"])
+def test_bf16_branches_with_bf16_cache(rng, preset, branch):
+  """The BF16 branches on a bf16 cache: BF16 end to end (the cache write only rounds, attention keeps q and P in
+  bf16), within the bf16 error model of the float32 reference (``_bf16_budget``; the FP8 cache's budget is ~4x
+  larger), NaN-poisoned unused rows, invalid ids; the report names the cache dtype."""
+  cfg = CFGS[preset]
+  w = _weights(rng, cfg, False)
+  if branch.startswith("decode"):
+    pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=branch == "decode_sparse", kv_scale=0.5,
+                                             cache_dtype=jnp.bfloat16)
+    ref_fn, fn, op = graph.reference_decode_branch, graph.mla_decode_branch_bf16, (
+        "sparse_mla_decode" if branch == "decode_sparse" else "dense_mla_decode")
+  else:
+    pages, kv_scale, case, kw, _ = _prefill_case(rng, cfg, sparse=branch == "sparse_prefill", kv_scale=0.5,
+                                                 cache_dtype=jnp.bfloat16)
+    ref_fn, fn, op = (graph.reference_prefill_branch_sparse, graph.mla_prefill_branch_sparse_bf16,
+                      "sparse_mla_prefill") if branch == "sparse_prefill" else (
+                          graph.reference_prefill_branch, graph.mla_prefill_branch_bf16, "mla_prefill")
+  old = jnp.array(pages, copy=True)
+  ref_out, ref_pages = ref_fn(w, old, kv_scale, **case, **kw, cfg=cfg)
+  out, new_pages = fn(w, pages, kv_scale, **case, **kw, cfg=cfg)
+  assert new_pages.dtype == jnp.bfloat16 and out.dtype == jnp.bfloat16
+  _check_pages(new_pages, ref_pages, old, case["slots"])
+  budget = _prefill_budget(cfg) if branch == "prefill" else _bf16_budget(cfg)
+  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.999, what=f"{branch} out (bf16 cache)")
+  rep = _check_report(op)
+  assert rep["cache_dtype"] == "bfloat16" and rep["variant"] == "bf16"
+  assert rep["steps"][0]["step"] == "rmsnorm+rope+bf16 cache write"
+  assert "bf16 cache" in graph.format_report(rep)
+
+
+def test_fp8_branch_refuses_a_bf16_cache(rng):
+  cfg = CFGS["glm5"]
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True, cache_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"mla_decode_branch_fp8: pages must have dtype float8_e4m3fn"):
+    graph.mla_decode_branch_fp8(_weights(rng, cfg, True), pages, kv_scale, **case, cfg=cfg, **kw)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -129,6 +129,52 @@ def test_prefill_then_decode_matches_reference(key, preset, fp8):
                                what=f"{name} fp8 layer vs bf16 reference")
 
 
+def _bf16_layer_budget(cfg):
+  """A bf16 layer on a bf16 cache against its float32 reference (same weights; the reference's projections in
+  f32): every bf16 rounding has RMS 2^-8/sqrt(3) relative. On the logits (times logit_std): the query's three
+  projections and q576, the kv projection (the cached rows differ by its rounding), the un-absorbed k_nope in
+  prefill: 6. On the output (1:1): P, the attention output, v or w_uv's output, w_o's output, the kv rounding in
+  V: 5. Times the safety factor 3 (0.064 / 0.036 for DeepSeek-V3.2 / GLM-5: BF16 end to end, where the same
+  layer on an FP8 cache is held to fp8_error_budget, ~0.2)."""
+  return 3 * math.sqrt(6 * _logit_std(cfg) ** 2 + 5) * 2.0 ** -8 / math.sqrt(3)
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+def test_bf16_layer_on_a_bf16_cache(key, preset):
+  """MLAAttention in BF16 with PagedCache.create(dtype=bfloat16): prefill, a dense and a sparse decode step against
+  the float32 reference layer within the bf16 error model; an FP8 layer refuses the bf16 cache."""
+  cfg = CFGS[preset]
+  k0, k1, k2, k3 = jax.random.split(key, 4)
+  lay = L.MLAAttention.init(k0, cfg)
+  cos, sin = cfg.rope_tables(256)
+  cache = L.PagedCache.create(cfg, 2, 64, shuffle_key=k3, dtype=jnp.bfloat16)
+  assert cache.pages.dtype == jnp.bfloat16 and float(cache.kv_scale) == 1.0
+  lens = [9, 20]
+  x, pos, cu = _prefill_inputs(k1, cfg, lens)
+  ref_y, ref_cache = L.reference_prefill(lay, x, pos, cache, cu, cos=cos, sin=sin)
+  y, cache = lay.prefill(x, pos, jax.tree.map(jnp.copy, cache), cu, cos=cos, sin=sin)
+  steps = [("prefill", y, ref_y)]
+  from mla_pallas import cache as mcache
+  for i, kk in enumerate(jax.random.split(k2, 2)):
+    xd = jax.random.normal(kk, (2, 1, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    p = cache.seq_lens[:, None]
+    kw = {}
+    if i == 1:     # sparse: the new token and 7 earlier positions of each sequence
+      rng = np.random.default_rng(i)
+      n = np.asarray(cache.seq_lens) + 1
+      tok = np.stack([np.r_[m - 1, rng.integers(0, m - 1, 7)] for m in n])
+      kw = dict(indices=mcache.slots_for_positions(cache.block_table, jnp.asarray(tok[:, None], jnp.int32), 16))
+    ref_yd, ref_cache = L.reference_decode(lay, xd, p, ref_cache, cos=cos, sin=sin, **kw)
+    yd, cache = lay.decode(xd, p, cache, cos=cos, sin=sin, **kw)
+    steps.append((f"decode {i}", yd, ref_yd))
+  assert cache.pages.dtype == jnp.bfloat16
+  for name, got, want in steps:
+    testing.assert_close_fp8(got, want, rel_l2=_bf16_layer_budget(cfg), min_cos=0.999, what=f"{name} (bf16 cache)")
+  xd = jnp.zeros((2, 1, cfg.hidden_size), jnp.bfloat16)
+  with pytest.raises(ValueError, match="pages must have dtype float8_e4m3fn"):
+    lay.to_fp8().decode(xd, cache.seq_lens[:, None], cache, cos=cos, sin=sin)
+
+
 def test_from_checkpoint_splits_heads_like_the_unabsorbed_math(rng):
   cfg = CFGS["deepseek_v32"]
   h, nope, v, hid, ql = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.hidden_size, cfg.q_lora_rank
