@@ -364,29 +364,34 @@ def dequantize_flashmla_v32(packed) -> jax.Array:
   return jnp.concatenate([lat, rope.astype(jnp.float32)], axis=-1)
 
 
-def from_flashmla_v32(packed, *, kv_scale=None) -> tuple[jax.Array, jax.Array]:
-  """Convert a FlashMLA DeepSeek-V3.2 FP8 cache (656 bytes/token) to this library's format.
+def from_flashmla_v32(packed, *, kv_scale=None, dtype=FP8) -> tuple[jax.Array, jax.Array]:
+  """Convert a FlashMLA DeepSeek-V3.2 FP8 cache (656 bytes/token) to this library's format, FP8 or bfloat16.
 
   Args:
     packed: ``[num_pages, page_size, 656]`` (also FlashMLA's ``[num_pages, page_size, 1, 656]``)
       or ``[num_slots, 656]``; uint8, int8 or float8_e4m3fn (bytes are reinterpreted). Layout in
       the module docstring.
-    kv_scale: optional per-tensor scale to requantize with. Default: :func:`choose_scale` of the
-      dequantized values (``amax / 448`` over finite values). Pass one when unused slots hold
-      garbage that would otherwise inflate the amax.
+    kv_scale: optional per-tensor scale to requantize with. Default: for float8_e4m3fn :func:`choose_scale`
+      of the dequantized values (``amax / 448`` over finite values; pass one when unused slots hold garbage
+      that would otherwise inflate the amax), for bfloat16 1.
+    dtype: the cache dtype, float8_e4m3fn (default, 576 B per token) or bfloat16 (1152 B per token).
 
   Returns:
-    ``(pages, kv_scale)``: pages ``[num_pages, page_size, 576]`` (or ``[num_slots, 576]``)
-    float8_e4m3fn with ``pages * kv_scale ~= dequantize_flashmla_v32(packed)`` and kv_scale a
-    float32 scalar. Lossy: each value moves by at most ``2**-4 * |v| + 2**-10 * kv_scale`` more
-    (the rope part, bf16 in FlashMLA, is now FP8 as well).
+    ``(pages, kv_scale)``: pages ``[num_pages, page_size, 576]`` (or ``[num_slots, 576]``) of ``dtype`` with
+    ``pages * kv_scale ~= dequantize_flashmla_v32(packed)`` and kv_scale a float32 scalar. float8_e4m3fn is
+    lossy: each value moves by at most ``2**-4 * |v| + 2**-10 * kv_scale`` more (the rope part, bf16 in
+    FlashMLA, is now FP8 as well). bfloat16 with kv_scale 1 is exact where FlashMLA's tile scales are powers of
+    two (as its own quantizer makes them: an e4m3 value times a power of two is a bf16 value; the rope part is
+    bf16 already); other scales round once to bf16.
   """
+  if jnp.dtype(dtype) not in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"dtype must be float8_e4m3fn or bfloat16; got {dtype!r}")
   deq = dequantize_flashmla_v32(packed)
   if kv_scale is None:
-    scale = choose_scale(deq)
+    scale = choose_scale(deq) if jnp.dtype(dtype) == FP8 else jnp.float32(1.0)
   else:
     scale = jnp.asarray(_scale_arg("kv_scale", kv_scale), jnp.float32)
-  return _quantize(deq, scale), scale
+  return quant.encode_cache_rows(deq, scale, dtype), scale
 
 
 def _pow2_ceil(s):

@@ -429,6 +429,27 @@ def test_to_flashmla_v32_layout_and_round_trip():
   assert (np.abs(b - a) <= bound).all()
 
 
+def test_from_flashmla_v32_to_bf16():
+  """The bf16 import: exact where FlashMLA's tile scales are powers of two (its quantizer's, to_flashmla_v32's
+  default: an e4m3 value times 2^k is a bf16 value, the rope part is bf16 already), one bf16 rounding (<= 2^-8
+  relative) with other scales; kv_scale 1 unless given; a bad dtype names the argument."""
+  rng = np.random.default_rng(11)
+  x = (rng.standard_normal((2, 16, 576)) * 2.0 ** rng.integers(-6, 4, size=(2, 16, 1))).astype(np.float32)
+  packed = cache.to_flashmla_v32(jnp.asarray(x))                     # power-of-two tile scales
+  pages, kv_scale = cache.from_flashmla_v32(packed, dtype=jnp.bfloat16)
+  assert pages.shape == (2, 16, 576) and pages.dtype == jnp.bfloat16 and float(kv_scale) == 1.0
+  fm = np.asarray(cache.dequantize_flashmla_v32(packed), np.float32)
+  np.testing.assert_array_equal(np.asarray(pages, np.float32), fm)
+  p2, s2 = cache.from_flashmla_v32(packed, dtype=jnp.bfloat16, kv_scale=0.25)
+  np.testing.assert_array_equal(np.asarray(cache.dequantize(p2, s2), np.float32), fm)   # 4 · fm is exact too
+  rough = cache.to_flashmla_v32(jnp.asarray(x), power_of_two_scales=False)
+  p3, _ = cache.from_flashmla_v32(rough, dtype=jnp.bfloat16)
+  fm3 = np.asarray(cache.dequantize_flashmla_v32(rough), np.float64)
+  assert (np.abs(np.asarray(p3, np.float64) - fm3) <= 2.0 ** -8 * np.abs(fm3)).all()
+  with pytest.raises(ValueError, match="dtype must be float8_e4m3fn or bfloat16"):
+    cache.from_flashmla_v32(packed, dtype=jnp.float16)
+
+
 def test_to_flashmla_v32_exact_scales():
   rng = np.random.default_rng(9)
   x = rng.standard_normal((4, 576)).astype(np.float32)
