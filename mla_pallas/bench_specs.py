@@ -71,9 +71,28 @@ def _check_page(shape):
     raise ValueError(f"shape key 'page' must be a positive multiple of 16; got {shape['page']}")
 
 
-def _random_cache(key, num_pages, page):
-  # N(0, 1) latent rows rounded to e4m3 (|x| < 448 always holds for normals).
-  return jax.random.normal(key, (num_pages, page, D_QK), jnp.bfloat16).astype(FP8)
+CACHE_DTYPES = {"fp8": FP8, "bf16": jnp.bfloat16}   # shape key "cache"
+_CACHE_KEY = (str, "cache dtype: fp8 (float8_e4m3fn, 576 B per token) or bf16 (bfloat16, 1152 B per token: BF16 "
+                   "attention, which the kernels do not take yet)")
+
+
+def _cache_dtype(s):
+  return CACHE_DTYPES[s["cache"]]
+
+
+def _row_bytes(s):
+  """Bytes per cache row of the shape's cache dtype."""
+  return D_QK * jnp.dtype(_cache_dtype(s)).itemsize
+
+
+def _check_cache(s):
+  if s["cache"] not in CACHE_DTYPES:
+    raise ValueError(f"shape key 'cache' must be one of {', '.join(CACHE_DTYPES)}; got {s['cache']!r}")
+
+
+def _random_cache(key, num_pages, page, dtype=FP8):
+  # N(0, 1) latent rows in the cache dtype (rounded to e4m3 for fp8: |x| < 448 always holds for normals).
+  return jax.random.normal(key, (num_pages, page, D_QK), jnp.bfloat16).astype(dtype)
 
 
 def _random_slots(key, block_table, rows_shape, ctx, topk, page):
@@ -103,14 +122,16 @@ _DECODE_KEYS = {
     "page": (int, "KV-cache page size (multiple of 16)"),
     "ctx": (int, "cache tokens per sequence (the cache holds B * ceil(ctx/page) pages, shuffled)"),
     "softmax_scale": (float, "softmax scale (default 576**-0.5: logits of std 1 on N(0,1) data)"),
-    "kv_scale": (float, "per-tensor dequantization scale of the fp8 cache"),
+    "kv_scale": (float, "per-tensor dequantization scale of the cache"),
+    "cache": _CACHE_KEY,
 }
-_SCALE_DEFAULTS = {"softmax_scale": D_QK ** -0.5, "kv_scale": 1.0}
+_SCALE_DEFAULTS = {"softmax_scale": D_QK ** -0.5, "kv_scale": 1.0, "cache": "fp8"}
 
 
 def _decode_validate(s):
   _check_positive(s, "B", "s_q", "H", "topk", "page", "ctx")
   _check_page(s)
+  _check_cache(s)
   if not (s["softmax_scale"] > 0 and s["kv_scale"] > 0):
     raise ValueError("shape keys 'softmax_scale' and 'kv_scale' must be positive")
 
@@ -125,7 +146,7 @@ def _decode_inputs_jit(shape_items, key):
   b, s_q, h, page = s["B"], s["s_q"], s["H"], s["page"]
   pps = _pages_per_seq(s)
   k_cache, k_perm, k_idx, k_q = jax.random.split(key, 4)
-  cache = _random_cache(k_cache, b * pps, page)
+  cache = _random_cache(k_cache, b * pps, page, _cache_dtype(s))
   # sequence b owns pages block_table[b] of a shuffled page pool (as a paged allocator would leave them).
   block_table = jax.random.permutation(k_perm, b * pps).astype(jnp.int32).reshape(b, pps)
   indices = _random_slots(k_idx, block_table, (b, s_q), s["ctx"], s["topk"], page)
@@ -172,7 +193,10 @@ def _sparse_sweep(prefill: bool):
 
 def _attn_tolerance(s, pv_length):
   # Full FP8 kernel path (q and P in e4m3, fp8 wgmma); logits have std softmax_scale*sqrt(576)*kv_scale on
-  # N(0,1) data. Loose on purpose: the XLA path is held to the same bound.
+  # N(0,1) data. Loose on purpose: the XLA path is held to the same bound. A bf16 cache: BF16 attention
+  # (testing.BF16_ATTENTION_REL_L2: P and the outputs rounded to bf16).
+  if s["cache"] == "bf16":
+    return testing.BF16_ATTENTION_REL_L2
   logit_std = s["softmax_scale"] * math.sqrt(D_QK) * s["kv_scale"]
   return testing.fp8_error_budget(pv_length=pv_length, logit_std=logit_std)
 
@@ -187,11 +211,11 @@ register(BenchSpec(
     make_inputs=_decode_inputs,
     op_kwargs=_scales,
     flops=lambda s: 2.0 * s["B"] * s["s_q"] * s["H"] * s["topk"] * (D_QK + D_V),
-    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * D_QK),
-    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK
+    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * _row_bytes(s)),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * _row_bytes(s)
                               + s["B"] * s["s_q"] * (s["H"] * D_QK * 2 + s["topk"] * 4)),
     touched_bytes=lambda s: float(
-        min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * D_QK          # gathered rows
+        min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * _row_bytes(s)  # gathered rows
         + s["B"] * s["s_q"] * (s["H"] * D_QK * 2 + s["topk"] * 4)             # q, indices
         + s["B"] * s["s_q"] * s["H"] * (D_V * 2 + 4)),                        # out, lse
     tolerance=lambda s: _attn_tolerance(s, s["topk"]),
@@ -212,13 +236,15 @@ _DENSE_KEYS = {
     "page": (int, "KV-cache page size (multiple of 16)"),
     "causal": (int, "1: query token i attends positions < ctx - s_q + i + 1; 0: all ctx positions"),
     "softmax_scale": (float, "softmax scale (default 576**-0.5: logits of std 1 on N(0,1) data)"),
-    "kv_scale": (float, "per-tensor dequantization scale of the fp8 cache"),
+    "kv_scale": (float, "per-tensor dequantization scale of the cache"),
+    "cache": _CACHE_KEY,
 }
 
 
 def _dense_validate(s):
   _check_positive(s, "B", "s_q", "H", "page", "ctx")
   _check_page(s)
+  _check_cache(s)
   if s["causal"] not in (0, 1):
     raise ValueError(f"shape key 'causal' must be 0 or 1; got {s['causal']}")
   if not (s["softmax_scale"] > 0 and s["kv_scale"] > 0):
@@ -231,7 +257,7 @@ def _dense_inputs_jit(shape_items, key):
   b, s_q, h, page = s["B"], s["s_q"], s["H"], s["page"]
   pps = _pages_per_seq(s)
   k_cache, k_perm, k_q = jax.random.split(key, 3)
-  cache = _random_cache(k_cache, b * pps, page)
+  cache = _random_cache(k_cache, b * pps, page, _cache_dtype(s))
   block_table = jax.random.permutation(k_perm, b * pps).astype(jnp.int32).reshape(b, pps)
   cache_seqlens = jnp.full((b,), s["ctx"], jnp.int32)
   q = jax.random.normal(k_q, (b, s_q, h, D_QK), jnp.bfloat16)
@@ -253,17 +279,17 @@ register(BenchSpec(
     make_inputs=lambda s, key: _dense_inputs_jit(tuple(sorted(s.items())), key),
     op_kwargs=_dense_kwargs,
     flops=lambda s: 2.0 * s["B"] * s["s_q"] * s["H"] * s["ctx"] * (D_QK + D_V),
-    # "gath GB/s" = FP8 cache bytes the call must read (every attended row once) per second
-    gathered_bytes=lambda s: float(s["B"] * s["ctx"] * D_QK),
-    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK
+    # "gath GB/s" = cache bytes the call must read (every attended row once) per second
+    gathered_bytes=lambda s: float(s["B"] * s["ctx"] * _row_bytes(s)),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * _row_bytes(s)
                               + s["B"] * (s["s_q"] * s["H"] * D_QK * 2 + _pages_per_seq(s) * 4 + 4)),
-    touched_bytes=lambda s: float(s["B"] * s["ctx"] * D_QK
+    touched_bytes=lambda s: float(s["B"] * s["ctx"] * _row_bytes(s)
                                   + s["B"] * s["s_q"] * s["H"] * (D_QK * 2 + D_V * 2 + 4)),
     tolerance=lambda s: _attn_tolerance(s, s["ctx"]),
     outputs=("out", "lse"),
     module="mla_pallas.ops.dense_decode",
     conventions={"flops": "2*B*s_q*H*ctx*(576+512) (non-causal count)",
-                 "gathered_bytes": "cache bytes read: B*ctx*576 (FP8 rows, each once)"},
+                 "gathered_bytes": "cache bytes read: B*ctx*576 (FP8 rows; 1152 for bf16), each once"},
 ))
 
 
@@ -277,12 +303,14 @@ _PREFILL_KEYS = {
     "ctx": (int, "kv tokens (ceil(ctx/page) shuffled pages)"),
     "softmax_scale": _DECODE_KEYS["softmax_scale"],
     "kv_scale": _DECODE_KEYS["kv_scale"],
+    "cache": _CACHE_KEY,
 }
 
 
 def _prefill_validate(s):
   _check_positive(s, "T", "H", "topk", "page", "ctx")
   _check_page(s)
+  _check_cache(s)
   if not (s["softmax_scale"] > 0 and s["kv_scale"] > 0):
     raise ValueError("shape keys 'softmax_scale' and 'kv_scale' must be positive")
 
@@ -293,7 +321,7 @@ def _prefill_inputs_jit(shape_items, key):
   t, h, page = s["T"], s["H"], s["page"]
   pps = _pages_per_seq(s)
   k_cache, k_perm, k_idx, k_q = jax.random.split(key, 4)
-  kv = _random_cache(k_cache, pps, page)
+  kv = _random_cache(k_cache, pps, page, _cache_dtype(s))
   block_table = jax.random.permutation(k_perm, pps).astype(jnp.int32).reshape(1, pps)
   indices = _random_slots(k_idx, block_table, (1, t), s["ctx"], s["topk"], page)[0]
   q = jax.random.normal(k_q, (t, h, D_QK), jnp.bfloat16)
@@ -310,11 +338,11 @@ register(BenchSpec(
     make_inputs=lambda s, key: _prefill_inputs_jit(tuple(sorted(s.items())), key),
     op_kwargs=_scales,
     flops=lambda s: 2.0 * s["T"] * s["H"] * s["topk"] * (D_QK + D_V),
-    gathered_bytes=lambda s: float(s["T"] * s["topk"] * D_QK),
-    set_bytes=lambda s: float(_pages_per_seq(s) * s["page"] * D_QK
+    gathered_bytes=lambda s: float(s["T"] * s["topk"] * _row_bytes(s)),
+    set_bytes=lambda s: float(_pages_per_seq(s) * s["page"] * _row_bytes(s)
                               + s["T"] * (s["H"] * D_QK * 2 + s["topk"] * 4)),
     touched_bytes=lambda s: float(
-        min(s["T"] * s["topk"], s["ctx"]) * D_QK
+        min(s["T"] * s["topk"], s["ctx"]) * _row_bytes(s)
         + s["T"] * (s["H"] * D_QK * 2 + s["topk"] * 4)
         + s["T"] * s["H"] * (D_V * 2 + 4)),
     tolerance=lambda s: _attn_tolerance(s, s["topk"]),

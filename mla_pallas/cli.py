@@ -146,6 +146,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
   b.add_argument("--shape", default="",
                  help="shape overrides, e.g. B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768")
   b.add_argument("--preset", choices=("deepseek_v32", "glm5"), help="model preset (sizes of the model)")
+  b.add_argument("--cache-dtype", choices=("fp8", "bf16"), default=None,
+                 help="the attention ops' cache dtype (shape key cache=; default fp8)")
   b.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 on GPU, 3 on CPU)")
   b.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 2 on GPU, 1 on CPU)")
   b.add_argument("--inputs", type=int, default=None,
@@ -204,7 +206,12 @@ def _cmd_bench(args, parser, argv) -> int:
   try:
     spec = bench.get_spec(args.op)
     impls = _parse_impls(args.impl, spec)
-    shape = spec.shape(bench.parse_shape(args.shape), preset=args.preset)
+    overrides = bench.parse_shape(args.shape)
+    if args.cache_dtype is not None:
+      if "cache" not in spec.keys:
+        raise ValueError(f"--cache-dtype applies to the attention ops over a cache; {args.op} has no cache")
+      overrides["cache"] = args.cache_dtype
+    shape = spec.shape(overrides, preset=args.preset)
     for name in ("iters", "inputs"):
       v = getattr(args, name)
       if v is not None and v < 1:

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from mla_pallas import bench, bench_engine, bench_specs, bench_timing, cli
+from mla_pallas import bench, bench_engine, bench_specs, bench_timing, cli, testing
 
 TINY = "B=1,s_q=1,H=8,topk=32,page=16,ctx=64"
 ON_CPU = jax.default_backend() == "cpu"
@@ -64,6 +64,7 @@ def test_cli_help(capsys):
     ("B=two", "must be int"),
     ("B=0", "must be positive"),
     ("page=24", "multiple of 16"),
+    ("cache=fp16", "shape key 'cache' must be one of fp8, bf16"),
 ])
 def test_cli_bad_shape_is_argparse_error(tmp_path, capsys, shape, message):
   with pytest.raises(SystemExit) as e:
@@ -151,6 +152,35 @@ def test_run_dense_decode_xla_and_bytes():
   assert res.flops == 2 * 2 * 2 * 8 * 40 * (576 + 512) and res.gathered_bytes == 2 * 40 * 576
   with pytest.raises(ValueError, match="causal"):
     bench.run("dense_mla_decode", ("xla",), {**shape, "causal": 2}, iters=1, n_inputs=1, progress=False)
+
+
+@pytest.mark.parametrize("op,shape", [
+    ("sparse_mla_decode", {"B": 2, "s_q": 1, "H": 8, "topk": 40, "page": 16, "ctx": 64}),
+    ("dense_mla_decode", {"B": 2, "s_q": 2, "H": 8, "ctx": 40, "page": 16, "causal": 1}),
+    ("sparse_mla_prefill", {"T": 4, "H": 8, "topk": 40, "page": 16, "ctx": 32}),
+])
+def test_bf16_cache_shape_key(op, shape):
+  """cache=bf16: a bfloat16 cache (BF16 attention, held to testing.BF16_ATTENTION_REL_L2), 1152 bytes per row in
+  the byte counts; the default stays fp8."""
+  spec = bench.get_spec(op)
+  assert spec.shape(shape)["cache"] == "fp8"
+  full = spec.shape({**shape, "cache": "bf16"})
+  inputs = spec.make_inputs(full, jax.random.key(0))
+  assert inputs[1].dtype == np.dtype("bfloat16")
+  assert spec.tolerance(full) == testing.BF16_ATTENTION_REL_L2
+  assert spec.gathered_bytes(full) == 2 * spec.gathered_bytes(spec.shape(shape))
+  (res,) = bench.run(op, ("xla",), full, iters=1, n_inputs=1, progress=False)
+  assert res.ok and res.check_ok, res.check
+
+
+def test_cli_cache_dtype_flag(tmp_path, capsys):
+  rc = cli.main(["bench", "dense_mla_decode", "--impl", "xla", "--cache-dtype", "bf16", "--shape",
+                 "B=1,H=8,ctx=32,page=16", "--iters", "1", "--inputs", "1", "--no-plot", "--no-progress",
+                 "--out", tmp_path])
+  assert rc == 0 and "cache=bf16" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "quantize_and_bmm_fp8", "--impl", "xla", "--cache-dtype", "bf16", "--out", tmp_path])
+  assert e.value.code == 2 and "has no cache" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not ON_CPU, reason="exercises the CPU interpret path of the demo")
