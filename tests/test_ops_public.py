@@ -122,21 +122,24 @@ def test_dense_decode_xla_matches_reference(rng, s_q, causal, page_size):
 BF16_ATTN_BUDGET = testing.BF16_ATTENTION_REL_L2
 
 
-@pytest.mark.parametrize("s_q,causal", [(1, False), (3, True)])
-def test_dense_decode_bf16_cache_matches_reference(rng, s_q, causal):
-  """A bfloat16 cache (NaN in unread slots, -1 / out-of-range pages, a hole, empty sequences) runs BF16 attention
-  on the XLA path, also under impl="auto" in interpret mode (the kernel reads FP8 caches; "mosaic" refuses)."""
-  q, pages, table, lens = dense_case(rng, s_q=s_q, page_size=16)
+@pytest.mark.parametrize("s_q,causal,h,impl,want", [(1, False, 8, "auto", "xla"), (3, True, 8, "auto", "xla"),
+                                                 (2, True, 64, "mosaic", "mosaic-interpret")])
+def test_dense_decode_bf16_cache_matches_reference(rng, s_q, causal, h, impl, want):
+  """A bfloat16 cache (NaN in unread slots, -1 / out-of-range pages, a hole, empty sequences) runs BF16 attention:
+  at H = 8 on the XLA path, also under impl="auto" in interpret mode (no bf16-cache kernel with the heads on N:
+  "mosaic" refuses), at H = 64 on the bf16-cache kernel (heads on M, interpret mode)."""
+  q, pages, table, lens = dense_case(rng, s_q=s_q, h=h, page_size=16)
   pages = pages.astype(jnp.bfloat16)
   kw = dict(softmax_scale=SCALE, kv_scale=0.5, causal=causal)
-  out, lse = dense_mla_decode(q, pages, table, lens, impl="auto", interpret=True, **kw)
-  assert _dispatch.last_impl("dense_mla_decode") == "xla"
+  out, lse = dense_mla_decode(q, pages, table, lens, impl=impl, interpret=True, **kw)
+  assert _dispatch.last_impl("dense_mla_decode") == want
   r_out, r_lse = ref.dense_mla_decode(q, pages, table, lens, **kw)
-  testing.assert_close_fp8(out, r_out, rel_l2=BF16_ATTN_BUDGET, what="dense bf16 cache out")
+  testing.assert_close_fp8(out, r_out, rel_l2=BF16_ATTN_BUDGET, what=f"dense bf16 cache out ({want})")
   assert_lse_close(lse, r_lse, 1e-4)     # only f32 rounding of the logits
   assert not np.isnan(np.asarray(out, np.float32)).any()
-  with pytest.raises(NotImplementedError, match="float8_e4m3fn caches"):
-    dense_mla_decode(q, pages, table, lens, impl="mosaic", interpret=True, **kw)
+  if h <= 16:
+    with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
+      dense_mla_decode(q, pages, table, lens, impl="mosaic", interpret=True, **kw)
 
 
 def test_dense_decode_xla_chunked_scan_matches_reference(rng, monkeypatch):

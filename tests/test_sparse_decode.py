@@ -80,19 +80,22 @@ BF16_ATTN_BUDGET = testing.BF16_ATTENTION_REL_L2
 @pytest.mark.parametrize("B,s_q,H,topk,page,tl", [(2, 2, 16, 129, 16, True), (1, 3, 64, 37, 64, False)])
 def test_bf16_cache_xla_matches_reference(rng, B, s_q, H, topk, page, tl):
   """A bfloat16 cache (NaN in unused rows, invalid ids, an all-invalid row, topk_length) runs BF16 attention on
-  the XLA path, under impl="auto" too (the kernels read FP8 caches: "mosaic" refuses it)."""
+  the XLA path, and in interpret mode under impl="auto" on the bf16-cache kernel where one exists (heads on M,
+  H > 16; "mosaic" refuses H <= 16)."""
   case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=page, num_pages=max(4, 1024 // page),
                    with_topk_length=tl, kv_scale=0.5)
   case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
-  out, lse = _run(case, "auto", interpret=True)
-  assert _dispatch.last_impl("sparse_mla_decode") == "xla"
   ref_out, ref_lse = _ref(case)
-  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 cache out")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 cache lse")
-  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
-  assert not np.isnan(np.asarray(out, np.float32)).any()
-  with pytest.raises(NotImplementedError, match="float8_e4m3fn caches"):
-    _run(case, "mosaic", interpret=True)
+  for impl, want in (("xla", "xla"), ("auto", "xla" if H <= sd.HEADS_ON_N_MAX else "mosaic-interpret")):
+    out, lse = _run(case, impl, interpret=True)
+    assert _dispatch.last_impl("sparse_mla_decode") == want
+    testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what=f"bf16 cache out, {want}")
+    testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 cache lse")
+    assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+  if H <= sd.HEADS_ON_N_MAX:
+    with pytest.raises(NotImplementedError, match="bfloat16-cache kernel for sm90 with H > 16"):
+      _run(case, "mosaic", interpret=True)
   # prefill: the same computation with B = T tokens, s_q = 1
   q_t, idx_t = case.q.reshape(-1, H, 576), case.indices.reshape(-1, topk)
   tl_t = None if case.topk_length is None else jnp.repeat(case.topk_length, s_q)
@@ -409,6 +412,58 @@ def test_fused_q_lowers_for_sm90(b, s_q, h, topk, schedule):
   assert len(re.findall(cvt, kernel)) - len(re.findall(cvt, base_kernel)) == (5 + 4) * 16
   tma = r"cp\.async\.bulk\.tensor"
   assert len(re.findall(tma, base_kernel)) - len(re.findall(tma, kernel)) == 5     # Q's five boxes
+
+
+@pytest.mark.parametrize("H,s_q,topk,tl", [(32, 2, 77, False), (64, 1, 200, True), (128, 2, 130, False)])
+def test_bf16_cache_kernel_interpret(rng, H, s_q, topk, tl):
+  """The heads-on-M kernel over a bfloat16 cache (BF16 attention: bf16 wgmmas, P in bf16, V read from the K tile)
+  against the reference within testing.BF16_ATTENTION_REL_L2 (races checked): NaN in unused rows, invalid and
+  out-of-range ids, a duplicate, an all-invalid row, a partial last tile, topk_length, and several splits
+  (topk 200: 4 tiles -> the plan splits); bitwise deterministic."""
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
+                   with_topk_length=tl)
+  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
+  testing.reset_interpreter()
+  out, lse = _run(case, "mosaic", interpret=RACES)
+  assert not testing.races_found()
+  ref_out, ref_lse = _ref(case)
+  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 kernel out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 kernel lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+  again, _ = _run(case, "mosaic", interpret=True)
+  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
+
+
+@pytest.mark.parametrize("b,s_q,h,topk,splits", [(128, 2, 128, 2048, 2), (8, 2, 64, 2051, 7), (4, 1, 32, 500, 2)])
+def test_bf16_cache_kernel_lowers_for_sm90(b, s_q, h, topk, splits):
+  """The bf16-cache kernel at sm_90a: QKᵀ as nine bf16 m64n64k16 x 4 wgmmas per tile, P·V as 4 blocks x 4, all in
+  the one code path both consumers share; the loader's 4 x 9 16-byte cp.async per thread (1152-byte rows);
+  splits of at most BF16_MAX_SPLIT_TILES tiles (SMEM: bf16 Q and two K tiles)."""
+  S = jax.ShapeDtypeStruct
+  cfg = sd._config(h, b * s_q, topk, "sm90", (), "bfloat16")
+  assert cfg.num_splits == splits and cfg.kernel.tiles_per_split <= sd.BF16_MAX_SPLIT_TILES
+  assert cfg.kernel.schedule == "twin" and cfg.kernel.bf16
+  fn = functools.partial(sd._sparse_decode_jit, softmax_scale=0.1, impl="mosaic", interpret=False, arch="sm90")
+  low = testing.lower_for_cuda(lambda q, kv, i, sc: fn(q, kv, i, sc, None), S((b, s_q, h, 576), jnp.bfloat16),
+                               S((4096 * 8, 576), jnp.bfloat16), S((b, s_q, topk), jnp.int32), S((), jnp.float32))
+  assert len(low.mosaic) == 1                                   # no pre-pass kernel: q goes in as it is
+  kernel = low.mosaic[0]
+  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16") == 9 * 4 + 4 * 4
+  assert low.count(r"e4m3") == 0
+  assert kernel.count("cp.async.cg.shared.global") == 4 * 9
+
+
+def test_bf16_cache_configs():
+  """A bfloat16 cache: heads on M only ("twin", no fused Q, splits <= BF16_MAX_SPLIT_TILES), auto never picks the
+  kernel on hardware until it is validated there (validated_on)."""
+  with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
+    sd.default_config(16, 8, 2048, "sm90", "bfloat16")
+  with pytest.raises(ValueError, match="twin"):
+    sd._config(128, 256, 2048, "sm90", (("schedule", "handoff_vt"),), "bfloat16")
+  with pytest.raises(ValueError, match="SMEM"):
+    sd._config(128, 256, 2048, "sm90", (("tiles_per_split", 32),), "bfloat16")
+  assert sd.validated_on(jnp.bfloat16) == () and sd.validated_on(FP8) == ("sm90",)
+  assert all(not dict(t).get("schedule") for t in sd.sweep_configs(128, 256, 2048, "sm90", "bfloat16").values())
 
 
 def test_argument_errors(rng):

@@ -122,3 +122,25 @@ def test_fused_q(rng, H, s_q, schedule):
   out = run_kernel(case, interpret=False, tuning=tuning)
   for a, b in zip(out, base):
     assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), pytest.param(32, 4, marks=pytest.mark.slow)])
+def test_bf16_cache_kernel(rng, H, s_q):
+  """The heads-on-M kernel over a bfloat16 cache (BF16 attention; not yet validated, so impl="mosaic") against the
+  reference within testing.BF16_ATTENTION_REL_L2 (P and the outputs in bf16, f32 accumulation): top-k 2051 (a
+  partial last tile, several 16-tile splits), NaN rows, invalid ids, an all-invalid row; bitwise deterministic."""
+  import dataclasses
+
+  import mla_pallas
+  case = make_case(rng, B=3, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64, kv_scale=0.5)
+  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
+  kw = dict(softmax_scale=case.softmax_scale, kv_scale=case.kv_scale, impl="mosaic")
+  out, lse = mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, **kw)
+  assert mla_pallas.last_impl("sparse_mla_decode") == "mosaic"
+  ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
+                                                 kv_scale=case.kv_scale)
+  testing.assert_close_fp8(out, ref_out, rel_l2=testing.BF16_ATTENTION_REL_L2, min_cos=0.9999, what="bf16 kernel")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-3, what="bf16 kernel lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+  again, _ = mla_pallas.sparse_mla_decode(case.q, case.kv, case.indices, **kw)
+  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))

@@ -212,34 +212,84 @@ def scale_columns(accs, values):
   return tuple(a * lax.broadcast_in_dim(values, a.shape, [1]) for a in accs)
 
 
-def chunk_col(c: int) -> int:
-  """First cache column of K-tile chunk ``c`` (chunks 0-3: columns 128 c; chunk 4: the tail from 448)."""
-  return c * SW_CHUNK if c < SW_CHUNKS - 1 else SW_TAIL_COL
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+  """How the cache rows of one dtype sit in a gathered K tile (and Q in its tile): ``chunks`` column chunks of 128
+  bytes, [chunks, 64, chunk_cols] of ``dtype`` with the 128-byte swizzle (wgmma-ready), chunk c holding cache
+  columns ``cols[c]`` to ``cols[c] + chunk_cols``. float8_e4m3fn (:data:`FP8_TILES`): 5 chunks of 128 columns,
+  the last one the tail 448-575 (Q as latent | 64 zeros | rope, 640 columns, so latent 448-511 counts once);
+  bfloat16 (:data:`BF16_TILES`): 9 chunks of 64 columns, Q as it is (576)."""
+  dtype_name: str
+  cols: tuple[int, ...]
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.dtype_name)
+
+  @property
+  def chunks(self) -> int:
+    return len(self.cols)
+
+  @property
+  def chunk_cols(self) -> int:
+    return SW_CHUNK // self.dtype.itemsize
+
+  @property
+  def q_cols(self) -> int:
+    """Columns of a Q row in the kernel's layout (fp8: 640 with the zero block; bf16: 576)."""
+    return self.chunks * self.chunk_cols
+
+  @property
+  def tile_bytes(self) -> int:
+    return self.chunks * TILE * SW_CHUNK
 
 
-def q_scratch(rows: int):
-  """Q as five 128-column chunks [5, rows, 128] fp8 (latent | 0 | rope), 128-byte swizzled: wgmma-ready."""
-  return plgpu.SMEM((SW_CHUNKS, rows, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
+FP8_TILES = TileLayout("float8_e4m3fn", (0, 128, 256, 384, SW_TAIL_COL))
+BF16_TILES = TileLayout("bfloat16", tuple(range(0, D_QK, 64)))
 
 
-def k_scratch(k_buffers: int):
-  """The gathered K tiles [k_buffers, 5, 64, 128] fp8, 128-byte swizzled (wgmma operands; see :func:`gather_tiles`)."""
-  return plgpu.SMEM((k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8, transforms=swizzled(FP8, SW_CHUNK))
+def tile_layout(dtype) -> TileLayout:
+  """The :class:`TileLayout` of a cache dtype (float8_e4m3fn or bfloat16)."""
+  name = jnp.dtype(dtype).name
+  for lay in (FP8_TILES, BF16_TILES):
+    if lay.dtype_name == name:
+      return lay
+  raise ValueError(f"no K-tile layout for cache dtype {name}; expected float8_e4m3fn or bfloat16")
 
 
-def k_full_arrivals(interpret: bool) -> int:
+def chunk_col(c: int, layout: TileLayout = FP8_TILES) -> int:
+  """First cache column of K-tile chunk ``c`` (fp8: chunks 0-3 columns 128 c, chunk 4 the tail from 448)."""
+  return layout.cols[c]
+
+
+def q_scratch(rows: int, layout: TileLayout = FP8_TILES):
+  """Q as the layout's chunks [chunks, rows, chunk_cols] (fp8: five 128-column chunks of latent | 0 | rope),
+  128-byte swizzled: wgmma-ready."""
+  return plgpu.SMEM((layout.chunks, rows, layout.chunk_cols), layout.dtype,
+                    transforms=swizzled(layout.dtype, SW_CHUNK))
+
+
+def k_scratch(k_buffers: int, layout: TileLayout = FP8_TILES):
+  """The gathered K tiles [k_buffers, chunks, 64, chunk_cols] (fp8: [k_buffers, 5, 64, 128]), 128-byte swizzled
+  (wgmma operands; see :func:`gather_tiles`)."""
+  return plgpu.SMEM((k_buffers, layout.chunks, TILE, layout.chunk_cols), layout.dtype,
+                    transforms=swizzled(layout.dtype, SW_CHUNK))
+
+
+def k_full_arrivals(interpret: bool, layout: TileLayout = FP8_TILES) -> int:
   """Arrivals per tile on ``k_full`` for :func:`gather_tiles`: one of the loader warpgroup on hardware, one per
   row copy in interpret mode."""
-  return SW_CHUNKS * TILE if interpret else 1
+  return layout.chunks * TILE if interpret else 1
 
 
 def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int, k_buffers: int,
-                 interpret: bool, before_gather=lambda t: None):
+                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
   (``k_empty``), the rows ``idx_smem[t]`` of ``kv_gmem`` [num_slots, 576] land in the 128-byte-swizzled K tile
   (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575) and ``k_full`` is signalled. An id outside
   [0, num_slots) is an invalid key: its row is zero-filled and nothing outside the cache is read.
-  ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather.
+  ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather. ``layout``: the
+  cache dtype's :class:`TileLayout` (the chunks above are fp8's; bf16 rows land in nine 64-column chunks).
 
   On hardware the loader warpgroup's 128 threads gather each tile with 16-byte ``cp.async`` loads
   (``kernels/gather_threads.py``: 20 per thread and tile, one group per tile) and keep ``k_buffers - 2`` tiles in
@@ -268,7 +318,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
     lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
 
     def gather_by_threads(t, kb):
-      gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots)
+      gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots, layout=layout)
       gather_threads.wait_tiles(lag)
 
       @pl.when(t >= lag)
@@ -282,8 +332,8 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
     def gather_rows(t, kb):
       def issue_row(r):
         row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
-        for c in range(SW_CHUNKS):
-          src = row.at[:, pl.ds(chunk_col(c), SW_CHUNK)]
+        for c in range(layout.chunks):
+          src = row.at[:, pl.ds(chunk_col(c, layout), layout.chunk_cols)]
           plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
       for_rows_per_warp(TILE, issue_row)
     tiles(gather_rows)

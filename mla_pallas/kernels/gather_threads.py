@@ -45,10 +45,12 @@ CP_ASYNC_PER_THREAD = PASSES * common.SW_CHUNKS  # 20
 CP_ASYNC = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
 
 
-def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
-  """Inside an ``inline_mgpu`` body: this thread's 20 ``cp.async`` of tile ``t`` (i32 value) from ``kv`` (GMEM
-  memref [num_slots, 576] fp8) into ``k_tile`` (SMEM memref of one [5, 64, 128] swizzled K tile), row ids from
-  ``idx`` (SMEM memref [n_tiles, 64] int32), committed as one group (module docstring)."""
+def issue_tile(kv, k_tile, idx, t, num_slots: int, layout: common.TileLayout = common.FP8_TILES) -> None:
+  """Inside an ``inline_mgpu`` body: this thread's ``4 · layout.chunks`` ``cp.async`` (fp8: 20) of tile ``t`` (i32
+  value) from ``kv`` (GMEM memref [num_slots, 576] of the layout's dtype) into ``k_tile`` (SMEM memref of one
+  [chunks, 64, chunk_cols] swizzled K tile; fp8 [5, 64, 128]), row ids from ``idx`` (SMEM memref [n_tiles, 64]
+  int32), committed as one group (module docstring; a bf16 row is 1152 bytes in nine chunks)."""
+  item = layout.dtype.itemsize
   i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
   tid, _, _ = thread_in_warpgroup()
   j = arith.remui(tid, c32(UNITS_PER_CHUNK))
@@ -67,24 +69,25 @@ def issue_tile(kv, k_tile, idx, t, num_slots: int) -> None:
                        arith.cmpi(arith.CmpIPredicate.slt, rid, c32(num_slots)))
     row = arith.select(valid, rid, c32(0))
     size = arith.select(valid, c32(UNIT), c32(0))
-    src_row = arith.addi(arith.addi(kv_base, arith.muli(wide(row), c64(common.D_QK))), wide(unit_col))
+    src_row = arith.addi(arith.addi(kv_base, arith.muli(wide(row), c64(common.D_QK * item))), wide(unit_col))
     dst_row = arith.addi(arith.addi(k_base, arith.muli(r, c32(common.SW_CHUNK))), swz)
-    for c in range(common.SW_CHUNKS):
-      src = arith.addi(src_row, c64(common.chunk_col(c)))
+    for c in range(layout.chunks):
+      src = arith.addi(src_row, c64(common.chunk_col(c, layout) * item))
       dst = arith.addi(dst_row, c32(c * CHUNK_BYTES))
       asm(ir.Type.parse("!llvm.void"), [dst, src, size], CP_ASYNC, "r,l,r", side_effects=True)
   asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", side_effects=True)
 
 
-def gather_tile(kv_gmem, k_tile_ref, idx_smem, t, *, num_slots: int) -> None:
+def gather_tile(kv_gmem, k_tile_ref, idx_smem, t, *, num_slots: int,
+                layout: common.TileLayout = common.FP8_TILES) -> None:
   """Pallas level: the loader warpgroup issues the gather of tile ``t`` (rows ``idx_smem[t]``) of ``kv_gmem``
-  [num_slots, 576] fp8 into ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled), one ``cp.async`` group per
-  thread; :func:`wait_tiles` waits for it."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
+  [num_slots, 576] into ``k_tile_ref`` ([chunks, 64, chunk_cols] of the layout's dtype, 128-byte swizzled; fp8
+  [5, 64, 128]), one ``cp.async`` group per thread; :func:`wait_tiles` waits for it."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(layout.dtype, common.SW_CHUNK)),
                                 plgpu.RefType(), SCALAR_LAYOUT))
   def f(ctx, kv, k_tile, idx, t_arr):
     del ctx
-    issue_tile(kv, k_tile, idx, scalar_value(t_arr), num_slots)
+    issue_tile(kv, k_tile, idx, scalar_value(t_arr), num_slots, layout)
   f(kv_gmem, k_tile_ref, idx_smem, scalar_array(t))
 
 

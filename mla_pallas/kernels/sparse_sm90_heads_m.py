@@ -61,6 +61,17 @@ registers (WGMMA layout, 4- or 8-byte loads), takes the row maxima over all 576 
 share of Q's five fp8 boxes (consumer 0 boxes 0, 1, 4; consumer 1 boxes 2, 3; ``FUSED_Q_BOXES``) and arrives on
 ``q_bar`` (two arrivals instead of the five TMAs), all in the arithmetic of ``kernels/q_quant.py``, so the bytes
 and scales are those of the pre-pass. The loader issues no Q TMA and starts gathering at once. Same SMEM.
+
+BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only; not yet run on a GPU)
+--------------------------------------------------------------------------------------
+BF16 attention over a bfloat16 cache ([num_slots, 576] bf16, 1152 bytes per row): q stays bf16 ([num_q_tiles, 64,
+576], Q as nine 64-column chunks, 128-byte swizzled; ``qs`` = softmax_scale · kv_scale · log2 e for every row),
+the loader gathers each row's nine 128-byte chunks (``common.BF16_TILES``: 36 16-byte ``cp.async`` per thread and
+tile), S = Q·Kᵀ is nine bf16 wgmmas (K = 64 each), P is rounded to bf16, and V is the K tile itself: each consumer
+multiplies P with its four 64-column latent chunks (4 wgmmas of N = 64 into four [64, 64] f32 accumulators; a
+16-bit wgmma takes the MN-major B, so there is no V copy) and releases the K buffer after its P·V. SMEM: Q 73 728 +
+K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, barriers, reduction scratch = 228 864 bytes.
+
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
@@ -94,8 +105,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common, q_quant, vt_registers
-from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_CHUNK, SW_CHUNKS, TILE,
-                                       swizzled)
+from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
@@ -114,16 +124,31 @@ class TuningConfig(common.SparseSm90Config):
   indices) fits both schedules."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
+  CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
   fused_q: bool = False    # the consumers quantize Q (module docstring, "Fused Q"); the op: H a multiple of 64
+  cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
     if not isinstance(self.fused_q, bool):
       raise ValueError(f"TuningConfig.fused_q must be a bool; got {self.fused_q!r}")
+    if self.cache_dtype not in self.CACHE_DTYPES:
+      raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
+    if self.bf16 and (self.schedule != "twin" or self.fused_q):
+      raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin' without fused_q; got {self}")
     super().validate()
+
+  @property
+  def bf16(self) -> bool:
+    """BF16 attention over a bfloat16 cache (no Q quantization, bf16 wgmmas, V read from the K tile)."""
+    return self.cache_dtype == "bfloat16"
+
+  @property
+  def layout(self) -> common.TileLayout:
+    return common.tile_layout(self.cache_dtype)
 
   @property
   def hand_off(self) -> bool:
@@ -131,12 +156,13 @@ class TuningConfig(common.SparseSm90Config):
     return self.schedule != "twin"
 
   def smem_budget(self) -> int:
-    v_tile = (((TILE, D_V), jnp.float16),) if not self.hand_off else ()
+    lay = self.layout
+    v_tile = (((TILE, D_V), jnp.float16),) if not self.hand_off and not self.bf16 else ()
     hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
         if self.hand_off else ()
     return common.smem_bytes(
-        ((SW_CHUNKS, TILE, SW_CHUNK), FP8),                     # Q (latent | 0 | rope)
-        ((self.k_buffers, SW_CHUNKS, TILE, SW_CHUNK), FP8),     # K, gathered straight into the swizzled layout
+        ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
+        ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
         *v_tile,                                                # V f16
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
@@ -149,13 +175,15 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, fused_q: bool, t
   """WG2: Q (unless the consumers quantize it, ``fused_q``) and the split's indices, then the gathers of every
   tile (``common.gather_tiles``)."""
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
-  for c in range(SW_CHUNKS if not fused_q else 0):
-    plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * SW_CHUNK, SW_CHUNK)], r.q_sw.at[c], r.q_bar)
+  lay = cfg.layout
+  for c in range(lay.chunks if not fused_q else 0):
+    plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
+                            r.q_bar)
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay)
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
@@ -163,10 +191,11 @@ COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [64]: one value per key
 
 
 def _qk_and_upcast(k_tiles, stage_v, r: common.SparseRefs):
-  """S = Q·Kᵀ of one tile (five fp8 wgmmas, K chunks of 128); ``stage_v()`` (the f16 upcast of V chunks, or None)
-  is issued under the asynchronous wgmmas and committed. Returns S [64, 64] f32 (WGMMA layout)."""
+  """S = Q·Kᵀ of one tile (one wgmma per chunk: five fp8 of K = 128, or nine bf16 of K = 64); ``stage_v()`` (the
+  f16 upcast of V chunks, or None) is issued under the asynchronous wgmmas and committed. Returns S [64, 64] f32
+  (WGMMA layout)."""
   def qk(acc_ref):
-    for c in range(SW_CHUNKS):
+    for c in range(r.q_sw.shape[0]):
       plgpu.wgmma(acc_ref, r.q_sw.at[c], k_tiles.at[c].T)
     if stage_v is not None:
       stage_v()
@@ -259,6 +288,8 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, sof
   """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
   output columns."""
   row_scale, kv_scale = _softmax_prologue(wg, softmax_scale, tile_q, r)
+  if cfg.bf16:
+    return _consumer_bf16(cfg, num_slots, out_dtype, interpret, row_scale, kv_scale, wg, tile_q, split, r)
 
   def step(t, carry):
     acc, m, l = carry
@@ -278,6 +309,45 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, sof
 
   acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
   _store_half(acc, kv_scale / jnp.where(l == 0.0, 1.0, l), wg, out_dtype, tile_q, split, r)
+  common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+
+
+BF16_V_BLOCKS = 4   # bf16 cache: P·V per consumer as 4 wgmmas of N = 64 (its 4 chunks of the K tile's latent)
+
+
+def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, row_scale, kv_scale, wg, tile_q,
+                   split, r: common.SparseRefs):
+  """schedule "twin" over a bfloat16 cache, WG0 / WG1: S = Q·Kᵀ (nine bf16 wgmmas), online softmax, P (bf16) ·
+  V into output columns 256 wg ... 256 wg + 255, V being chunks 4 wg ... 4 wg + 3 of the K tile itself (a 16-bit
+  wgmma takes the MN-major B, so no copy), four m64n64 accumulators; the K buffer is released after the P·V."""
+  def step(t, carry):
+    accs, m, l = carry
+    kb = lax.rem(t, cfg.k_buffers)
+    k_tiles = r.k_sw.at[kb]
+    plgpu.barrier_wait(r.k_full.at[kb])
+    s = _qk_and_upcast(k_tiles, None, r)
+    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
+    p_op = p.astype(jnp.bfloat16)
+    if interpret:     # the interpreter has no wgmma with A in registers: P goes through SMEM there
+      r.p_sw.at[wg][...] = p_op
+      plgpu.commit_smem()
+      p_op = r.p_sw.at[wg]
+
+    def pv(acc_refs):
+      for g, a in enumerate(acc_refs):
+        plgpu.wgmma(a, p_op, k_tiles.at[BF16_V_BLOCKS * wg + g])
+    accs = common.accumulate(pv, accs, interpret)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    return accs, m_new, l
+
+  zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
+  _, m0, l0 = _zero_state()
+  accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, ((zero,) * BF16_V_BLOCKS, m0, l0))
+  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
+  for g, a in enumerate(accs):
+    out = a * lax.broadcast_in_dim(inv, a.shape, [0])
+    r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256 + g * TILE, TILE)][...] = out.astype(out_dtype)
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
@@ -420,8 +490,9 @@ def _pv_vt_consumer(cfg: TuningConfig, softmax_scale, tile_q, split, r: common.S
 
 
 def _has_v_tile(cfg: TuningConfig, interpret: bool) -> bool:
-  """The f16 V tile exists unless the schedule reads Vᵀ into registers (interpret mode always upcasts)."""
-  return not cfg.hand_off or interpret
+  """The f16 V tile exists unless the schedule reads Vᵀ into registers (interpret mode always upcasts) or the
+  cache is bf16 (V is the K tile itself)."""
+  return (not cfg.hand_off or interpret) and not cfg.bf16
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, softmax_scale, *refs):
@@ -486,7 +557,8 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if _has_v_tile(cfg, interp) else []
-  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
+  p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
+  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if (interp or hand_off) else []
   head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
@@ -498,16 +570,16 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
-          common.q_scratch(TILE),                                                          # Q
-          common.k_scratch(cfg.k_buffers),                                                 # K
+          common.q_scratch(TILE, cfg.layout),                                              # Q
+          common.k_scratch(cfg.k_buffers, cfg.layout),                                     # K
           *v_scratch,                                                                      # V f16
           *p_scratch,                                                                      # P slots
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           *head_scratch,                                                                   # alpha, 1/l
-          plgpu.Barrier(num_arrivals=2 if cfg.fused_q else SW_CHUNKS),                     # q_bar
+          plgpu.Barrier(num_arrivals=2 if cfg.fused_q else cfg.layout.chunks),             # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           *hand_off_barriers,

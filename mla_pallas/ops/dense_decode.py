@@ -229,7 +229,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   causal = bool(causal)
   num_slots = kv_cache.shape[0] * kv_cache.shape[1]
   used = _dispatch.choose(OP, impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, num_slots, interpret, kv_cache.dtype))
+                          supported=_kernel_supported(q.shape, num_slots, interpret, kv_cache.dtype),
+                          validated_on=_sparse.validated_on(kv_cache.dtype))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
   if used == "mosaic":
     num_pages, page_size, _ = kv_cache.shape

@@ -40,8 +40,15 @@ KERNEL_HEADS = (8, 16, 32, 64, 128)
 CACHE_DTYPES = (FP8, jnp.bfloat16)    # bfloat16: BF16 attention (q and P in bf16), XLA path only
 KERNEL_ARCHS = ("sm90", "sm100")
 # Families on which the kernel ran and matched the reference on real hardware: impl="auto" picks the kernel
-# natively only there. sm100: lowered and interpreted only (no Blackwell GPU has run it).
+# natively only there. sm100: lowered and interpreted only (no Blackwell GPU has run it). The bf16-cache kernel
+# (heads on M, sm_90): interpreted and lowered, not yet run on a GPU.
 VALIDATED_ON = ("sm90",)
+BF16_VALIDATED_ON: tuple[str, ...] = ()
+
+
+def validated_on(cache_dtype) -> tuple[str, ...]:
+  """The kernel families validated on hardware for a cache dtype (``_dispatch.choose``'s ``validated_on``)."""
+  return VALIDATED_ON if jnp.dtype(cache_dtype) == FP8 else BF16_VALIDATED_ON
 
 
 def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
@@ -119,9 +126,6 @@ MAX_KERNEL_SLOTS = (2 ** 31 - 1) // 9 - 2    # the kernel addresses 64-byte chun
 def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8):
   def check():
     _, s_q, h, _ = q_shape
-    if cache_dtype != FP8:
-      raise NotImplementedError(f"sparse_mla_decode kernels read float8_e4m3fn caches; a {jnp.dtype(cache_dtype).name} "
-                                "cache runs on the XLA path")
     if num_slots is not None and num_slots > MAX_KERNEL_SLOTS:
       raise NotImplementedError(f"sparse_mla_decode kernel supports caches of up to {MAX_KERNEL_SLOTS} slots; "
                                 f"got {num_slots}")
@@ -131,6 +135,9 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
                                 f"needs a {arch} kernel, which does not exist")
     if h not in KERNEL_HEADS:
       raise NotImplementedError(f"sparse_mla_decode kernel supports H in {KERNEL_HEADS}; got H={h}")
+    if jnp.dtype(cache_dtype) != FP8 and (arch != "sm90" or h <= HEADS_ON_N_MAX):
+      raise NotImplementedError(f"sparse_mla_decode has a bfloat16-cache kernel for sm90 with H > {HEADS_ON_N_MAX} "
+                                f"(heads on M) only; H={h} on {arch} runs on the XLA path")
   return check
 
 
@@ -140,6 +147,7 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
 HEADS_ON_N_MAX = 16     # sm_90: kernels/sparse_sm90_heads_n.py up to this many heads, sparse_sm90_heads_m.py above
 MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index SMEM; longer splits not measured)
 HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
+BF16_MAX_SPLIT_TILES = 16   # bf16 cache: bf16 Q (72 KB) and two bf16 K tiles (144 KB) leave room for 4 KB of indices
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys
 CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
@@ -212,16 +220,24 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
   return splits, -(-k_tiles // splits)
 
 
-def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90") -> KernelConfig:
+def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
+                   cache_dtype: str = "float8_e4m3fn") -> KernelConfig:
   """The kernel, its config and the split plan for H heads, ``batch_tokens`` = B · s_q query tokens and a top-k
   of ``topk`` keys on kernel family ``arch`` ("sm90" | "sm100"), for this device's SM count
   (:func:`mla_pallas._dispatch.num_sms`). Rules: sm_90 puts H <= HEADS_ON_N_MAX heads on the MMAs' N side
   (sparse_sm90_heads_n, 4 K buffers), more on the 64 MMA rows (sparse_sm90_heads_m, 2 K buffers); the top-k is
-  split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys."""
+  split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys. A bfloat16
+  ``cache_dtype`` (heads on M only): "twin" on splits of at most BF16_MAX_SPLIT_TILES (SMEM: bf16 Q and K tiles)."""
   design = _design(h, arch)
+  bf16 = jnp.dtype(cache_dtype) != FP8
+  if bf16 and design != "sm90_heads_m":
+    raise NotImplementedError(f"no bfloat16-cache kernel for the {design} design (H={h}, {arch})")
   splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
-                      _max_split_tiles(design))
-  tuning = _heads_m_tuning(tps) if design == "sm90_heads_m" else {}
+                      BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design))
+  if bf16:
+    tuning = dict(cache_dtype="bfloat16")
+  else:
+    tuning = _heads_m_tuning(tps) if design == "sm90_heads_m" else {}
   return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps, **tuning))
 
 
@@ -236,10 +252,11 @@ def _heads_m_tuning(tiles_per_split: int) -> dict:
   return {}
 
 
-def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> KernelConfig:
+def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=(),
+            cache_dtype: str = "float8_e4m3fn") -> KernelConfig:
   """:func:`default_config` with ``tuning`` ((field, value) pairs of the kernel's TuningConfig) applied; a
   ``tiles_per_split`` override re-plans the number of splits."""
-  cfg = default_config(h, batch_tokens, topk, arch)
+  cfg = default_config(h, batch_tokens, topk, arch, cache_dtype)
   kw = dict(tuning)
   if not kw:
     return cfg
@@ -254,13 +271,13 @@ def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=()) -> Kerne
   return KernelConfig(cfg.design, splits, kernel)
 
 
-def sweep_configs(h: int, batch_tokens: int, topk: int,
-                  arch: str = "sm90") -> dict[str, tuple[tuple[str, object], ...]]:
+def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
+                  cache_dtype: str = "float8_e4m3fn") -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled tuning overrides for benchmark sweeps (each a valid ``tuning=`` of :func:`_sparse_decode_jit`),
   first ``"default": ()``: the other K-buffer counts (sm_90) or gather ring depths (sm_100), the heads-on-M
   design's other schedules (``schedule``), and split lengths of 8-128 tiles where they differ
   from the default plan."""
-  cfg = default_config(h, batch_tokens, topk, arch)
+  cfg = default_config(h, batch_tokens, topk, arch, cache_dtype)
   out = {"default": ()}
   field = "stages" if cfg.design == "sm100" else "k_buffers"
   current = getattr(cfg.kernel, field)
@@ -278,8 +295,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int,
   seen = {cfg}
   for tuning in candidates:
     try:
-      cand = _config(h, batch_tokens, topk, arch, tuning)
-    except ValueError:      # not a valid config of this design (K_BUFFERS, SMEM)
+      cand = _config(h, batch_tokens, topk, arch, tuning, cache_dtype)
+    except ValueError:      # not a valid config of this design (K_BUFFERS, SMEM, the bf16 cache's schedule)
       continue
     if cand not in seen:    # (e.g. "schedule=<the default>, k_buffers=3" is "k_buffers=3")
       seen.add(cand)
@@ -293,7 +310,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
   n_tok = b * s_q
-  cfg = _config(h, n_tok, topk, arch, tuning)
+  cfg = _config(h, n_tok, topk, arch, tuning, jnp.dtype(kv_flat.dtype).name)
   heads_on_n = cfg.design == "sm90_heads_n"
   tiles_per_token = _tiles_per_token(h, cfg.design)
   splits, tps = cfg.num_splits, cfg.kernel.tiles_per_split
@@ -350,6 +367,13 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
   reads q once (the same bytes and scales as the XLA ops below; P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027,
   C0 43.2 / 43.5: docs/kernels/sparse_decode_sm90.md); otherwise fused XLA ops."""
   n_tok, h, _ = q.shape
+  if getattr(cfg.kernel, "bf16", False):   # bf16 cache: q in bf16 as it is, one logit scale for every row
+    q16 = q.astype(jnp.bfloat16)
+    if h < TILE:
+      q16 = jnp.pad(q16, ((0, 0), (0, TILE - h), (0, 0)))
+    tiles = n_tok * tiles_per_token
+    scale = jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32) * jnp.float32(LOG2E)
+    return q16.reshape(tiles, TILE, D_QK), jnp.full((tiles, TILE), scale, jnp.float32)
   if cfg.design == "sm90_heads_m" and h % TILE == 0:
     from mla_pallas.kernels import q_quant
     return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
@@ -425,7 +449,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
                           supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret, kv_flat.dtype),
-                          validated_on=VALIDATED_ON)
+                          validated_on=validated_on(kv_flat.dtype))
   arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch)
