@@ -89,7 +89,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
     "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
-    1 024 = 152 064; with k_buffers = 3: 193 024
+    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
+    bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader.
 """
 from __future__ import annotations
