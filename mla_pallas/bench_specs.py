@@ -187,7 +187,8 @@ def _sparse_tuned(prefill: bool):
 def _sparse_sweep(prefill: bool):
   def args(s):
     tokens = s["T"] if prefill else s["B"] * s["s_q"]
-    return dict(h=s["H"], batch_tokens=tokens, topk=s["topk"], arch=_sparse_arch(False))
+    return dict(h=s["H"], batch_tokens=tokens, topk=s["topk"], arch=_sparse_arch(False),
+                cache_dtype=jnp.dtype(_cache_dtype(s)).name)
   return _sweep("sparse_decode", args)
 
 

@@ -161,6 +161,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
   b.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
   b.add_argument("--sweep", action="store_true",
                  help="run the kernel once per candidate of the op's sweep_configs (rows mosaic:<candidate>)")
+  b.add_argument("--sweep-only", default=None, metavar="TEXT[,TEXT...]",
+                 help="with --sweep: only the default and the candidates whose label contains one of these "
+                      "comma-separated texts (e.g. fused_q,tiles_per_split=64)")
   _cache_flag(b)
 
   d = sub.add_parser("demo", help="run one FP8 MLA layer (prefill + decode steps) and the kernels, checked "
@@ -219,6 +222,14 @@ def _cmd_bench(args, parser, argv) -> int:
     if args.warmup is not None and args.warmup < 0:
       raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
     cands = bench.sweep_candidates(args.op, shape) if args.sweep else None
+    if args.sweep_only is not None:
+      if cands is None:
+        raise ValueError("--sweep-only needs --sweep")
+      wanted = [w.strip() for w in args.sweep_only.split(",") if w.strip()]
+      cands = {k: v for k, v in cands.items() if k == "default" or any(w in k for w in wanted)}
+      if len(cands) == 1:
+        raise ValueError(f"--sweep-only {args.sweep_only!r} matches no candidate of {args.op} at this shape; "
+                         f"candidates: {', '.join(bench.sweep_candidates(args.op, shape))}")
   except ValueError as e:
     parser.error(str(e))   # exits with status 2
   results = bench.run_spec(spec, impls, shape, iters=args.iters, warmup=args.warmup, n_inputs=args.inputs,

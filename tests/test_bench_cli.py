@@ -429,6 +429,23 @@ def test_sweep_rows_pass_tuning_to_private_entry(monkeypatch, tmp_path, capsys):
   assert "mosaic:regs[interpret]" in out and "a_quant='registers'" in out
 
 
+def test_sweep_only_keeps_the_default_and_matching_candidates(monkeypatch, tmp_path, capsys):
+  from mla_pallas.ops import bmm_fp8
+  cands = {"default": (), "regs": (("a_quant", "registers"),), "smem": (("a_quant", "smem"),)}
+  monkeypatch.setattr(bmm_fp8, "sweep_configs", _fake_sweep([], "bmm_fp8", cands), raising=False)
+  base = ["bench", "quantize_and_bmm_fp8", "--impl", "mosaic", "--interpret", "--shape", "T=3,H=2,K=128,N=128",
+          "--iters", "1", "--inputs", "1", "--no-plot", "--out", tmp_path, "--no-progress", "--no-compile-cache"]
+  assert cli.main(base + ["--sweep", "--sweep-only", "regs"]) == 0
+  capsys.readouterr()
+  rows = [r["candidate"] for r in _one_json(tmp_path, "quantize_and_bmm_fp8")["results"]]
+  assert rows == ["default", "regs"]
+  for extra, message in ((["--sweep-only", "regs"], "needs --sweep"),
+                         (["--sweep", "--sweep-only", "nothing"], "matches no candidate")):
+    with pytest.raises(SystemExit) as e:
+      cli.main(base + extra)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_sweep_sparse_decode_xla_impl_and_unavailable_kernel(monkeypatch):
   # Sparse decode: sweep_configs gets h, batch_tokens = B * s_q, topk, arch; the candidate rows go through
   # _sparse_decode_jit with tuning=. Without interpret mode on a CPU they are "unavailable" (the plain mosaic
@@ -447,7 +464,8 @@ def test_sweep_sparse_decode_xla_impl_and_unavailable_kernel(monkeypatch):
   shape = bench.parse_shape("B=2,s_q=2,H=8,topk=32,page=16,ctx=64")
   results = bench.run("sparse_mla_decode", ("xla", "mosaic"), shape, sweep=True, iters=1, n_inputs=1,
                       progress=False, interpret=True)
-  assert calls == [("sweep_configs", "sparse_decode", dict(h=8, batch_tokens=4, topk=32, arch="sm90"))]
+  assert calls == [("sweep_configs", "sparse_decode", dict(h=8, batch_tokens=4, topk=32, arch="sm90",
+                                                          cache_dtype="float8_e4m3fn"))]
   assert [r.label for r in results] == ["xla", "mosaic:default[interpret]", "mosaic:k3[interpret]"]
   assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
   assert ("mosaic", (("k_buffers", 3),), "sm90") in seen
@@ -457,7 +475,8 @@ def test_sweep_sparse_decode_xla_impl_and_unavailable_kernel(monkeypatch):
   # prefill: batch_tokens = T
   bench.run("sparse_mla_prefill", ("mosaic",), {"T": 3, "H": 8, "topk": 32, "page": 16, "ctx": 64}, sweep=True,
             iters=1, n_inputs=1, progress=False, interpret=True, check=False)
-  assert calls[-1] == ("sweep_configs", "sparse_decode", dict(h=8, batch_tokens=3, topk=32, arch="sm90"))
+  assert calls[-1] == ("sweep_configs", "sparse_decode", dict(h=8, batch_tokens=3, topk=32, arch="sm90",
+                                                             cache_dtype="float8_e4m3fn"))
 
 
 def test_sweep_rope_ops_reach_their_entry_points(monkeypatch):
