@@ -72,8 +72,6 @@ def _no_gather(*args, **kwargs):
   del args, kwargs
 
 
-
-
 def _zero_s(k_tiles, stage_v, r):
   def body(acc_ref):
     if stage_v is not None:

@@ -234,15 +234,6 @@ class TileLayout:
   def chunk_cols(self) -> int:
     return SW_CHUNK // self.dtype.itemsize
 
-  @property
-  def q_cols(self) -> int:
-    """Columns of a Q row in the kernel's layout (fp8: 640 with the zero block; bf16: 576)."""
-    return self.chunks * self.chunk_cols
-
-  @property
-  def tile_bytes(self) -> int:
-    return self.chunks * TILE * SW_CHUNK
-
 
 FP8_TILES = TileLayout("float8_e4m3fn", (0, 128, 256, 384, SW_TAIL_COL))
 BF16_TILES = TileLayout("bfloat16", tuple(range(0, D_QK, 64)))
@@ -255,11 +246,6 @@ def tile_layout(dtype) -> TileLayout:
     if lay.dtype_name == name:
       return lay
   raise ValueError(f"no K-tile layout for cache dtype {name}; expected float8_e4m3fn or bfloat16")
-
-
-def chunk_col(c: int, layout: TileLayout = FP8_TILES) -> int:
-  """First cache column of K-tile chunk ``c`` (fp8: chunks 0-3 columns 128 c, chunk 4 the tail from 448)."""
-  return layout.cols[c]
 
 
 def q_scratch(rows: int, layout: TileLayout = FP8_TILES):
@@ -333,7 +319,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
       def issue_row(r):
         row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
         for c in range(layout.chunks):
-          src = row.at[:, pl.ds(chunk_col(c, layout), layout.chunk_cols)]
+          src = row.at[:, pl.ds(layout.cols[c], layout.chunk_cols)]
           plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
       for_rows_per_warp(TILE, issue_row)
     tiles(gather_rows)

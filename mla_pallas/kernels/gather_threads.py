@@ -72,7 +72,7 @@ def issue_tile(kv, k_tile, idx, t, num_slots: int, layout: common.TileLayout = c
     src_row = arith.addi(arith.addi(kv_base, arith.muli(wide(row), c64(common.D_QK * item))), wide(unit_col))
     dst_row = arith.addi(arith.addi(k_base, arith.muli(r, c32(common.SW_CHUNK))), swz)
     for c in range(layout.chunks):
-      src = arith.addi(src_row, c64(common.chunk_col(c, layout) * item))
+      src = arith.addi(src_row, c64(layout.cols[c] * item))
       dst = arith.addi(dst_row, c32(c * CHUNK_BYTES))
       asm(ir.Type.parse("!llvm.void"), [dst, src, size], CP_ASYNC, "r,l,r", side_effects=True)
   asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", side_effects=True)

@@ -284,6 +284,18 @@ def _hand_off_prologue(softmax_scale, tile_q, r: common.SparseRefs):
     _quantize_q(1, softmax_scale, tile_q, r)
 
 
+def _p_operand(p, dtype, wg, interpret: bool, r: common.SparseRefs):
+  """"twin": P as the A operand of consumer ``wg``'s P·V wgmmas, in ``dtype`` (f16, or bf16 over a bf16 cache):
+  registers on hardware; the interpreter has no wgmma with A in registers, so there P goes through its SMEM
+  slot ``p_sw[wg]``."""
+  p_op = p.astype(dtype)
+  if not interpret:
+    return p_op
+  r.p_sw.at[wg][...] = p_op
+  plgpu.commit_smem()
+  return r.p_sw.at[wg]
+
+
 def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, softmax_scale, wg, tile_q, split,
               r: common.SparseRefs):
   """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
@@ -301,12 +313,7 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, sof
     plgpu.barrier_arrive(r.k_empty.at[kb])
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p_op = p.astype(jnp.float16)
-    if interpret:     # the interpreter has no wgmma with A in registers: P goes through SMEM there
-      r.p_sw.at[wg][...] = p_op
-      plgpu.commit_smem()
-      p_op = r.p_sw.at[wg]
-    return _pv_half(acc, p_op, wg, interpret, r), m_new, l
+    return _pv_half(acc, _p_operand(p, jnp.float16, wg, interpret, r), wg, interpret, r), m_new, l
 
   acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
   _store_half(acc, kv_scale / jnp.where(l == 0.0, 1.0, l), wg, out_dtype, tile_q, split, r)
@@ -329,11 +336,7 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
     s = _qk_and_upcast(k_tiles, None, r)
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
-    p_op = p.astype(jnp.bfloat16)
-    if interpret:     # the interpreter has no wgmma with A in registers: P goes through SMEM there
-      r.p_sw.at[wg][...] = p_op
-      plgpu.commit_smem()
-      p_op = r.p_sw.at[wg]
+    p_op = _p_operand(p, jnp.bfloat16, wg, interpret, r)
 
     def pv(acc_refs):
       for g, a in enumerate(acc_refs):

@@ -16,7 +16,9 @@ where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
 * ``impl="xla"``: the same quantization of Q and P with FP8 ``einsum``s in XLA (cuBLASLt on a GPU), so both paths
   can be compared like for like.
 
-A bfloat16 cache (BF16 attention: q and P in bf16, f32 accumulation, no scales rounded) runs on the XLA path.
+A bfloat16 cache (BF16 attention: q and P in bf16, f32 accumulation, no scales rounded) runs on the XLA path
+or, at H > HEADS_ON_N_MAX on sm_90, on the heads-on-M kernel with ``cache_dtype="bfloat16"`` (``impl="mosaic"``;
+``"auto"`` does not pick it on hardware until it has been validated there, :data:`BF16_VALIDATED_ON`).
 
 Shapes (decode): q [B, s_q, H, 576] bf16/f32; kv_cache [num_pages, page_size, 576] or [num_slots, 576]
 float8_e4m3fn (or bfloat16); indices [B, s_q, topk] int32 flat slot ids (slot = page · page_size + offset; < 0 or ≥ num_slots
@@ -365,7 +367,8 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
   ...], H < 64 zero-padded); on sm_90 each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent
   448-511 in the 128-byte tail chunk). Heads on M with H a multiple of 64: kernels/q_quant.py, one launch that
   reads q once (the same bytes and scales as the XLA ops below; P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027,
-  C0 43.2 / 43.5: docs/kernels/sparse_decode_sm90.md); otherwise fused XLA ops."""
+  C0 43.2 / 43.5: docs/kernels/sparse_decode_sm90.md); otherwise fused XLA ops. A bfloat16 cache's kernel takes
+  q in bf16 as it is (64-row tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
   n_tok, h, _ = q.shape
   if getattr(cfg.kernel, "bf16", False):   # bf16 cache: q in bf16 as it is, one logit scale for every row
     q16 = q.astype(jnp.bfloat16)
@@ -429,7 +432,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
       sequence (MTP).
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn (or flat [num_slots, 576]); dequantized value = fp8 ·
       kv_scale; the value vector of a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q
-      and P in bf16, f32 accumulation; the XLA path: the kernels read FP8 caches, so "auto" picks XLA).
+      and P in bf16, f32 accumulation: the XLA path, or the bf16-cache kernel at H > 16 with impl="mosaic";
+      "auto" picks XLA on hardware until that kernel is validated, see the module docstring).
     indices: [B, s_q, topk] int32 flat slot ids (page · page_size + offset). Entries < 0 or ≥ num_slots are
       ignored (never read); duplicates count as often as they appear.
     softmax_scale: python float multiplying q·k (e.g. 1/sqrt(192) for DeepSeek-V3.2).
