@@ -145,8 +145,9 @@ def _full_shape(op: str, shape: dict) -> tuple:
   return spec, spec.shape({k: str(v) for k, v in shape.items()})
 
 
-def ptxas_report(name: str, op: str, shape: dict, out: str) -> dict:
-  """Compile the default kernel of one case with ptxas dumps on; returns {registers, spills, warnings}."""
+def ptxas_report(name: str, op: str, shape: dict, out: str, tuning=()) -> dict:
+  """Compile one case's kernel (the default, with ``tuning`` applied) with ptxas dumps on; returns {registers,
+  spills, warnings}."""
   spec, full = _full_shape(op, shape)
   folder = os.path.join(out, f"ptxas_{name}")
   os.makedirs(folder, exist_ok=True)
@@ -154,7 +155,7 @@ def ptxas_report(name: str, op: str, shape: dict, out: str) -> dict:
   with unittest.mock.patch.dict(os.environ, env):
     _fresh()
     inputs = spec.make_inputs(full, jax.random.key(0))
-    jax.block_until_ready(spec.tuned_op(full, (), False)(*inputs))
+    jax.block_until_ready(spec.tuned_op(full, tuning, False)(*inputs))
   text = "\n".join(open(f, errors="replace").read() for f in sorted(glob.glob(os.path.join(folder, "**", "*"),
                                                                               recursive=True))
                    if os.path.isfile(f) and "ptxas" in os.path.basename(f).lower())
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
   p.add_argument("--lower-only", action="store_true", help="CPU: lower every row for sm_90a, time nothing")
   a = p.parse_args(argv)
   rows = a.rows.split(",")
-  tuning = tuple((k, int(v) if v.isdigit() else v) for k, v in (kv.split("=") for kv in a.tuning.split(",") if kv))
+  value = lambda v: int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v)
+  tuning = tuple((k, value(v)) for k, v in (kv.split("=") for kv in a.tuning.split(",") if kv))
   for row in rows:
     if row not in ROWS:
       p.error(f"--rows: unknown row {row!r}; one of {', '.join(ROWS)}")
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
   report = []
   for name, (op, shape) in cases.items():
     if a.ptxas:
-      rep = ptxas_report(name, op, shape, a.out)
+      rep = ptxas_report(name, op, shape, a.out, tuning)
       print(json.dumps(rep, indent=1), flush=True)
       report.append(rep)
     report += time_rows(name, op, shape, rows, a.iters, tuning)

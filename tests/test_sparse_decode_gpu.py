@@ -109,13 +109,12 @@ def test_designs_agree(rng, H, s_q):
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
-@pytest.mark.parametrize("H,s_q,schedule", [(128, 2, "handoff_vt"), (64, 1, "twin"),
-                                            pytest.param(128, 6, "twin", marks=pytest.mark.slow)])
-def test_fused_q(rng, H, s_q, schedule):
-  """Fused Q (TuningConfig.fused_q: the consumers quantize Q from GMEM) against the reference, and bitwise against
-  the default pre-pass (kernels/q_quant.py): the same fp8 bytes and row scales by construction, so every output
-  bit must match. top-k 2051: a partial last tile; NaN rows, invalid ids and an all-invalid row (make_case)."""
-  tuning = (("schedule", schedule), ("fused_q", True))
+@pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), pytest.param(128, 6, marks=pytest.mark.slow)])
+def test_loader_q(rng, H, s_q):
+  """Q quantized by the loader ("handoff_vt", TuningConfig.loader_q) against the reference, and bitwise against
+  the pre-pass (kernels/q_quant.py): the same fp8 bytes and row scales by construction, so every output bit must
+  match. top-k 2051: a partial last tile; NaN rows, invalid ids and an all-invalid row (make_case)."""
+  tuning = (("schedule", "handoff_vt"), ("loader_q", True))
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
   case = make_case(rng, B=3, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64)
   base = run_kernel(case, interpret=False, tuning=tuning[:1])

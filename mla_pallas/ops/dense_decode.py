@@ -203,8 +203,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
       the last s_q tokens of each sequence.
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn; dequantized value = fp8 · kv_scale; the value vector of
       a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q and P in bf16, f32
-      accumulation): the XLA path, or at H > 16 with impl="mosaic" the sparse op's bf16-cache kernel ("auto"
-      picks XLA on hardware until that kernel is validated there).
+      accumulation): at H > 16 on sm_90 the sparse op's bf16-cache kernel (validated on the H200), otherwise the
+      XLA path.
     block_table: [B, P] int32 page ids; position p of sequence b is at flat slot
       ``block_table[b, p // page_size] * page_size + p % page_size``. Entries past the sequence may be anything
       (e.g. -1); a page id outside [0, num_pages) is masked (never read).

@@ -16,9 +16,9 @@ where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
 * ``impl="xla"``: the same quantization of Q and P with FP8 ``einsum``s in XLA (cuBLASLt on a GPU), so both paths
   can be compared like for like.
 
-A bfloat16 cache (BF16 attention: q and P in bf16, f32 accumulation, no scales rounded) runs on the XLA path
-or, at H > HEADS_ON_N_MAX on sm_90, on the heads-on-M kernel with ``cache_dtype="bfloat16"`` (``impl="mosaic"``;
-``"auto"`` does not pick it on hardware until it has been validated there, :data:`BF16_VALIDATED_ON`).
+A bfloat16 cache (BF16 attention: q and P in bf16, f32 accumulation, no scales rounded) runs on the heads-on-M
+kernel with ``cache_dtype="bfloat16"`` at H > HEADS_ON_N_MAX on sm_90 (validated on the H200,
+:data:`BF16_VALIDATED_ON`) and on the XLA path otherwise.
 
 Shapes (decode): q [B, s_q, H, 576] bf16/f32; kv_cache [num_pages, page_size, 576] or [num_slots, 576]
 float8_e4m3fn (or bfloat16); indices [B, s_q, topk] int32 flat slot ids (slot = page · page_size + offset; < 0 or ≥ num_slots
@@ -43,9 +43,9 @@ CACHE_DTYPES = (FP8, jnp.bfloat16)    # bfloat16: BF16 attention (q and P in bf1
 KERNEL_ARCHS = ("sm90", "sm100")
 # Families on which the kernel ran and matched the reference on real hardware: impl="auto" picks the kernel
 # natively only there. sm100: lowered and interpreted only (no Blackwell GPU has run it). The bf16-cache kernel
-# (heads on M, sm_90): interpreted and lowered, not yet run on a GPU.
+# (heads on M, sm_90): its GPU tests passed on the H200 (tests/test_sparse_decode_gpu.py::test_bf16_cache_kernel).
 VALIDATED_ON = ("sm90",)
-BF16_VALIDATED_ON: tuple[str, ...] = ()
+BF16_VALIDATED_ON: tuple[str, ...] = ("sm90",)
 
 
 def validated_on(cache_dtype) -> tuple[str, ...]:
@@ -267,8 +267,8 @@ def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=(),
     raise ValueError(f"tuning names {sorted(set(kw) - fields)}, which the {cfg.design} kernel's TuningConfig does "
                      f"not have (fields: {sorted(fields)})")
   kernel = dataclasses.replace(cfg.kernel, **kw)
-  if getattr(kernel, "fused_q", False) and h % TILE:
-    raise ValueError(f"tuning fused_q=True needs H a multiple of {TILE} (whole 64-row query tiles); got H={h}")
+  if getattr(kernel, "loader_q", False) and h % TILE:
+    raise ValueError(f"tuning loader_q=True needs H a multiple of {TILE} (whole 64-row query tiles); got H={h}")
   splits = -(-max(1, -(-topk // TILE)) // kernel.tiles_per_split) if "tiles_per_split" in kw else cfg.num_splits
   return KernelConfig(cfg.design, splits, kernel)
 
@@ -292,8 +292,9 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
-  if cfg.design == "sm90_heads_m" and h % TILE == 0:     # Q quantized by the consumers, no pre-pass launch
-    candidates.append((("fused_q", True),))
+  if cfg.design == "sm90_heads_m" and h % TILE == 0:     # Q quantized by the loader (hand-off only) or the pre-pass
+    candidates.append((("loader_q", False),) if getattr(cfg.kernel, "loader_q", False)
+                      else (("schedule", "handoff_vt"), ("loader_q", True)))
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -329,8 +330,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = "bfloat16" if splits == 1 else "float32"      # split partials in f32 (merged by combine_splits)
-  fused_q = getattr(cfg.kernel, "fused_q", False)
-  if fused_q:           # the kernel quantizes Q itself: q as 64-row tiles, no pre-pass
+  loader_q = _loader_q(cfg, q.dtype)
+  if getattr(cfg.kernel, "loader_q", False) and not loader_q:     # f32 q: the pre-pass quantizes it
+    cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, loader_q=False))
+  if loader_q:          # the kernel's loader quantizes Q: q as 64-row tiles, no pre-pass
     q8, row_scale = q.reshape(n_tok * tiles_per_token, TILE, D_QK), None
   else:
     q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
@@ -343,11 +346,11 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                             cfg.kernel, interpret=interpret)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                            interpret=interpret, softmax_scale=softmax_scale if fused_q else None)
+                            interpret=interpret, softmax_scale=softmax_scale if loader_q else None)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
-  elif fused_q:
+  elif loader_q:
     o, lse = kern(q8, kv_flat, rows, scal)
   else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
@@ -359,6 +362,12 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
   lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
   return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
+
+
+def _loader_q(cfg: KernelConfig, q_dtype) -> bool:
+  """Whether the kernel's loader quantizes Q (``TuningConfig.loader_q``): only for bf16 q (an f32 tile would need
+  144 KB of staging SMEM), otherwise the pre-pass (:func:`_kernel_q`) runs."""
+  return getattr(cfg.kernel, "loader_q", False) and jnp.dtype(q_dtype) == jnp.bfloat16
 
 
 def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
@@ -432,8 +441,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
       sequence (MTP).
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn (or flat [num_slots, 576]); dequantized value = fp8 ·
       kv_scale; the value vector of a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q
-      and P in bf16, f32 accumulation: the XLA path, or the bf16-cache kernel at H > 16 with impl="mosaic";
-      "auto" picks XLA on hardware until that kernel is validated, see the module docstring).
+      and P in bf16, f32 accumulation: the bf16-cache kernel at H > 16 on sm_90, the XLA path otherwise; see
+      the module docstring).
     indices: [B, s_q, topk] int32 flat slot ids (page · page_size + offset). Entries < 0 or ≥ num_slots are
       ignored (never read); duplicates count as often as they appear.
     softmax_scale: python float multiplying q·k (e.g. 1/sqrt(192) for DeepSeek-V3.2).
