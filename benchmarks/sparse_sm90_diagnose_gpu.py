@@ -9,8 +9,9 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
 2. **ablations** (default): the per-kernel device times of one call (the Mosaic kernel and the XLA pre- and
    post-passes: Q quantization, split merge), then the default kernel's time with one part replaced, by patching the kernel modules'
    functions for the duration of one row (the kernels are rebuilt and retraced per row). The ablated rows compute
-   wrong results by design and are not checked; only their time counts. ``variant`` rows are real alternatives
-   (checked against the reference): candidates to adopt if faster.
+   wrong results by design and are not checked; only their time counts (the row ``none`` is checked). The gather
+   variants once here (L2::256B prefetch: no change; an evict-last policy: illegal instruction on the H200) are in
+   docs/kernels/sparse_decode_sm90.md.
 
    | row | what is replaced |
    |---|---|
@@ -20,8 +21,6 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    | ``no_pv`` | the P·V wgmmas (every schedule) |
    | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" (Vᵀ = 0) |
    | ``no_gather+no_pv`` | both |
-   | ``variant:l2_256`` | the gather's ``cp.async`` with the ``L2::256B`` prefetch hint |
-   | ``variant:evict_last`` | the gather's ``cp.async`` with an L2 evict-last cache policy |
 
 Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
 
@@ -101,10 +100,6 @@ def _zero_words(k_tile_ref, word=None):
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
 
 
-_L2_256 = "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;"
-_EVICT_LAST = ("{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-               "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, pol;\n}")
-
 ROWS = {
     "none": {},
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
@@ -114,8 +109,6 @@ ROWS = {
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
-    "variant:l2_256": {(gather_threads, "CP_ASYNC"): _L2_256},
-    "variant:evict_last": {(gather_threads, "CP_ASYNC"): _EVICT_LAST},
 }
 
 
@@ -171,7 +164,7 @@ def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> l
   results = []
   for row in rows:
     with patched(row):
-      res = run_spec(spec, (), full, candidates={row: tuning}, check=row.startswith("variant") or row == "none",
+      res = run_spec(spec, (), full, candidates={row: tuning}, check=row == "none",
                      iters=iters, progress=False)
     results += res
   print(f"## {name} {shape}", flush=True)

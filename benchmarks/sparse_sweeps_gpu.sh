@@ -3,7 +3,7 @@
 # reference) at the peer kit's shapes, one `mla-pallas bench --sweep` per case. GPU only.
 #
 #   bash benchmarks/sparse_sweeps_gpu.sh [CASES] [OUT]     # CASES: comma-separated, default P1,P4,P5,C0,P3,F1
-#   ONLY=fused_q bash benchmarks/sparse_sweeps_gpu.sh P1,F1  # only the default and candidates matching ONLY
+#   ONLY=schedule bash benchmarks/sparse_sweeps_gpu.sh P1,F1  # only the default and candidates matching ONLY
 #
 # Case shapes: ../shared/peers (C0 and P1-P5 sparse decode, F1 sparse prefill). Writes one JSON and table per case
 # under OUT (default results/sweeps); timings are CUPTI medians of 20 calls over input sets rotated past L2.

@@ -163,7 +163,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                  help="run the kernel once per candidate of the op's sweep_configs (rows mosaic:<candidate>)")
   b.add_argument("--sweep-only", default=None, metavar="TEXT[,TEXT...]",
                  help="with --sweep: only the default and the candidates whose label contains one of these "
-                      "comma-separated texts (e.g. fused_q,tiles_per_split=64)")
+                      "comma-separated texts (e.g. schedule=twin,tiles_per_split=64)")
   _cache_flag(b)
 
   d = sub.add_parser("demo", help="run one FP8 MLA layer (prefill + decode steps) and the kernels, checked "

@@ -143,8 +143,6 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
-    (64, (("schedule", "handoff_vt"), ("loader_q", True))),       # Q quantized by the loader (one split)
-    (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2), ("loader_q", True))),   # ... 2 tiles per token
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -372,59 +370,6 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   assert low.count(r"cp\.async\.wait_group 0;") == 1 + (lag == 0)
 
 
-@pytest.mark.parametrize("H,s_q,dtype,tuning", [
-    (64, 1, jnp.bfloat16, ()), (128, 2, jnp.bfloat16, (("tiles_per_split", 2),)),
-    (128, 1, jnp.float32, ()),     # f32 q: the op keeps the pre-pass (no staging room), same result
-])
-def test_loader_q_is_bitwise_the_prepass(rng, H, s_q, dtype, tuning):
-  """Q quantized by the loader (TuningConfig.loader_q) writes the same fp8 bytes and row scales as the pre-pass
-  (kernels/q_quant.py), so the op's outputs are bitwise equal (interpret mode, "handoff_vt")."""
-  case = make_case(rng, B=2, s_q=s_q, H=H, topk=200, page_size=16, num_pages=64, kv_scale=0.75)
-  case = dataclasses.replace(case, q=case.q.astype(dtype))
-  tuning = (("schedule", "handoff_vt"),) + tuning
-  base = run_kernel(case, interpret=True, tuning=tuning)
-  out = run_kernel(case, interpret=True, tuning=tuning + (("loader_q", True),))
-  for a, b in zip(out, base):
-    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-
-
-def test_loader_q_config_rules():
-  """loader_q needs the hand-off schedule's SMEM (no f16 V tile, at most 2 K buffers) and whole 64-row tiles."""
-  with pytest.raises(ValueError, match="loader_q needs schedule 'handoff_vt'"):
-    heads_m.TuningConfig(loader_q=True)                                   # "twin": the V tile leaves no room
-  with pytest.raises(ValueError, match="at most 2 K buffers"):
-    heads_m.TuningConfig(schedule="handoff_vt", k_buffers=3, loader_q=True)
-  with pytest.raises(ValueError, match="H a multiple of 64"):
-    sd._config(32, 8, 2048, "sm90", (("schedule", "handoff_vt"), ("loader_q", True)))
-  cfg = heads_m.TuningConfig(schedule="handoff_vt", loader_q=True)
-  assert cfg.smem_budget() <= common.SMEM_LIMIT
-  assert cfg.smem_budget() - heads_m.TuningConfig(schedule="handoff_vt").smem_budget() == 73728 + 1024
-
-
-@pytest.mark.parametrize("b,s_q,h,topk", [(128, 2, 128, 2048), (4, 1, 64, 2051)])
-def test_loader_q_lowers_for_sm90(b, s_q, h, topk):
-  """Q quantized by the loader at sm_90a: one launch (no pre-pass kernel); nine bf16 TMAs of q into the stage in
-  place of the five fp8 boxes; per loader thread 9 chunks x 16 ... of e4m3x2 conversions (one per pair of
-  quantized values: 9 chunks x 16); the consumers' code unchanged apart from the row scales' source."""
-  S = jax.ShapeDtypeStruct
-  tuning = (("schedule", "handoff_vt"),)
-
-  def lower(tuning):
-    fn = functools.partial(sd._sparse_decode_jit, softmax_scale=0.1, impl="mosaic", interpret=False, arch="sm90",
-                           tuning=tuning)
-    return testing.lower_for_cuda(lambda q, kv, i, sc: fn(q, kv, i, sc, None), S((b, s_q, h, 576), jnp.bfloat16),
-                                  S((4096 * 8, 576), FP8), S((b, s_q, topk), jnp.int32), S((), jnp.float32))
-  fused, base = lower(tuning + (("loader_q", True),)), lower(tuning)
-  assert len(fused.mosaic) == 1 and len(base.mosaic) == 2            # the pre-pass kernel is gone
-  kernel, base_kernel, prepass = fused.mosaic[0], base.mosaic[-1], base.mosaic[0]
-  cvt = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
-  assert len(re.findall(cvt, kernel)) - len(re.findall(cvt, base_kernel)) == len(re.findall(cvt, prepass)) == 9 * 16
-  tma = r"cp\.async\.bulk\.tensor"
-  assert len(re.findall(tma, kernel)) - len(re.findall(tma, base_kernel)) == 9 - 5     # 9 bf16 chunks, not 5 boxes
-  # setmaxnreg moves registers inside the launch allocation (168 x 384): a 64-register loader deadlocked on the H200
-  assert "setmaxnreg.dec.sync.aligned.u32 56" in kernel and "setmaxnreg.dec.sync.aligned.u32 64" not in kernel
-
-
 @pytest.mark.parametrize("H,s_q,topk,tl", [(32, 2, 77, False), (64, 1, 200, True), (128, 2, 130, False)])
 def test_bf16_cache_kernel_interpret(rng, H, s_q, topk, tl):
   """The heads-on-M kernel over a bfloat16 cache (BF16 attention: bf16 wgmmas, P in bf16, V read from the K tile)
@@ -465,7 +410,7 @@ def test_bf16_cache_kernel_lowers_for_sm90(b, s_q, h, topk, splits):
 
 
 def test_bf16_cache_configs():
-  """A bfloat16 cache: heads on M only ("twin", no loader Q, splits <= BF16_MAX_SPLIT_TILES); validated on sm_90
+  """A bfloat16 cache: heads on M only ("twin", splits <= BF16_MAX_SPLIT_TILES); validated on sm_90
   (its GPU tests passed on the H200), so auto picks it there (validated_on)."""
   with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
     sd.default_config(16, 8, 2048, "sm90", "bfloat16")

@@ -109,20 +109,6 @@ def test_designs_agree(rng, H, s_q):
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
-@pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), pytest.param(128, 6, marks=pytest.mark.slow)])
-def test_loader_q(rng, H, s_q):
-  """Q quantized by the loader ("handoff_vt", TuningConfig.loader_q) against the reference, and bitwise against
-  the pre-pass (kernels/q_quant.py): the same fp8 bytes and row scales by construction, so every output bit must
-  match. top-k 2051: a partial last tile; NaN rows, invalid ids and an all-invalid row (make_case)."""
-  tuning = (("schedule", "handoff_vt"), ("loader_q", True))
-  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
-  case = make_case(rng, B=3, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64)
-  base = run_kernel(case, interpret=False, tuning=tuning[:1])
-  out = run_kernel(case, interpret=False, tuning=tuning)
-  for a, b in zip(out, base):
-    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-
-
 @pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), pytest.param(32, 4, marks=pytest.mark.slow)])
 def test_bf16_cache_kernel(rng, H, s_q):
   """The heads-on-M kernel over a bfloat16 cache (BF16 attention; not yet validated, so impl="mosaic") against the

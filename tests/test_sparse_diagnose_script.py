@@ -35,7 +35,7 @@ def test_rows_patch_the_kernel(diag, H, tuning):
   base = ir("none")
   # which rows reach which schedule: the QKᵀ and softmax patches are heads-on-M functions, the Vᵀ words exist
   # in "handoff_vt" and the heads-on-N design
-  rows = ["no_gather", "no_pv", "variant:l2_256", "variant:evict_last"]
+  rows = ["no_gather", "no_pv"]
   rows += ["no_qk", "no_softmax"] if H > 16 else []
   rows += ["no_vt_words"] if H <= 16 or tuning != (("schedule", "twin"),) else []
   for row in rows:

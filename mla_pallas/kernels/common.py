@@ -205,9 +205,6 @@ class SparseRefs:
   k_empty: object
   p_full: object
   p_empty: object
-  q_stage: object = None       # heads on M with the loader quantizing Q: the bf16 q tile, row scales, barrier
-  qs_smem: object = None
-  q_stage_bar: object = None
 
 
 def scale_columns(accs, values):
@@ -272,14 +269,12 @@ def k_full_arrivals(interpret: bool, layout: TileLayout = FP8_TILES) -> int:
 
 
 def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int, k_buffers: int,
-                 interpret: bool, before_gather=lambda t: None, after_issue=None,
-                 layout: TileLayout = FP8_TILES):
+                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
   (``k_empty``), the rows ``idx_smem[t]`` of ``kv_gmem`` [num_slots, 576] land in the 128-byte-swizzled K tile
   (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575) and ``k_full`` is signalled. An id outside
   [0, num_slots) is an invalid key: its row is zero-filled and nothing outside the cache is read.
-  ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather; ``after_issue(t)``
-  (or None) after tile t's loads are issued and before the loader waits for them to land. ``layout``: the
+  ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather. ``layout``: the
   cache dtype's :class:`TileLayout` (the chunks above are fp8's; bf16 rows land in nine 64-column chunks).
 
   On hardware the loader warpgroup's 128 threads gather each tile with 16-byte ``cp.async`` loads
@@ -310,8 +305,6 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
 
     def gather_by_threads(t, kb):
       gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots, layout=layout)
-      if after_issue is not None:
-        after_issue(t)
       gather_threads.wait_tiles(lag)
 
       @pl.when(t >= lag)
@@ -329,8 +322,6 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
           src = row.at[:, pl.ds(layout.cols[c], layout.chunk_cols)]
           plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
       for_rows_per_warp(TILE, issue_row)
-      if after_issue is not None:
-        after_issue(t)
     tiles(gather_rows)
   drain(k_empty, n_tiles, k_buffers)
 

@@ -53,17 +53,7 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
   paths).
 
-Q quantized by the loader (``TuningConfig.loader_q``; "handoff_vt" with at most 2 K buffers, bf16 q)
--------------------------------------------------------------------------------------------------------
-The kernel takes q itself (bf16 [num_q_tiles, 64, 576], no ``qs``; ``build(softmax_scale=...)``) instead of the
-pre-pass's q8 and row scales. The loader TMAs the tile into a staging buffer ``q_stage`` (nine [64, 64] bf16
-chunks, 128-byte swizzled: conflict-free WGMMA-layout register loads), issues the gather of the first K tile,
-and while that is in flight quantizes Q in the arithmetic of ``kernels/q_quant.py`` (row maxima over the nine
-chunks, the five fp8 boxes of ``q_sw``, the row scales into ``qs_smem``), fences and arrives on ``q_bar`` (one
-arrival). The consumers read the row scales from SMEM; their loops are those of the pre-pass path, and the
-bytes and scales are the pre-pass's. SMEM: + 73 728 (stage) + 1 024 (row scales).
-
-BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only; not yet run on a GPU)
+BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only)
 --------------------------------------------------------------------------------------
 BF16 attention over a bfloat16 cache ([num_slots, 576] bf16, 1152 bytes per row): q stays bf16 ([num_q_tiles, 64,
 576], Q as nine 64-column chunks, 128-byte swizzled; ``qs`` = softmax_scale · kv_scale · log2 e for every row),
@@ -90,8 +80,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
     "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
-    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices;
-    with ``loader_q`` (k_buffers = 2): + q stage 73 728 + row scales 1 024 = 226 816
+    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader: setmaxnreg moves
 registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is the most (a
@@ -109,7 +98,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, q_quant, vt_registers
+from mla_pallas.kernels import common, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
@@ -117,8 +106,6 @@ LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
-Q_STAGE_COLS = q_quant.CHUNK                # loader_q: q staged as [9, 64, 64] bf16 chunks (128-byte rows)
-Q_STAGE_CHUNKS = common.D_QK // Q_STAGE_COLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +121,15 @@ class TuningConfig(common.SparseSm90Config):
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
-  loader_q: bool = False   # the loader quantizes Q (module docstring, "Q quantized by the loader"); bf16 q
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
-    if not isinstance(self.loader_q, bool):
-      raise ValueError(f"TuningConfig.loader_q must be a bool; got {self.loader_q!r}")
-    if self.loader_q and (self.schedule != "handoff_vt" or self.k_buffers > 2):
-      raise ValueError(f"TuningConfig.loader_q needs schedule 'handoff_vt' with at most 2 K buffers (SMEM for the "
-                       f"q stage); got {self}")
     if self.cache_dtype not in self.CACHE_DTYPES:
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
-    if self.bf16 and (self.schedule != "twin" or self.loader_q):
-      raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin' without loader_q; got {self}")
+    if self.bf16 and self.schedule != "twin":
+      raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
     super().validate()
 
   @property
@@ -170,8 +151,6 @@ class TuningConfig(common.SparseSm90Config):
     v_tile = (((TILE, D_V), jnp.float16),) if not self.hand_off and not self.bf16 else ()
     hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
         if self.hand_off else ()
-    q_stage = (((Q_STAGE_CHUNKS, TILE, Q_STAGE_COLS), jnp.bfloat16), ((TILE,), jnp.float32)) \
-        if self.loader_q else ()
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
@@ -179,53 +158,22 @@ class TuningConfig(common.SparseSm90Config):
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
         *hand_off,                                              # P slots, alpha / (kv_scale / l) rows
-        *q_stage,                                               # bf16 q stage, row scales
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, softmax_scale, tile_q, split, token,
-            r: common.SparseRefs):
-  """WG2: Q (the pre-pass's fp8 boxes, or with ``loader_q`` the bf16 tile into the stage), the split's indices,
-  then the gathers of every tile (``common.gather_tiles``); with ``loader_q`` it quantizes Q while the first
-  tile's gather is in flight (:func:`_quantize_staged_q`)."""
+def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
+  """WG2: Q (its chunks, quantized by the op's pre-pass) and the split's indices, then the gathers of every tile
+  (``common.gather_tiles``)."""
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
   lay = cfg.layout
-  if cfg.loader_q:
-    for c in range(Q_STAGE_CHUNKS):
-      plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * Q_STAGE_COLS, Q_STAGE_COLS)], r.q_stage.at[c],
-                              r.q_stage_bar)
-  else:
-    for c in range(lay.chunks):
-      plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
-                              r.q_bar)
+  for c in range(lay.chunks):
+    plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
+                            r.q_bar)
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
-
-  def after_issue(t):      # loader_q: quantize Q under the first tile's gather
-    @pl.when(t == 0)
-    def _():
-      _quantize_staged_q(softmax_scale, r)
-
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay,
-                      after_issue=after_issue if cfg.loader_q else None)
-
-
-def _quantize_staged_q(softmax_scale: float, r: common.SparseRefs):
-  """loader_q, the loader warpgroup: once the bf16 tile has landed in ``q_stage``, Q's five fp8 boxes into
-  ``q_sw`` and the row scales into ``qs_smem`` (the arithmetic of ``kernels/q_quant.py``: the same bytes and
-  scales as the pre-pass), fenced for wgmma, then one arrival on ``q_bar``."""
-  plgpu.barrier_wait(r.q_stage_bar)
-
-  def chunk(c):            # q columns [64 c, 64 c + 64) as f32 registers (swizzled chunks: conflict-free)
-    return plgpu.load(r.q_stage.at[c], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-
-  scale, inv = q_quant.tile_scales(chunk)
-  q_quant.store_boxes(chunk, inv, r.q_sw)
-  r.qs_smem[...] = q_quant.row_scales(scale, softmax_scale, r.scal_gmem[0])
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(r.q_bar)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay)
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
@@ -281,14 +229,12 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(wg, tile_q, r: common.SparseRefs):
-  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale). The
-  row scales come from the pre-pass (GMEM) or, with the loader quantizing Q, from ``qs_smem``."""
+def _softmax_prologue(tile_q, r: common.SparseRefs):
+  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale)."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
-  src = r.qs_smem if r.qs_gmem is None else r.qs_gmem.at[tile_q]
-  row_scale = plgpu.load(src, layout=ROW_LAYOUT, optimized=False)
+  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
   return row_scale, r.scal_gmem[0]
 
 
@@ -308,7 +254,7 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
               r: common.SparseRefs):
   """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
   output columns."""
-  row_scale, kv_scale = _softmax_prologue(wg, tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
   if cfg.bf16:
     return _consumer_bf16(cfg, num_slots, out_dtype, interpret, row_scale, kv_scale, wg, tile_q, split, r)
 
@@ -398,7 +344,7 @@ def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, ti
   """"handoff_vt" in interpret mode, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and
   alpha into P slot t % 2 for WG1, P·V into output columns 0-255 with P from its slot; at the end kv_scale / l for
   WG1, its half of O and the lse."""
-  row_scale, kv_scale = _softmax_prologue(0, tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
 
   def step(t, carry):
     acc, m, l = carry
@@ -464,7 +410,7 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: co
   """schedule "handoff_vt" (hardware), WG0: QKᵀ, the online softmax, P and alpha into slot t % 2, its 32-bit
   word of Vᵀ from the K tile, release of the K buffer, Oᵀ blocks 0-3 += Vᵀ · Pᵀ; at the end kv_scale / l, the
   lse and its half of O."""
-  row_scale, kv_scale = _softmax_prologue(0, tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
 
   def step(t, carry):
     accs, m, l = carry
@@ -507,14 +453,8 @@ def _has_v_tile(cfg: TuningConfig, interpret: bool) -> bool:
   return (not cfg.hand_off or interpret) and not cfg.bf16
 
 
-def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, softmax_scale, *refs):
-  if cfg.loader_q:              # q (bf16), quantized by the loader
-    q_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
-    qs_gmem = None
-    *rest, q_stage, qs_smem, q_stage_bar = rest
-  else:                         # Q quantized by the op's pre-pass: q8, qs
-    q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
-    q_stage = qs_smem = q_stage_bar = None
+def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
+  q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
   hand_off = cfg.hand_off
   v16, rest = (rest[0], rest[1:]) if _has_v_tile(cfg, interpret) else (None, rest)
   p_sw, rest = (rest[0], rest[1:]) if (interpret or hand_off) else (None, rest)
@@ -523,7 +463,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, softmax_scale, 
   q_bar, idx_bar, k_full, k_empty, *rest = rest
   p_full, p_empty = rest if hand_off else (None, None)
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
-            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty, q_stage, qs_smem, q_stage_bar)
+            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
@@ -531,7 +471,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, softmax_scale, 
 
   @pl.when(wg == LOADER)
   def _():
-    _loader(cfg, num_slots, interpret, softmax_scale, tile_q, split, token, r)
+    _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
   if hand_off and not interpret:
     @pl.when(wg == 0)
@@ -557,16 +497,12 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, softmax_scale, 
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
-          cfg: TuningConfig, interpret=False, softmax_scale: float | None = None):
+          cfg: TuningConfig, interpret=False):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
-  a ``plgpu.InterpretGPUParams``. ``cfg.loader_q``: the kernel takes q (bf16 [num_q_tiles, 64, 576]) in place of
-  (q8, qs) and its loader quantizes it, with this python float ``softmax_scale`` folded into the row scales."""
-  if cfg.loader_q and softmax_scale is None:
-    raise ValueError("build: cfg.loader_q needs the softmax_scale (a python float) to fold into the row scales")
+  a ``plgpu.InterpretGPUParams``."""
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp,
-                           float(softmax_scale) if cfg.loader_q else None)
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp)
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if _has_v_tile(cfg, interp) else []
@@ -576,10 +512,6 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
                        plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
-  q_stage_scratch = [plgpu.SMEM((Q_STAGE_CHUNKS, TILE, Q_STAGE_COLS), jnp.bfloat16,
-                                transforms=swizzled(jnp.bfloat16, 128)),              # bf16 q stage
-                     plgpu.SMEM((TILE,), jnp.float32),                                 # row scales
-                     plgpu.Barrier(num_arrivals=Q_STAGE_CHUNKS)] if cfg.loader_q else []   # q_stage_bar
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
@@ -594,13 +526,12 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           *head_scratch,                                                                   # alpha, 1/l
-          plgpu.Barrier(num_arrivals=1 if cfg.loader_q else cfg.layout.chunks),            # q_bar
+          plgpu.Barrier(num_arrivals=cfg.layout.chunks),                                   # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           *hand_off_barriers,
-          *q_stage_scratch,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),

@@ -267,8 +267,6 @@ def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=(),
     raise ValueError(f"tuning names {sorted(set(kw) - fields)}, which the {cfg.design} kernel's TuningConfig does "
                      f"not have (fields: {sorted(fields)})")
   kernel = dataclasses.replace(cfg.kernel, **kw)
-  if getattr(kernel, "loader_q", False) and h % TILE:
-    raise ValueError(f"tuning loader_q=True needs H a multiple of {TILE} (whole 64-row query tiles); got H={h}")
   splits = -(-max(1, -(-topk // TILE)) // kernel.tiles_per_split) if "tiles_per_split" in kw else cfg.num_splits
   return KernelConfig(cfg.design, splits, kernel)
 
@@ -292,9 +290,6 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
-  if cfg.design == "sm90_heads_m" and h % TILE == 0:     # Q quantized by the loader (hand-off only) or the pre-pass
-    candidates.append((("loader_q", False),) if getattr(cfg.kernel, "loader_q", False)
-                      else (("schedule", "handoff_vt"), ("loader_q", True)))
   seen = {cfg}
   for tuning in candidates:
     try:
@@ -330,14 +325,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = "bfloat16" if splits == 1 else "float32"      # split partials in f32 (merged by combine_splits)
-  loader_q = _loader_q(cfg, q.dtype)
-  if getattr(cfg.kernel, "loader_q", False) and not loader_q:     # f32 q: the pre-pass quantizes it
-    cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, loader_q=False))
-  if loader_q:          # the kernel's loader quantizes Q: q as 64-row tiles, no pre-pass
-    q8, row_scale = q.reshape(n_tok * tiles_per_token, TILE, D_QK), None
-  else:
-    q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
-                              interpret)
+  q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
+                            interpret)
   if heads_on_n:        # O [.., out_heads, 512]
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
                             interpret=interpret)
@@ -346,12 +335,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                             cfg.kernel, interpret=interpret)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                            interpret=interpret, softmax_scale=softmax_scale if loader_q else None)
+                            interpret=interpret)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
-  elif loader_q:
-    o, lse = kern(q8, kv_flat, rows, scal)
   else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
@@ -362,12 +349,6 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
   lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
   return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
-
-
-def _loader_q(cfg: KernelConfig, q_dtype) -> bool:
-  """Whether the kernel's loader quantizes Q (``TuningConfig.loader_q``): only for bf16 q (an f32 tile would need
-  144 KB of staging SMEM), otherwise the pre-pass (:func:`_kernel_q`) runs."""
-  return getattr(cfg.kernel, "loader_q", False) and jnp.dtype(q_dtype) == jnp.bfloat16
 
 
 def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
