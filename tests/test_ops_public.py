@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas import _dispatch, quant, testing
 from mla_pallas import reference as ref
@@ -187,6 +188,31 @@ def test_dense_decode_mosaic_interpret_matches_reference(rng):
                              impl="auto", interpret=True)
   assert _dispatch.last_impl("dense_mla_decode") == "mosaic-interpret"
   np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("h,s_q,page_size,causal", [(64, 1, 64, False), (128, 2, 128, True), (8, 3, 32, True)])
+def test_dense_decode_page_runs_interpret(rng, h, s_q, page_size, causal):
+  """The page loader (run_rows = min(page, 64): a tile of whole pages by TMA boxes, any other tile row by row)
+  loads the same bytes as the row gather, so the op's output is bitwise that of the sparse kernel on the same ids
+  with run_rows = 1; and within the FP8 budget of the reference. dense_case: a tail tile, a -1 hole page, -1 and
+  out-of-range pages past the ends, empty sequences, NaN in every unread slot. Races checked (interpret mode)."""
+  from mla_pallas.ops import sparse_decode as sd
+  q, pages, table, lens = dense_case(rng, s_q=s_q, h=h, page_size=page_size)
+  kw = dict(softmax_scale=SCALE, kv_scale=0.5, causal=causal)
+  races = plgpu.InterpretGPUParams(detect_races=True)
+  testing.reset_interpreter()
+  out, lse = dense_mla_decode(q, pages, table, lens, impl="mosaic", interpret=races, **kw)
+  assert not testing.races_found()
+  assert dd_mod.kernel_tuning(page_size, "sm90") == (("run_rows", min(page_size, 64)),)
+  idx = dd_mod.dense_indices(table, lens, page_size=page_size, num_pages=pages.shape[0], s_q=s_q, causal=causal)
+  rows_out, rows_lse = sd._sparse_decode_jit(q, pages.reshape(-1, D), idx, jnp.float32(0.5), None,
+                                             softmax_scale=SCALE, impl="mosaic", interpret=True,
+                                             tuning=(("run_rows", 1),), arch="sm90")
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(rows_out).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(rows_lse))
+  r_out, r_lse = ref.dense_mla_decode(q, pages, table, lens, **kw)
+  testing.assert_close_fp8(out, r_out, rel_l2=FP8_ATTN_BUDGET, what="dense, page loader (interpret)")
+  assert_lse_close(lse, r_lse, lse_bound(q, pages, table, lens, 0.5))
 
 
 def test_dense_decode_dispatch(rng):

@@ -3,11 +3,14 @@
 Semantics are those of :func:`mla_pallas.reference.dense_mla_decode`; the implementations differ only in where
 FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 
-* ``impl="mosaic"``: there is no dense kernel; the sparse top-k kernel runs it. The block table and the cache
+* ``impl="mosaic"``: the sparse top-k kernel runs it with a page loader. The block table and the cache
   lengths are turned into per-token flat slot ids ``indices [B, s_q, P * page_size]`` (position ``p`` of sequence
   ``b`` -> ``block_table[b, p // page_size] * page_size + p % page_size``; ``-1`` for positions past the
-  sequence, past the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to
-  :func:`mla_pallas.ops.sparse_decode.sparse_mla_decode` with ``impl="mosaic"``. Q is quantized to e4m3 per
+  sequence, past the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to the
+  sparse op's kernel (:mod:`mla_pallas.ops.sparse_decode`) with ``run_rows = min(page_size, 64)``
+  (:func:`kernel_tuning`): on sm_90 a 64-key tile of whole pages is copied by TMA boxes of a page's rows, and
+  only a tile with masked positions (a sequence's tail, an invalid page) is gathered row by row, its masked rows
+  zero-filled. Q is quantized to e4m3 per
   (token, head) row and QKᵀ runs on FP8 tensor cores; on sm_90 P·V is f16 (P kept in f16, the e4m3 V upcast
   exactly), f32 accumulation throughout (the sparse op's docstring has the sm_100 variant). The key
   count is the whole block table (``P * page_size``), whatever the lengths are: size the block table to the
@@ -183,6 +186,13 @@ def _indices_jit(block_table, cache_seqlens, *, page_size, num_pages, s_q, causa
                        causal=causal)
 
 
+def kernel_tuning(page_size: int, arch: str) -> tuple:
+  """The sparse kernel's tuning for dense ids: on sm_90 the ids come in page runs (:func:`dense_indices`: a page
+  is consecutive slots and the attended positions of a page are a prefix of it), so the loader copies a tile of
+  whole runs with TMA boxes (``SparseSm90Config.run_rows`` = min(page_size, 64)); the sm_100 kernel gathers rows."""
+  return (("run_rows", min(page_size, 64)),) if arch == "sm90" else ()
+
+
 def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8):
   sparse_check = _sparse._kernel_supported(q_shape, num_slots, interpret, cache_dtype)
 
@@ -238,10 +248,10 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     num_pages, page_size, _ = kv_cache.shape
     indices = _indices_jit(block_table, cache_seqlens, page_size=int(page_size), num_pages=int(num_pages),
                            s_q=int(q.shape[1]), causal=causal)
-    out = _sparse.sparse_mla_decode(q, kv_cache, indices, softmax_scale=softmax_scale, kv_scale=kv_scale,
-                                    impl="mosaic", interpret=interpret)
-    _dispatch.record(OP, _dispatch.last_impl("sparse_mla_decode"))
-    return out
+    arch = _dispatch.mosaic_arch(interpret)
+    return _sparse._sparse_decode_jit(q, kv_cache.reshape(-1, D_QK), indices, kv_scale_arr, None,
+                                      softmax_scale=float(softmax_scale), impl="mosaic", interpret=interpret,
+                                      tuning=kernel_tuning(int(page_size), arch), arch=arch)
   return _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
                   causal=causal)
 
