@@ -9,9 +9,9 @@ ragged lengths including 0 (out 0, lse -inf), 1 and a partial last page, block-t
 sequence's pages set to -1 or to a page id past the cache (never read), causal and non-causal, s_q 1-4, page 64
 and 128. Each case also runs twice: the outputs must be bitwise equal.
 
-The op's page loader (a tile of whole pages copied by 8-row TMA boxes, any other tile gathered row by row:
-``SparseSm90Config.run_rows``) loads the same bytes as the row gather, so its output is also compared bitwise
-with the sparse kernel on the same ids with ``run_rows = 1``.
+The page loader (a tile of whole pages copied by 8-row TMA boxes, any other tile gathered row by row:
+``SparseSm90Config.run_rows``; the op uses it on hardware once ``dense_decode.PAGE_LOADER_VALIDATED_ON`` names the
+family) loads the same bytes as the row gather, so its output is compared bitwise with the row gather's.
 
 Quick selection: ``pytest -q -m "gpu and not slow" tests/test_dense_decode_gpu.py``.
 """
@@ -93,10 +93,17 @@ def test_page_loader_is_bitwise_the_row_gather(rng, H, s_q, page, causal, lens):
   max_pages = -(-max(lens) // page) + 1
   q, pages, table, seqlens = _case(rng, lens=lens, s_q=s_q, H=H, page=page, max_pages=max_pages)
   kw = dict(softmax_scale=D ** -0.5, kv_scale=0.75, causal=causal)
-  out, lse = dense_mla_decode(q, pages, table, seqlens, impl="mosaic", **kw)
   idx = dd.dense_indices(table, seqlens, page_size=page, num_pages=pages.shape[0], s_q=s_q, causal=causal)
-  rows_out, rows_lse = sd._sparse_decode_jit(q, pages.reshape(-1, D), idx, jnp.float32(0.75), None,
-                                             softmax_scale=D ** -0.5, impl="mosaic", interpret=False,
-                                             tuning=(("run_rows", 1),), arch="sm90")
+
+  def run(run_rows):
+    return sd._sparse_decode_jit(q, pages.reshape(-1, D), idx, jnp.float32(0.75), None, softmax_scale=D ** -0.5,
+                                 impl="mosaic", interpret=False, tuning=(("run_rows", run_rows),), arch="sm90")
+  out, lse = run(min(page, 64))
+  rows_out, rows_lse = run(1)
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(rows_out).view(np.uint16))
   assert np.array_equal(np.asarray(lse), np.asarray(rows_lse))
+  ref_out, _ = reference.dense_mla_decode(q, pages, table, seqlens, **kw)
+  budget = testing.fp8_error_budget(logit_std=0.75, pv_length=max(lens), fp8_mma=True, quantized_p=False)
+  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what=f"page loader H={H}")
+  out2, _ = run(min(page, 64))
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"

@@ -203,7 +203,10 @@ def test_dense_decode_page_runs_interpret(rng, h, s_q, page_size, causal):
   testing.reset_interpreter()
   out, lse = dense_mla_decode(q, pages, table, lens, impl="mosaic", interpret=races, **kw)
   assert not testing.races_found()
-  assert dd_mod.kernel_tuning(page_size, "sm90") == (("run_rows", min(page_size, 64)),)
+  assert dd_mod.kernel_tuning(page_size, "sm90", True) == (("run_rows", min(page_size, 64)),)
+  assert dd_mod.kernel_tuning(page_size, "sm100", True) == ()
+  # on hardware only once validated there (PAGE_LOADER_VALIDATED_ON)
+  assert (dd_mod.kernel_tuning(page_size, "sm90") != ()) == ("sm90" in dd_mod.PAGE_LOADER_VALIDATED_ON)
   idx = dd_mod.dense_indices(table, lens, page_size=page_size, num_pages=pages.shape[0], s_q=s_q, causal=causal)
   rows_out, rows_lse = sd._sparse_decode_jit(q, pages.reshape(-1, D), idx, jnp.float32(0.5), None,
                                              softmax_scale=SCALE, impl="mosaic", interpret=True,
