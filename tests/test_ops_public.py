@@ -123,12 +123,12 @@ def test_dense_decode_xla_matches_reference(rng, s_q, causal, page_size):
 BF16_ATTN_BUDGET = testing.BF16_ATTENTION_REL_L2
 
 
-@pytest.mark.parametrize("s_q,causal,h,impl,want", [(1, False, 8, "auto", "xla"), (3, True, 8, "auto", "xla"),
+@pytest.mark.parametrize("s_q,causal,h,impl,want", [(1, False, 8, "xla", "xla"), (3, True, 8, "auto", "mosaic-interpret"),
                                                  (2, True, 64, "mosaic", "mosaic-interpret")])
 def test_dense_decode_bf16_cache_matches_reference(rng, s_q, causal, h, impl, want):
   """A bfloat16 cache (NaN in unread slots, -1 / out-of-range pages, a hole, empty sequences) runs BF16 attention:
-  at H = 8 on the XLA path, also under impl="auto" in interpret mode (no bf16-cache kernel with the heads on N:
-  "mosaic" refuses), at H = 64 on the bf16-cache kernel (heads on M, interpret mode)."""
+  on the XLA path, and on the bf16-cache kernel (heads on M; at H = 8 with the rows zero-padded to 64) in
+  interpret mode under impl="auto" and "mosaic"."""
   q, pages, table, lens = dense_case(rng, s_q=s_q, h=h, page_size=16)
   pages = pages.astype(jnp.bfloat16)
   kw = dict(softmax_scale=SCALE, kv_scale=0.5, causal=causal)
@@ -138,9 +138,6 @@ def test_dense_decode_bf16_cache_matches_reference(rng, s_q, causal, h, impl, wa
   testing.assert_close_fp8(out, r_out, rel_l2=BF16_ATTN_BUDGET, what=f"dense bf16 cache out ({want})")
   assert_lse_close(lse, r_lse, 1e-4)     # only f32 rounding of the logits
   assert not np.isnan(np.asarray(out, np.float32)).any()
-  if h <= 16:
-    with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
-      dense_mla_decode(q, pages, table, lens, impl="mosaic", interpret=True, **kw)
 
 
 def test_dense_decode_xla_chunked_scan_matches_reference(rng, monkeypatch):

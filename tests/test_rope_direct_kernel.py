@@ -20,7 +20,8 @@ FP8 = jnp.float8_e4m3fn
 S = jax.ShapeDtypeStruct
 
 
-def _lower(t, h, fused, *, interleaved=True, dedupe=False, w_dtype=jnp.bfloat16, cfg=None, num_slots=4096):
+def _lower(t, h, fused, *, interleaved=True, dedupe=False, w_dtype=jnp.bfloat16, cfg=None, num_slots=4096,
+           pages_dtype=FP8):
   kern = rd.build(t, h, num_slots if fused else 0, fused, cfg, interleaved=interleaved, dedupe=dedupe)
   avals = [S((t, 576), jnp.bfloat16), S((t * h, 64), jnp.bfloat16), S((t,), jnp.int32), S((4096, 32), jnp.float32),
            S((4096, 32), jnp.float32), S((512,), w_dtype), S((1,), jnp.float32)]
@@ -28,7 +29,7 @@ def _lower(t, h, fused, *, interleaved=True, dedupe=False, w_dtype=jnp.bfloat16,
     def f(*a):
       cache = jax.new_ref(a[-1])
       return kern(*a[:-1], cache), jax.freeze(cache)
-    avals += [S((1,), jnp.float32), S((t,), jnp.int32), S((num_slots, 576), FP8)]
+    avals += [S((1,), jnp.float32), S((t,), jnp.int32), S((num_slots, 576), pages_dtype)]
   else:
     f = kern
   return testing.lower_for_cuda(f, *avals, arch=(9, 0))
@@ -63,6 +64,23 @@ def test_lowers_for_sm90(t, h, fused, interleaved, dedupe, w_dtype, ipt):
   slot_loads = _count(low, r"llvm\.load .* -> i32")    # positions (kv warp + one per q item), slots
   scan = (-(-t // 32) if t <= rd.UNROLLED_SCAN_MAX else rd.SCAN_ROUND) if dedupe else 0
   assert slot_loads == 1 + ipt + (1 + scan if fused else 0)
+
+
+@pytest.mark.parametrize("t,h,dedupe", [(1, 128, False), (300, 16, True)])
+def test_bf16_cache_write_lowers_for_sm90(t, h, dedupe):
+  """Into a bfloat16 cache the fused kernel writes bf16(y · f32(1 / kv_scale)) (quant.encode_cache_rows): per kv
+  warp two 16-byte stores of 8 bf16 latent values per lane and one of the lane's k_rope piece, at 1152-byte rows;
+  no e4m3 conversion or clip; the same loads as the e4m3 write."""
+  low = _lower(t, h, True, dedupe=dedupe, pages_dtype=jnp.bfloat16, cfg=rd.TuningConfig(items_per_thread=2))
+  base = _lower(t, h, True, dedupe=dedupe, cfg=rd.TuningConfig(items_per_thread=2))
+  assert "e4m3" not in low.mosaic[0] and "e4m3" in base.mosaic[0]
+  assert _count(low, r"llvm\.store") == _count(base, r"llvm\.store") + 1 == 3 + 2   # latent 2, rope 1, q items 2
+  assert _count(low, r"llvm\.load") == _count(base, r"llvm\.load")
+  assert "1152" in low.mosaic[0]                                   # the bf16 row stride (bytes)
+  for name in ("fused_rope_rmsnorm_quantization",):
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn and bfloat16"):
+      op._kernel_supported(name, jnp.zeros((1, 576), jnp.bfloat16), jnp.zeros((1, 1, 64), jnp.bfloat16),
+                           16, jnp.float16)()
 
 
 @pytest.mark.parametrize("t,h,interleaved", [(2049, 16, True), (8192, 16, False), (4099, 128, True)])

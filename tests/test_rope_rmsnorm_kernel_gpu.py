@@ -36,6 +36,23 @@ def test_fused_kernel_matches_reference(rng, t, h, interleaved):
   print(f"T={t} H={h} interleaved={interleaved}: {n8} fp8 / {nq} q values one step off")
 
 
+@pytest.mark.parametrize("t,h,interleaved", [(1, 128, True), (333, 32, False), (4096, 16, True)])
+def test_fused_kernel_bf16_cache(rng, t, h, interleaved):
+  """The kernel's bfloat16-cache write (bf16(row · f32(1 / kv_scale)), quant.encode_cache_rows) against the
+  reference write, NaN-poisoned bf16 cache, skipped / out-of-range slots; once this passes on a GPU,
+  ops.rope_rmsnorm._BF16_PAGES_VALIDATED_ON may name the family (then impl="auto" picks the kernel)."""
+  import numpy as np
+  case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
+  case.pages = np.asarray(jnp.asarray(case.pages, jnp.float32).astype(jnp.bfloat16))   # NaN stays NaN
+  case.kv_scale = 0.75
+  new_pages, q_out = mla_pallas.fused_rope_rmsnorm_quantization(
+      jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
+      kv_scale=case.kv_scale, slots=case.slots, interleaved=interleaved, impl="mosaic")
+  assert _dispatch.last_impl("fused_rope_rmsnorm_quantization") == "mosaic"
+  assert new_pages.dtype == jnp.bfloat16
+  check_fused(case, new_pages, q_out, interleaved)
+
+
 @pytest.mark.parametrize("t,h", [(4096, 128), (128, 16)])
 def test_fused_kernel_unique_slots(rng, t, h):
   """unique_slots=True (no duplicate-slot scan; make_case draws distinct slots plus skipped ones) checks against

@@ -9,7 +9,8 @@ vector ``ld.global``, computes in registers and stores with ``st.global``:
 * kv CTAs ``c < kv_ctas``: warp ``w`` takes token ``t = 4 c + w``. Lane ``l`` holds latent values
   ``[16 l, 16 l + 16)`` (two 16-byte loads): sum of squares per lane, then a butterfly over the warp;
   ``y = x · rsqrt(sum / 512 + eps) · w``. Lanes 0-7 also rotate the 8 k_rope values ``[8 l, 8 l + 8)``.
-  fused: ``fp8(clip(y · f32(1 / kv_scale), ±448))`` (16 bytes per lane, 8 of k_rope) to ``pages[slot[t]]`` when
+  fused: ``fp8(clip(y · f32(1 / kv_scale), ±448))`` (16 bytes per lane, 8 of k_rope) — or, into a bfloat16
+  cache, ``bf16(y · f32(1 / kv_scale))`` (32 bytes per lane, 16 of k_rope) — to ``pages[slot[t]]`` when
   the slot is in range and (``dedupe``) no later token has the same slot (each lane compares 1/32 of the later
   tokens' slots, then an OR over the warp); unfused: bf16 to ``kv_out[t]``.
 * q CTAs: thread items of 8 values (16 bytes) of the flat ``[T · H, 64]`` q_rope, ``items_per_thread`` per
@@ -171,6 +172,8 @@ class _Refs:
     self.ptr = {k: mgpu_utils.memref_ptr(v) for k, v in self.mem.items()}
     self.max_pos = ir.MemRefType(self.mem["cos"].type).shape[0]
     self.w_type = ir.MemRefType(self.mem["w"].type).element_type
+    # fused: a bfloat16 cache (1152-byte rows of bf16(y · f32(1 / kv_scale))) or an e4m3 one (576-byte rows)
+    self.pages_bf16 = fused and isinstance(ir.MemRefType(self.mem["pages"].type).element_type, ir.BF16Type)
 
 
 def _position(r, tok):
@@ -302,7 +305,19 @@ def _kv_finish(ty, r, loaded, consts, lane, fused, interleaved, slot=None, keep=
   ys = [arith.mulf(arith.mulf(x, inv_v), w) for x, w in zip(xs, ws)]
   yk = _rope_math(ty, kr, piece, interleaved)
   is_rope_lane = arith.cmpi(arith.CmpIPredicate.ult, lane, c32(PIECES))
-  if fused:
+  if fused and r.pages_bf16:     # quant.encode_cache_rows for bf16: bf16(y · f32(1 / kv_scale)), no clip
+    inv_v = vector.broadcast(ty.v8f, inv_scale)
+    lat16 = _f32_to_bf16_bytes(ty, [arith.mulf(y, inv_v) for y in ys])
+    kr16 = _f32_to_bf16_bytes(ty, [arith.mulf(yk, inv_v)])[0]
+
+    def write():
+      dst = arith.muli(wide(slot), c64(D_QK * 2))
+      lane_off = arith.addi(dst, wide(arith.muli(lane, c32(2 * LANE_VALUES))))
+      for j, word in enumerate(lat16):
+        _store(word, r.ptr["pages"], arith.addi(lane_off, c64(16 * j)))
+      _if(is_rope_lane, lambda: _store(kr16, r.ptr["pages"], arith.addi(dst, arith.addi(
+          c64(2 * D_V), wide(arith.muli(piece, c32(16)))))))
+  elif fused:
     lat8 = _fp8_words(ty, ys, inv_scale)
     kr8 = _fp8_words(ty, [yk], inv_scale)[0]
 
@@ -505,7 +520,8 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
     eps   [1] f32.
     fused only: kv_scale [1] f32; slots [T] int32 (raw: out-of-range slots are skipped; with ``dedupe`` only the
           last token of a duplicated slot writes it (module docstring); without, no two in-range slots may be
-          equal, e.g. the op's sanitised slots); pages ref [num_slots, 576] fp8 (aliased, written).
+          equal, e.g. the op's sanitised slots); pages ref [num_slots, 576] fp8 or bf16 (aliased, written; its
+          dtype selects the row encoding).
   Returns q_out [T · H, 64] bf16, and (unfused) kv_out [T, 576] bf16.
   """
   if num_tokens < 1 or heads < 1:

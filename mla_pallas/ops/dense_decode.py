@@ -22,8 +22,8 @@ FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 Shapes and index rules:
   q [B, s_q, H, 576] bfloat16/float32 (absorbed query: latent [0, 512) ‖ rope [512, 576)); the s_q query tokens
   are the last s_q tokens of each sequence (MTP).
-  kv_cache [num_pages, page_size, 576] float8_e4m3fn, or bfloat16 for BF16 attention (the XLA path, or the
-  sparse op's bf16-cache kernel at H > 16 with impl="mosaic"); paged only
+  kv_cache [num_pages, page_size, 576] float8_e4m3fn, or bfloat16 for BF16 attention (the sparse op's
+  bf16-cache kernel on sm_90, the XLA path elsewhere); paged only
   (the block table needs the page size);
   dequantized row = fp8 · kv_scale; the value of a row is its first 512 entries.
   block_table [B, P] int32 page ids; entries past the sequence may be anything (e.g. -1); page ids outside
@@ -222,8 +222,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
       the last s_q tokens of each sequence.
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn; dequantized value = fp8 · kv_scale; the value vector of
       a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q and P in bf16, f32
-      accumulation): at H > 16 on sm_90 the sparse op's bf16-cache kernel (validated on the H200), otherwise the
-      XLA path.
+      accumulation): on sm_90 the sparse op's bf16-cache kernel (``auto`` picks it where it was validated on
+      hardware: H 64 and 128), otherwise the XLA path.
     block_table: [B, P] int32 page ids; position p of sequence b is at flat slot
       ``block_table[b, p // page_size] * page_size + p % page_size``. Entries past the sequence may be anything
       (e.g. -1); a page id outside [0, num_pages) is masked (never read).
@@ -251,7 +251,7 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   num_slots = kv_cache.shape[0] * kv_cache.shape[1]
   used = _dispatch.choose(OP, impl, interpret=interpret,
                           supported=_kernel_supported(q.shape, num_slots, interpret, kv_cache.dtype),
-                          validated_on=_sparse.validated_on(kv_cache.dtype))
+                          validated_on=_sparse.validated_on(kv_cache.dtype, q.shape[2]))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
   if used == "mosaic":
     num_pages, page_size, _ = kv_cache.shape

@@ -97,6 +97,9 @@ def _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleave
 # ---------------------------------------------------------------------------------------------------------
 
 _VALIDATED_ON: tuple[str, ...] = ("sm90",)
+# The fused kernel's bfloat16-cache write (rows bf16(y · f32(1 / kv_scale))): lowered, not yet run on a GPU, so
+# "auto" keeps the XLA path for a bf16 cache until tests/test_rope_rmsnorm_kernel_gpu.py's bf16 case has passed.
+_BF16_PAGES_VALIDATED_ON: tuple[str, ...] = ()
 
 
 def _check_shape(t, h):
@@ -149,8 +152,8 @@ def _config(t, h, fused, tuning=()):
 def _kernel_supported(op, kv, q_rope, num_slots=None, pages_dtype=quant.FP8):
   """``supported`` callable for :func:`_dispatch.choose`: raises NotImplementedError for inputs the kernel lacks."""
   def check():
-    if pages_dtype != quant.FP8:
-      raise NotImplementedError(f"{op}: the Mosaic GPU kernel writes float8_e4m3fn caches; a "
+    if pages_dtype not in (quant.FP8, jnp.bfloat16):
+      raise NotImplementedError(f"{op}: the Mosaic GPU kernel writes float8_e4m3fn and bfloat16 caches; a "
                                 f"{np.dtype(pages_dtype).name} cache runs on the XLA path")
     arch = _dispatch.mosaic_arch(False)
     if arch != "sm90":
@@ -167,7 +170,7 @@ def _kernel_supported(op, kv, q_rope, num_slots=None, pages_dtype=quant.FP8):
   return check
 
 
-def _choose(op, impl, interpret, supported):
+def _choose(op, impl, interpret, supported, validated_on=_VALIDATED_ON):
   """"mosaic" or "xla" for one call (recorded by :func:`_dispatch.last_impl`). The kernel is raw Mosaic GPU
   (``plgpu.inline_mgpu``), which interpret mode cannot run: with ``interpret`` every impl takes the XLA path (so a
   graph run in interpret mode with ``impl="mosaic"`` runs its other kernels and reports this step as "xla")."""
@@ -175,7 +178,7 @@ def _choose(op, impl, interpret, supported):
     _dispatch.check_impl(impl)
     _log.info("%s: interpret mode runs the XLA path (the kernel is raw Mosaic GPU, not interpretable)", op)
     return _dispatch.record(op, "xla")
-  return _dispatch.choose(op, impl, interpret=False, supported=supported, validated_on=_VALIDATED_ON)
+  return _dispatch.choose(op, impl, interpret=False, supported=supported, validated_on=validated_on)
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "tuning"))
@@ -363,7 +366,8 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
 
   Args:
     pages: float8_e4m3fn cache [num_pages, page_size, 576] or flat [num_slots, 576], or a bfloat16 one (rows
-      stored as ``quant.encode_cache_rows``: rounded to bf16, not clipped; the XLA path). DONATED: both paths are
+      stored as ``quant.encode_cache_rows``: ``bf16(row · f32(1 / kv_scale))``, not clipped; the XLA path, or the
+      kernel with impl="mosaic" until its bf16 write has been validated on a GPU). DONATED: both paths are
       jitted with ``donate_argnums=0`` (the kernel writes the donated buffer in place, through an input/output
       alias), so on backends that support donation (GPU, TPU, CPU) the buffer passed in
       is consumed and must not be used afterwards; keep a copy if you need the old contents.
@@ -407,7 +411,8 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   unique_slots = _check_bool("unique_slots", unique_slots)
   num_slots = pages.size // D_QK
   used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
-                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype))
+                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype),
+                 _VALIDATED_ON if pages.dtype == quant.FP8 else _BF16_PAGES_VALIDATED_ON)
   if used == "mosaic":
     return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                          jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved,

@@ -17,8 +17,10 @@ where FP8 rounding happens (the error model is in :mod:`mla_pallas.testing`):
   can be compared like for like.
 
 A bfloat16 cache (BF16 attention: q and P in bf16, f32 accumulation, no scales rounded) runs on the heads-on-M
-kernel with ``cache_dtype="bfloat16"`` at H > HEADS_ON_N_MAX on sm_90 (validated on the H200,
-:data:`BF16_VALIDATED_ON`) and on the XLA path otherwise.
+kernel with ``cache_dtype="bfloat16"`` on sm_90 at every kernel head count (H < 64 zero-padded to the 64 MMA
+rows: over a bf16 cache the gather of 1152-byte rows, not the MMAs, bounds small-H decode), and on the XLA path
+elsewhere. ``impl="auto"`` picks it on hardware where it was validated there (:func:`validated_on`: H 64 and 128
+on the H200).
 
 Shapes (decode): q [B, s_q, H, 576] bf16/f32; kv_cache [num_pages, page_size, 576] or [num_slots, 576]
 float8_e4m3fn (or bfloat16); indices [B, s_q, topk] int32 flat slot ids (slot = page · page_size + offset; < 0 or ≥ num_slots
@@ -43,14 +45,19 @@ CACHE_DTYPES = (FP8, jnp.bfloat16)    # bfloat16: BF16 attention (q and P in bf1
 KERNEL_ARCHS = ("sm90", "sm100")
 # Families on which the kernel ran and matched the reference on real hardware: impl="auto" picks the kernel
 # natively only there. sm100: lowered and interpreted only (no Blackwell GPU has run it). The bf16-cache kernel
-# (heads on M, sm_90): its GPU tests passed on the H200 (tests/test_sparse_decode_gpu.py::test_bf16_cache_kernel).
+# (heads on M, sm_90): its GPU tests passed on the H200 at the head counts BF16_VALIDATED_HEADS
+# (tests/test_sparse_decode_gpu.py::test_bf16_cache_kernel).
 VALIDATED_ON = ("sm90",)
 BF16_VALIDATED_ON: tuple[str, ...] = ("sm90",)
+BF16_VALIDATED_HEADS = (64, 128)
 
 
-def validated_on(cache_dtype) -> tuple[str, ...]:
-  """The kernel families validated on hardware for a cache dtype (``_dispatch.choose``'s ``validated_on``)."""
-  return VALIDATED_ON if jnp.dtype(cache_dtype) == FP8 else BF16_VALIDATED_ON
+def validated_on(cache_dtype, h: int | None = None) -> tuple[str, ...]:
+  """The kernel families validated on hardware for a cache dtype and head count (``_dispatch.choose``'s
+  ``validated_on``; ``h=None``: the families validated at some head count)."""
+  if jnp.dtype(cache_dtype) == FP8:
+    return VALIDATED_ON
+  return BF16_VALIDATED_ON if h is None or h in BF16_VALIDATED_HEADS else ()
 
 
 def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
@@ -137,9 +144,9 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
                                 f"needs a {arch} kernel, which does not exist")
     if h not in KERNEL_HEADS:
       raise NotImplementedError(f"sparse_mla_decode kernel supports H in {KERNEL_HEADS}; got H={h}")
-    if jnp.dtype(cache_dtype) != FP8 and (arch != "sm90" or h <= HEADS_ON_N_MAX):
-      raise NotImplementedError(f"sparse_mla_decode has a bfloat16-cache kernel for sm90 with H > {HEADS_ON_N_MAX} "
-                                f"(heads on M) only; H={h} on {arch} runs on the XLA path")
+    if jnp.dtype(cache_dtype) != FP8 and arch != "sm90":
+      raise NotImplementedError(f"sparse_mla_decode has a bfloat16-cache kernel for sm90 only; {arch} runs the "
+                                f"XLA path")
   return check
 
 
@@ -181,11 +188,13 @@ def _kernel_module(design: str):
   return mod
 
 
-def _design(h: int, arch: str) -> str:
+def _design(h: int, arch: str, bf16: bool = False) -> str:
+  """The kernel design: sm_100, or on sm_90 heads on N up to HEADS_ON_N_MAX heads and heads on M above; a bf16
+  cache always heads on M (its only bf16 design)."""
   if arch == "sm100":
     return "sm100"
   if arch == "sm90":
-    return "sm90_heads_n" if h <= HEADS_ON_N_MAX else "sm90_heads_m"
+    return "sm90_heads_n" if h <= HEADS_ON_N_MAX and not bf16 else "sm90_heads_m"
   raise NotImplementedError(f"sparse_mla_decode has Mosaic GPU kernels for {KERNEL_ARCHS} only; got {arch!r}")
 
 
@@ -230,8 +239,8 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   (sparse_sm90_heads_n, 4 K buffers), more on the 64 MMA rows (sparse_sm90_heads_m, 2 K buffers); the top-k is
   split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys. A bfloat16
   ``cache_dtype`` (heads on M only): "twin" on splits of at most BF16_MAX_SPLIT_TILES (SMEM: bf16 Q and K tiles)."""
-  design = _design(h, arch)
   bf16 = jnp.dtype(cache_dtype) != FP8
+  design = _design(h, arch, bf16)
   if bf16 and design != "sm90_heads_m":
     raise NotImplementedError(f"no bfloat16-cache kernel for the {design} design (H={h}, {arch})")
   splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
@@ -424,8 +433,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
       sequence (MTP).
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn (or flat [num_slots, 576]); dequantized value = fp8 ·
       kv_scale; the value vector of a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q
-      and P in bf16, f32 accumulation: the bf16-cache kernel at H > 16 on sm_90, the XLA path otherwise; see
-      the module docstring).
+      and P in bf16, f32 accumulation: the bf16-cache kernel on sm_90, the XLA path otherwise; see the module
+      docstring).
     indices: [B, s_q, topk] int32 flat slot ids (page · page_size + offset). Entries < 0 or ≥ num_slots are
       ignored (never read); duplicates count as often as they appear.
     softmax_scale: python float multiplying q·k (e.g. 1/sqrt(192) for DeepSeek-V3.2).
@@ -445,7 +454,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
                           supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret, kv_flat.dtype),
-                          validated_on=validated_on(kv_flat.dtype))
+                          validated_on=validated_on(kv_flat.dtype, q.shape[2]))
   arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch)
