@@ -345,7 +345,8 @@ def test_fused_write_matches_reference_and_touches_only_its_slots(rng, paged):
 
 def test_fused_write_bf16_cache(rng):
   """A bfloat16 cache: the rows are stored rounded to bf16 (``quant.encode_cache_rows``: rows / kv_scale, no clip),
-  bitwise the jitted reference's; unwritten slots (NaN here) stay bitwise; the kernel writes FP8 caches only."""
+  bitwise the jitted reference's; unwritten slots (NaN here) stay bitwise; the kernel's support check takes FP8 and
+  bf16 caches only."""
   kv, q_rope, positions, cos, sin, w = rope_inputs(rng, t=5)
   base = np.full((2, 16, D), np.nan, np.float32).astype(jnp.bfloat16)
   slots = jnp.asarray([3, -1, 17, 3, 31], jnp.int32)              # dup 3 (last wins), -1 skipped
@@ -360,8 +361,11 @@ def test_fused_write_bf16_cache(rng):
   assert np.isnan(got[[s for s in range(32) if s not in (3, 17, 31)]]).all()
   assert np.isfinite(got[[3, 17, 31]]).all()
   from mla_pallas.ops import rope_rmsnorm as rr
-  with pytest.raises(NotImplementedError, match="float8_e4m3fn caches"):     # the kernel's support check
+  with pytest.raises(NotImplementedError, match="float8_e4m3fn and bfloat16 caches"):   # other dtypes: XLA only
+    rr._kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, 32, jnp.float16)()
+  with pytest.raises(NotImplementedError) as e:        # a bf16 cache passes the dtype check; CPU fails the arch one
     rr._kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, 32, jnp.bfloat16)()
+  assert "caches" not in str(e.value) and "sm_90" in str(e.value)
 
 
 def test_fused_write_all_slots_invalid_leaves_cache_unchanged(rng):
