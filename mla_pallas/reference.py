@@ -209,42 +209,63 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   return _attend_slots(q, kv_cache.reshape(-1, D_QK), slots, valid, softmax_scale, kv_scale)
 
 
-def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal=True):
+def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal=True, cu_seqlens_k=None):
   """Variable-length multi-head attention for MLA prefill (FlashAttention varlen semantics).
 
   Args:
     q: ``[T, H, Dqk]`` bfloat16 or float32.
-    k: ``[T, H, Dqk]`` (same dtype rules), one key per head (no sharing).
-    v: ``[T, H, Dv]``.
-    cu_seqlens: int32 ``[B + 1]`` non-decreasing; sequence ``b`` owns tokens ``[cu_seqlens[b],
+    k: ``[Tk, H, Dqk]`` (same dtype rules), one key per head (no sharing); ``Tk = T`` without ``cu_seqlens_k``.
+    v: ``[Tk, H, Dv]``.
+    cu_seqlens: int32 ``[B + 1]`` non-decreasing; sequence ``b`` owns query tokens ``[cu_seqlens[b],
       cu_seqlens[b+1])``. Tokens outside ``[cu_seqlens[0], cu_seqlens[B])`` belong to no sequence: their
       output is 0 and lse -inf, and they are never attended.
     softmax_scale: python float or f32 scalar.
-    causal: static bool; True: token at position ``i`` of its sequence attends positions ``<= i`` of the same
-      sequence; False: the whole sequence.
+    causal: static bool; True: the query at position ``i`` of its sequence (``Lq`` queries, ``Lk`` keys) attends
+      key positions ``j <= i + Lk - Lq`` of the same sequence (FlashAttention's bottom-right alignment: the
+      queries are the sequence's last ``Lq`` tokens; with ``Lk = Lq``, ``j <= i``); queries with no such key
+      get out 0 and lse -inf. False: the whole sequence.
+    cu_seqlens_k: optional int32 ``[B + 1]`` non-decreasing, the key tokens ``[cu_seqlens_k[b],
+      cu_seqlens_k[b+1])`` of sequence ``b`` in ``k`` / ``v`` (keys outside every sequence are never attended).
+      None: the keys are the query tokens (``cu_seqlens_k = cu_seqlens``).
   Non-finite values never leak across sequences or from padding tokens (masked pairs are selected out with
   ``jnp.where``); a non-finite value among a query's own valid ``v`` rows makes that output element NaN (also
   for +-inf, where IEEE arithmetic might give +-inf).
   Returns:
     ``(out bfloat16 [T, H, Dv], lse float32 [T, H])`` (lse: natural log of the softmax denominator of the
-    scaled logits). Memory is O(T^2 H) (a reference, not a kernel).
+    scaled logits). Memory is O(T Tk H) (a reference, not a kernel).
   """
   check_array("q", q, ndim=3, dtypes=_ACT_DTYPES, expect="[T, H, Dqk]")
   t, h, dqk = q.shape
-  check_array("k", k, shape=(t, h, dqk), dtypes=_ACT_DTYPES, expect=f"[T, H, Dqk] = [{t}, {h}, {dqk}]")
-  check_array("v", v, shape=(t, h, None), dtypes=_ACT_DTYPES, expect=f"[T, H, Dv] = [{t}, {h}, Dv]")
+  tk = t if cu_seqlens_k is None else k.shape[0]
+  check_array("k", k, shape=(tk, h, dqk), dtypes=_ACT_DTYPES, expect=f"[Tk, H, Dqk] = [{tk}, {h}, {dqk}]")
+  check_array("v", v, shape=(tk, h, None), dtypes=_ACT_DTYPES, expect=f"[Tk, H, Dv] = [{tk}, {h}, Dv]")
   check_array("cu_seqlens", cu_seqlens, ndim=1, dtypes=(jnp.int32,), expect="[B + 1]")
   if cu_seqlens.shape[0] < 1:
     raise ValueError("cu_seqlens must have shape [B + 1] with B >= 0; got shape (0,)")
+  if cu_seqlens_k is None:
+    cu_seqlens_k = cu_seqlens
+  check_array("cu_seqlens_k", cu_seqlens_k, shape=cu_seqlens.shape, dtypes=(jnp.int32,),
+              expect=f"[B + 1] = {list(cu_seqlens.shape)} (as cu_seqlens)")
   softmax_scale = check_scalar("softmax_scale", softmax_scale)
-  tok = jnp.arange(t, dtype=jnp.int32)
-  # sequence id of each token (-1 when it belongs to none)
-  seq = jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1
-  in_any = (tok >= cu_seqlens[0]) & (tok < cu_seqlens[-1])
-  seq = jnp.where(in_any, seq, -1)
-  valid = (seq[:, None] == seq[None, :]) & in_any[:, None] & in_any[None, :]  # [Tq, Tk]
+
+  def seq_and_pos(cu, n):
+    """sequence id (-1: none) and position within it of each of n packed tokens."""
+    tok = jnp.arange(n, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, tok, side="right").astype(jnp.int32) - 1
+    inside = (tok >= cu[0]) & (tok < cu[-1])
+    seq = jnp.where(inside, seq, -1)
+    return seq, tok - cu[jnp.clip(seq, 0, cu.shape[0] - 1)]
+
+  seq_q, pos_q = seq_and_pos(cu_seqlens, t)
+  seq_k, pos_k = seq_and_pos(cu_seqlens_k, tk)
+  valid = (seq_q[:, None] == seq_k[None, :]) & (seq_q[:, None] >= 0)  # [Tq, Tk]
   if causal:
-    valid = valid & (tok[None, :] <= tok[:, None])  # packed contiguously: position order == token order
+    last = cu_seqlens.shape[0] - 1
+    b = jnp.clip(seq_q, 0, max(last - 1, 0))
+    len_q = cu_seqlens[jnp.minimum(b + 1, last)] - cu_seqlens[b]                # [Tq]
+    len_k = cu_seqlens_k[jnp.minimum(b + 1, last)] - cu_seqlens_k[b]
+    # aligned at the end: key position j is visible to query position i when j - Lk <= i - Lq
+    valid = valid & (pos_k[None, :] - len_k[:, None] <= (pos_q - len_q)[:, None])
   logits = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32), precision=_HI)
   logits = jnp.where(valid[None], logits * softmax_scale, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)

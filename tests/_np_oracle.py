@@ -188,20 +188,26 @@ def dense_decode(q, pages, block_table, cache_seqlens, softmax_scale, kv_scale=1
   return out, lse
 
 
-def varlen_attention(q, k, v, cu_seqlens, softmax_scale, causal=True):
-  """q, k [T, H, Dqk], v [T, H, Dv]; per sequence attention; tokens outside every sequence -> 0 / -inf."""
+def varlen_attention(q, k, v, cu_seqlens, softmax_scale, causal=True, cu_seqlens_k=None):
+  """q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; per sequence attention; tokens outside every sequence ->
+  0 / -inf. With ``cu_seqlens_k`` the keys of sequence b are its own rows of k / v and causal is bottom-right:
+  its last query sees every key, its query i sees keys up to i + Lk - Lq (none when that is negative)."""
   q, k, v = f64(q), f64(k), f64(v)
   t, h_, _ = q.shape
   out = np.zeros((t, h_, v.shape[-1]))
   lse = np.full((t, h_), -np.inf)
   cu = [int(c) for c in np.asarray(cu_seqlens)]
+  cuk = cu if cu_seqlens_k is None else [int(c) for c in np.asarray(cu_seqlens_k)]
   for b in range(len(cu) - 1):
     start, end = cu[b], cu[b + 1]
+    k0, k1 = cuk[b], cuk[b + 1]
     for i in range(start, end):
-      stop = i + 1 if causal else end
+      stop = k0 + (i - start) + (k1 - k0) - (end - start) + 1 if causal else k1
+      if stop <= k0:
+        continue                                     # no key: out 0, lse -inf
       for h in range(h_):
-        logits = softmax_scale * (k[start:stop, h] @ q[i, h])
-        out[i, h], lse[i, h] = _softmax_row(logits, v[start:stop, h])
+        logits = softmax_scale * (k[k0:stop, h] @ q[i, h])
+        out[i, h], lse[i, h] = _softmax_row(logits, v[k0:stop, h])
   return out, lse
 
 

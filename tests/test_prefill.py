@@ -25,39 +25,44 @@ from mla_pallas.ops.prefill import mla_prefill
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _attend_standin(q4, k4, v4, lens, offsets, *, scale, causal):
-  """float32 jnp model of ``_cudnn_attend`` (see the module docstring)."""
-  _, t, h, d = q4.shape
-  assert k4.shape == q4.shape and v4.shape == q4.shape, "the cuDNN backend must hand cuDNN one head dim"
-  m = lens.shape[1]
-  assert offsets.shape == (1, m + 1) and m >= 2
-  lens, offs = lens[0], offsets[0, :m]
-  tok = jnp.arange(t)
-  pos = jnp.arange(t)
-  in_seg = pos[None, :] < lens[:, None]                                  # [M, P]
-  rows = jnp.clip(offs[:, None] + pos[None, :], 0, t - 1)                # [M, P] token of (segment, position)
-  qs = q4[0].astype(jnp.float32)[rows]                                   # [M, P, H, D]
-  ks = k4[0].astype(jnp.float32)[rows]
-  valid = in_seg[:, :, None] & in_seg[:, None, :]                        # [M, Pq, Pk]
+def _attend_standin(q4, k4, v4, q_lens, kv_lens, q_offsets, kv_offsets, *, scale, causal):
+  """float32 jnp model of ``_cudnn_attend`` (see the module docstring). Segments that break the callers' rules (a
+  query segment without keys; a causal segment with q_lens != kv_lens) answer NaN out and statistics."""
+  _, tq, h, d = q4.shape
+  tk = k4.shape[1]
+  assert k4.shape == (1, tk, h, d) and v4.shape == k4.shape, "the cuDNN backend must hand cuDNN one head dim"
+  m = q_lens.shape[1]
+  assert kv_lens.shape == (1, m) and q_offsets.shape == kv_offsets.shape == (1, m + 1) and m >= 2
+  q_lens, kv_lens, q_offs, kv_offs = q_lens[0], kv_lens[0], q_offsets[0, :m], kv_offsets[0, :m]
+  broken = ((kv_lens == 0) & (q_lens > 0)) | ((q_lens != kv_lens) & causal)          # [M]
+  pq, pk = jnp.arange(tq), jnp.arange(tk)
+  in_q = pq[None, :] < q_lens[:, None]                                   # [M, Pq]
+  in_k = pk[None, :] < kv_lens[:, None]                                  # [M, Pk]
+  rows_q = jnp.clip(q_offs[:, None] + pq[None, :], 0, tq - 1)            # [M, Pq] token of (segment, position)
+  rows_k = jnp.clip(kv_offs[:, None] + pk[None, :], 0, tk - 1)
+  qs = q4[0].astype(jnp.float32)[rows_q]                                 # [M, Pq, H, D]
+  ks = k4[0].astype(jnp.float32)[rows_k]
+  valid = in_q[:, :, None] & in_k[:, None, :]                            # [M, Pq, Pk]
   if causal:
-    valid = valid & (pos[None, None, :] <= pos[None, :, None])
+    valid = valid & (pk[None, None, :] <= pq[None, :, None])
   s = jnp.einsum("mqhd,mkhd->mhqk", qs, ks, precision=_HI) * scale
   s = jnp.where(valid[:, None], s, -jnp.inf)
   mx = jnp.max(s, axis=-1, keepdims=True)
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
   p = jnp.where(valid[:, None], jnp.exp(s - mx), 0.0)
-  l = jnp.sum(p, axis=-1)                                                # [M, H, P]
-  stats = jnp.where(in_seg[:, None, :], jnp.log(l) + mx[..., 0], jnp.nan)
+  l = jnp.sum(p, axis=-1)                                                # [M, H, Pq]
+  stats = jnp.where(in_q[:, None, :], jnp.log(l) + mx[..., 0], jnp.nan)
+  stats = jnp.where(broken[:, None, None], jnp.nan, stats)
   # hostile P·V: every key of the packed batch, weight 0 outside the segment (0 * NaN = NaN leaks)
-  w = jnp.zeros((m, h, t, t), jnp.float32)
+  w = jnp.zeros((m, h, tq, tk), jnp.float32)
   w = w.at[jnp.arange(m)[:, None, None, None], jnp.arange(h)[None, :, None, None],
-           pos[None, None, :, None], rows[:, None, None, :]].add(p)
+           pq[None, None, :, None], rows_k[:, None, None, :]].add(p)
   o = jnp.einsum("mhqk,khd->mqhd", w, v4[0].astype(jnp.float32), precision=_HI)
   o = o / jnp.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
-  out = jnp.full((t, h, d), jnp.nan, jnp.float32)
-  dest = jnp.where(in_seg, rows, t)                                      # rows past the segment: dropped
+  o = jnp.where(broken[:, None, None, None], jnp.nan, o)
+  out = jnp.full((tq, h, d), jnp.nan, jnp.float32)
+  dest = jnp.where(in_q, rows_q, tq)                                     # rows past the segment: dropped
   out = out.at[dest].set(o, mode="drop")
-  del tok
   return out[None].astype(q4.dtype), stats
 
 
@@ -98,10 +103,11 @@ def _assert_close(out, lse, r_out, r_lse, *, out_rel, lse_abs):
   assert np.all(np.abs(g[fin] - w[fin]) <= lse_abs), np.max(np.abs(g[fin] - w[fin]))
 
 
-def _standin(q, k, v, cu, scale, causal, static=True, one=False):
-  """The cuDNN backend with the stand-ins; ``one``: a one-sequence batch's clean branch takes the non-packed call."""
+def _standin(q, k, v, cu, scale, causal, static=True, one=False, cu_k=None):
+  """The cuDNN backend with the stand-ins; ``one``: a one-sequence batch's clean branch takes the non-packed call;
+  ``cu_k``: separate keys."""
   return pf._cudnn_jit(q, k, v, cu, jnp.float32(scale), causal=causal, scale=float(scale) if static else None,
-                       attend=_attend_standin, attend_one=_attend_one_standin if one else None)
+                       cu_seqlens_k=cu_k, attend=_attend_standin, attend_one=_attend_one_standin if one else None)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -221,6 +227,80 @@ def test_standin_matches_reference(rng, name, causal):
   _assert_close(out, lse, r_out, r_lse, **EXACT)
 
 
+# Separate keys (cu_seqlens_k): (T, cu_seqlens, Tk, cu_seqlens_k, bad v entries (key index, value), (Dqk, Dv))
+CONTEXT_CASES = {
+    "chunk_after_context": (12, [0, 5, 12], 40, [0, 20, 40], (), (24, 16)),              # Lk - Lq = 15, 13
+    "ragged": (9, [0, 1, 1, 8, 9], 47, [0, 37, 40, 47, 47], (), (24, 16)),             # 1/37, 0/3, 7/7, 1/0
+    "fewer_keys": (10, [0, 10], 4, [0, 4], (), (16, 16)),                                # 6 queries see nothing
+    "one_sequence": (16, [0, 16], 50, [0, 50], (), (16, 8)),
+    "padding_both": (18, [2, 9, 15], 35, [3, 20, 31],
+                     [((0,), np.nan), ((33,), np.inf), ((34, 1, 2), np.nan)], (16, 16)),
+    "nonfinite_context": (12, [0, 5, 12], 40, [0, 20, 40],                             # context key 3: every
+                          [((3, 0, 1), np.nan), ((38, 1, 0), np.inf)], (24, 16)),      # query of seq 0; key 38:
+}                                                                                        # the last 5 of seq 1
+
+
+def _context_case(rng, name):
+  t, cu, tk, cu_k, bad, (dqk, dv) = CONTEXT_CASES[name]
+  q, _, _, cu = _case(rng, t, 2, dqk, dv, cu)
+  _, k, v, cu_k = _case(rng, tk, 2, dqk, dv, cu_k, bad=bad)
+  return q, k, v, cu, cu_k
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(CONTEXT_CASES))
+def test_standin_separate_keys_matches_reference(rng, name, causal):
+  """The cuDNN backend's context split (a non-causal call over each sequence's first Lk - n keys, a causal call
+  over the last n keys with the last n queries, merged by lse) against the reference. Error model: each part
+  o_A, o_B (a convex combination of its v rows, so |o_X| <= max|v|) is rounded to bf16 by the stand-in (as by
+  cuDNN: <= 2^-8 |o_X|) before the f32 merge w_A o_A + w_B o_B (w_A + w_B = 1): <= 2^-8 max|v| absolute, however
+  much the two parts cancel; then the sum is rounded to bf16 (<= 2^-8 |out|), and the reference itself is one
+  bf16 rounding away from the exact value (2^-8 |r|). lse: f32 log-sum-exp of O(1) logits (1e-4)."""
+  q, k, v, cu, cu_k = _context_case(rng, name)
+  out, lse = _standin(q, k, v, cu, 0.3, causal, cu_k=cu_k)
+  assert out.shape == (q.shape[0], 2, v.shape[2]) and out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal, cu_seqlens_k=cu_k)
+  vmax = np.nanmax(np.where(np.isfinite(np.asarray(v, np.float64)), np.abs(np.asarray(v, np.float64)), 0))
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
+  fin = np.isfinite(r)
+  assert np.all(np.abs(o[fin] - r[fin]) <= 2.0 ** -8 * vmax + 2.0 ** -7 * np.abs(r[fin]) + 1e-5)
+  _assert_close(r_out, lse, r_out, r_lse, out_rel=0, lse_abs=1e-4)                 # lse (and its -inf rows)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(CONTEXT_CASES))
+def test_f32_backend_separate_keys_matches_reference(rng, f32_backend, name, causal):
+  q, k, v, cu, cu_k = _context_case(rng, name)
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal, cu_seqlens_k=cu_k)
+  assert pf.xla_backend(q, k, v, cu) == "f32"
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal, cu_seqlens_k=cu_k)
+  _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_f32_backend_separate_keys_small_blocks(rng, monkeypatch, f32_backend):
+  """Many query and key blocks (block 8): the per-block key-range bounds of the loop."""
+  monkeypatch.setattr(pf, "_MAX_BLOCK", 8)
+  q, k, v, cu, cu_k = _context_case(rng, "ragged")
+  for causal in (True, False):
+    out, lse = pf._f32_jit(q, k, v, cu, jnp.float32(0.3), causal=causal, cu_seqlens_k=cu_k)
+    r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.3, causal=causal, cu_seqlens_k=cu_k)
+    _assert_close(out, lse, r_out, r_lse, **EXACT)
+
+
+def test_separate_keys_validation(rng):
+  q, k, v, cu, cu_k = _context_case(rng, "chunk_after_context")
+  with pytest.raises(ValueError, match=r"k must have shape \[T, H, Dqk\]"):          # Tk != T needs cu_seqlens_k
+    mla_prefill(q, k, v, cu, softmax_scale=0.3)
+  with pytest.raises(ValueError, match="cu_seqlens_k"):
+    mla_prefill(q, k, v, cu, softmax_scale=0.3, cu_seqlens_k=cu_k[:-1])
+  with pytest.raises(ValueError, match="cu_seqlens_k"):
+    mla_prefill(q, k, v, cu, softmax_scale=0.3, cu_seqlens_k=cu_k.astype(jnp.int64) if jax.config.x64_enabled
+                else cu_k.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"v must have shape \[Tk, H, Dv\]"):
+    mla_prefill(q, k, v[:-1], cu, softmax_scale=0.3, cu_seqlens_k=cu_k)
+
+
 ONE_SEQUENCE = {
     # B = 1, (T, cu_seqlens, bad v entries, (Dqk, Dv)): the non-packed call in the clean branch, the packed one else
     "whole": (47, [0, 47], (), (24, 16)),
@@ -266,18 +346,23 @@ def test_clean_predicate(rng):
   cases above with padding tokens or non-finite v fail against the hostile stand-in unless the general branch ran."""
   v = jnp.ones((20, 2, 8), jnp.bfloat16)
   cu = lambda c: jnp.asarray(c, jnp.int32)
-  assert bool(pf._is_clean(v, cu([0, 10, 20])))
-  assert not bool(pf._is_clean(v, cu([1, 10, 20])))
-  assert not bool(pf._is_clean(v, cu([0, 10, 19])))
-  assert not bool(pf._is_clean(v.at[3, 1, 2].set(jnp.inf), cu([0, 10, 20])))
+  clean = lambda v, c, ck=None: bool(pf._is_clean(v, cu(c), cu(c if ck is None else ck), 20))
+  assert clean(v, [0, 10, 20])
+  assert not clean(v, [1, 10, 20])
+  assert not clean(v, [0, 10, 19])
+  assert not clean(v.at[3, 1, 2].set(jnp.inf), [0, 10, 20])
+  v30 = jnp.ones((30, 2, 8), jnp.bfloat16)                             # separate keys: both packings count
+  assert clean(v30, [0, 10, 20], [0, 12, 30])
+  assert not clean(v30, [0, 10, 20], [0, 12, 29])
+  assert not clean(v30, [0, 10, 19], [0, 12, 30])
 
 
 def test_cudnn_never_sees_nonfinite_v(rng):
   seen = []
 
-  def spy(q4, k4, v4, lens, offsets, *, scale, causal):
+  def spy(q4, k4, v4, *segments, scale, causal):
     jax.debug.callback(lambda fin: seen.append(bool(fin)), jnp.all(jnp.isfinite(v4)))
-    return _attend_standin(q4, k4, v4, lens, offsets, scale=scale, causal=causal)
+    return _attend_standin(q4, k4, v4, *segments, scale=scale, causal=causal)
 
   for cu, bad in [([0, 10, 20], ()), ([1, 10, 20], [((0,), np.nan)]), ([0, 10, 20], [((4, 0, 0), np.inf)])]:
     q, k, v, cu = _case(rng, 20, 2, 16, 16, cu, bad=bad)
@@ -340,6 +425,27 @@ def test_cudnn_call_lowers_for_cuda(cuda_lowering, t, h, dqk, dv, nseq, causal):
     qkv = f"tensor<1x{t}x{h}x{dqk}xbf16>"                     # v zero-padded to Dqk
     assert f"({qkv}, {qkv}, {qkv}, tensor<1x{m}xi32>, tensor<1x{m}xi32>, tensor<1x{m + 1}xi32>, " \
            f"tensor<1x{m + 1}xi32>) -> (tensor<1x{h}x{t}x{dqk}xbf16>, tensor<{m}x{h}x{t}xf32>" in c
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_context_calls_lower_for_cuda(cuda_lowering, causal):
+  """Separate keys: q [1, Tq] and k, v [1, Tk] in one packed call per part; causal: a PADDING call (context) and
+  a PADDING_CAUSAL call (the last n keys) in each lax.cond branch; non-causal: one PADDING call."""
+  tq, tk, h, dqk, dv, nseq = 48, 80, 2, 64, 32, 3
+  avals = (jax.ShapeDtypeStruct((tq, h, dqk), jnp.bfloat16), jax.ShapeDtypeStruct((tk, h, dqk), jnp.bfloat16),
+           jax.ShapeDtypeStruct((tk, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct((nseq + 1,), jnp.int32),
+           jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((nseq + 1,), jnp.int32))
+  fn = jax.jit(lambda q, k, v, cu, s, cu_k: pf._cudnn_jit(q, k, v, cu, s, causal=causal, scale=0.125,
+                                                          cu_seqlens_k=cu_k))
+  text = fn.trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [ln for ln in text.splitlines() if "__cudnn$fmha" in ln and "custom_call" in ln]
+  assert len(calls) == (4 if causal else 2)                     # per part, one per lax.cond branch
+  masks = sorted("PADDING_CAUSAL" if "PADDING_CAUSAL" in c else "PADDING" for c in calls)
+  assert masks == (["PADDING"] * 2 + ["PADDING_CAUSAL"] * 2 if causal else ["PADDING"] * 2)
+  qt, kt = f"tensor<1x{tq}x{h}x{dqk}xbf16>", f"tensor<1x{tk}x{h}x{dqk}xbf16>"   # v zero-padded to Dqk
+  for c in calls:
+    assert f"({qt}, {kt}, {kt}, tensor<1x{nseq}xi32>, tensor<1x{nseq}xi32>, tensor<1x{nseq + 1}xi32>, " \
+           f"tensor<1x{nseq + 1}xi32>) -> (tensor<1x{h}x{tq}x{dqk}xbf16>, tensor<{nseq}x{h}x{tq}xf32>" in c
 
 
 def test_cudnn_call_traced_scale_folds_into_q(cuda_lowering):

@@ -303,6 +303,33 @@ def test_mla_prefill_matches_oracle(causal, dtype):
   assert assert_empty_rows(out, lse, want_lse) == 2 * h  # the two trailing tokens
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_prefill_separate_keys_matches_oracle(causal):
+  """cu_seqlens_k: keys packed on their own; sequences with context (Lk > Lq), none (Lk = Lq), fewer keys than
+  queries (Lk < Lq: the first Lq - Lk queries attend nothing under causal), no queries, no keys; padding on both
+  sides."""
+  rng = np.random.default_rng(44 + int(causal))
+  cu = np.array([1, 4, 4, 11, 17, 18], np.int32)       # Lq 3, 0, 7, 6, 1; tokens 0, 18, 19 padding
+  cu_k = np.array([0, 20, 23, 30, 33, 33], np.int32)   # Lk 20, 3, 7, 3, 0; keys 33, 34 padding
+  t, tk, h, dqk, dv = 20, 35, 2, 24, 16
+  q = jnp.asarray(rng.normal(size=(t, h, dqk)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(tk, h, dqk)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(tk, h, dv)), jnp.float32)
+  out, lse = mla_prefill(q, k, v, jnp.asarray(cu), softmax_scale=0.3, causal=causal, cu_seqlens_k=jnp.asarray(cu_k))
+  assert out.shape == (t, h, dv) and lse.shape == (t, h)
+  want_out, want_lse = o.varlen_attention(q, k, v, cu, 0.3, causal, cu_seqlens_k=cu_k)
+  assert_out(out, want_out, what="out")
+  assert_lse(lse, want_lse, what="lse")
+  # padding tokens 0, 18, 19, the keyless sequence 4 and (causal) the first 3 queries of sequence 3
+  assert assert_empty_rows(out, lse, want_lse) == (3 + 1 + 3 * int(causal)) * h
+  # the same keys passed as the query tokens: cu_seqlens_k = cu_seqlens is the one-array form
+  same, same_lse = mla_prefill(q, q, q[..., :dv], jnp.asarray(cu), softmax_scale=0.3, causal=causal,
+                               cu_seqlens_k=jnp.asarray(cu))
+  one, one_lse = mla_prefill(q, q, q[..., :dv], jnp.asarray(cu), softmax_scale=0.3, causal=causal)
+  np.testing.assert_array_equal(o.f64(same), o.f64(one))
+  np.testing.assert_array_equal(np.asarray(same_lse), np.asarray(one_lse))
+
+
 def test_mla_prefill_sequences_do_not_interact():
   rng = np.random.default_rng(42)
   cu = jnp.asarray([0, 4, 9], jnp.int32)

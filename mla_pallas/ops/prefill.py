@@ -47,12 +47,24 @@ with ``causal``, only those up to its last token), so a packed batch of short se
 ``H · bq · bk <= 2**24``): T = 8192 with H = 16 needs ~16 MiB of logits, not the 4 GiB of a full ``[H, T, T]`` f32
 tensor. Not differentiable in reverse mode (dynamic loop bounds).
 
+Separate keys (``cu_seqlens_k``, prefill over cached context): k and v hold Tk packed key tokens of their own.
+The f32 backend gives each query its key range directly. The cuDNN backend (whose causal mask is top-left)
+splits each sequence of Lq queries and Lk keys: a non-causal call over its first Lk - n keys (n = min(Lq, Lk):
+the context, which every query sees) and a causal call of its last n queries over its last n keys (equal
+lengths: top-left is bottom-right), both in the packed layout over the same q, k, v with their own segment
+lengths and offsets, merged by lse in float32 (each part rounded to bf16 by cuDNN first). A query segment
+whose key segment is empty is passed with length 0; the one-sequence call is not used.
+
 Shapes and index rules:
-  q [T, H, Dqk], k [T, H, Dqk], v [T, H, Dv]: bfloat16 or float32 (each on its own); one key per head.
-  cu_seqlens [B + 1] int32, non-decreasing: sequence b owns tokens [cu_seqlens[b], cu_seqlens[b+1]). Tokens
-  outside [cu_seqlens[0], cu_seqlens[B]) belong to no sequence: their output is 0 and lse -inf, and they are
-  never attended. cu_seqlens[B] must be <= T (tokens past T do not exist).
-  causal (python bool): token at position i of its sequence attends positions <= i of the same sequence.
+  q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]: bfloat16 or float32 (each on its own); one key per head.
+  cu_seqlens [B + 1] int32, non-decreasing: sequence b owns query tokens [cu_seqlens[b], cu_seqlens[b+1]).
+  Tokens outside [cu_seqlens[0], cu_seqlens[B]) belong to no sequence: their output is 0 and lse -inf, and they
+  are never attended. cu_seqlens[B] must be <= T (tokens past T do not exist).
+  cu_seqlens_k [B + 1] int32 (optional; default: cu_seqlens and Tk = T): sequence b's keys are tokens
+  [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k / v; keys outside every sequence are never attended.
+  causal (python bool): the query at position i of its sequence (Lq queries, Lk keys) attends key positions
+  j <= i + Lk - Lq (bottom-right, FlashAttention's varlen rule; with one array, j <= i); a query with no such
+  key gets out 0 and lse -inf.
 Returns out [T, H, Dv] bfloat16 and lse [T, H] float32 (natural log of the softmax denominator of
 softmax_scale · q·k). Non-finite values never leak across sequences or from padding tokens; a non-finite value
 among a query's own valid v rows makes that output element NaN (as in the reference).
@@ -83,18 +95,29 @@ _STATS_BUDGET = 1 << 30     # bytes of cuDNN softmax statistics, M · H · T · 
 _log = logging.getLogger("mla_pallas")
 
 
-def _check_args(q, k, v, cu_seqlens, softmax_scale, causal):
+def _check_args(q, k, v, cu_seqlens, softmax_scale, causal, cu_seqlens_k=None):
   _checks.check_array("q", q, ndim=3, dtypes=_ACT, expect="[T, H, Dqk]")
   t, h, dqk = q.shape
   if t < 1 or h < 1 or dqk < 1:
     raise ValueError(f"q must have shape [T, H, Dqk] with T, H, Dqk >= 1; got shape {tuple(q.shape)}")
-  _checks.check_array("k", k, ndim=3, shape=(t, h, dqk), dtypes=_ACT, expect=f"[T, H, Dqk] = [{t}, {h}, {dqk}]")
-  _checks.check_array("v", v, ndim=3, shape=(t, h, None), dtypes=_ACT, expect=f"[T, H, Dv] = [{t}, {h}, Dv]")
+  if cu_seqlens_k is None:
+    _checks.check_array("k", k, ndim=3, shape=(t, h, dqk), dtypes=_ACT, expect=f"[T, H, Dqk] = [{t}, {h}, {dqk}]")
+    tk = t
+  else:
+    _checks.check_array("k", k, ndim=3, shape=(None, h, dqk), dtypes=_ACT,
+                        expect=f"[Tk, H, Dqk] = [Tk, {h}, {dqk}] (keys of cu_seqlens_k)")
+    tk = k.shape[0]
+    if tk < 1:
+      raise ValueError(f"k must have shape [Tk, H, Dqk] with Tk >= 1; got shape {tuple(k.shape)}")
+  _checks.check_array("v", v, ndim=3, shape=(tk, h, None), dtypes=_ACT, expect=f"[Tk, H, Dv] = [{tk}, {h}, Dv]")
   if v.shape[2] < 1:
-    raise ValueError(f"v must have shape [T, H, Dv] with Dv >= 1; got shape {tuple(v.shape)}")
+    raise ValueError(f"v must have shape [Tk, H, Dv] with Dv >= 1; got shape {tuple(v.shape)}")
   _checks.check_array("cu_seqlens", cu_seqlens, ndim=1, dtypes=(jnp.int32,), expect="[B + 1]")
   if cu_seqlens.shape[0] < 1:
     raise ValueError("cu_seqlens must have shape [B + 1] with B >= 0; got shape (0,)")
+  if cu_seqlens_k is not None:
+    _checks.check_array("cu_seqlens_k", cu_seqlens_k, ndim=1, shape=cu_seqlens.shape, dtypes=(jnp.int32,),
+                        expect=f"[B + 1] = [{cu_seqlens.shape[0]}] (as cu_seqlens)")
   _checks.check_scalar("softmax_scale", softmax_scale)
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"causal must be a python bool; got {type(causal).__name__}")
@@ -104,7 +127,8 @@ def _check_args(q, k, v, cu_seqlens, softmax_scale, causal):
 # backend choice
 # ----------------------------------------------------------------------------------------------------------
 
-def _cudnn_shape_reason(dtypes, t: int, h: int, dqk: int, dv: int, nseq: int) -> str | None:
+def _cudnn_shape_reason(dtypes, t: int, h: int, dqk: int, dv: int, nseq: int, tk: int | None = None
+                        ) -> str | None:
   """Why the cuDNN backend cannot take these inputs (None: it can). Pure function of the static inputs."""
   if any(np.dtype(d) != np.dtype(jnp.bfloat16) for d in dtypes):
     return "cuDNN backend needs bfloat16 q, k, v (float32 inputs keep float32 math)"
@@ -112,8 +136,8 @@ def _cudnn_shape_reason(dtypes, t: int, h: int, dqk: int, dv: int, nseq: int) ->
     return f"cuDNN needs Dqk <= {_CUDNN_MAX_HEAD_DIM} and Dqk, Dv multiples of 8; got Dqk {dqk}, Dv {dv}"
   if dv > dqk:
     return f"cuDNN backend pads v to Dqk and needs Dv <= Dqk; got Dqk {dqk}, Dv {dv}"
-  if t * h * dqk >= 2 ** 31:
-    return f"T · H · Dqk = {t * h * dqk} does not fit cuDNN's int32 element offsets"
+  if max(t, tk or 0) * h * dqk >= 2 ** 31:
+    return f"max(T, Tk) · H · Dqk = {max(t, tk or 0) * h * dqk} does not fit cuDNN's int32 element offsets"
   if nseq >= 1 and max(nseq, 2) * h * t * 4 > _STATS_BUDGET:
     return (f"cuDNN's softmax statistics [max(B, 2), H, T] would take {max(nseq, 2) * h * t * 4} bytes "
             f"(> {_STATS_BUDGET})")
@@ -146,7 +170,7 @@ def _cudnn_device_reason() -> str | None:
 def _backend_reason(q, k, v, cu_seqlens) -> str | None:
   t, h, dqk = q.shape
   return _cudnn_device_reason() or _cudnn_shape_reason(
-      (q.dtype, k.dtype, v.dtype), t, h, dqk, v.shape[2], cu_seqlens.shape[0] - 1)
+      (q.dtype, k.dtype, v.dtype), t, h, dqk, v.shape[2], cu_seqlens.shape[0] - 1, k.shape[0])
 
 
 def xla_backend(q, k, v, cu_seqlens) -> str:
@@ -165,35 +189,53 @@ def _blocks(t: int, h: int) -> int:
   return blk
 
 
-def _f32_prefill(q, k, v, cu_seqlens, softmax_scale, causal):
-  t, h, dqk = q.shape
-  dv = v.shape[2]
-  blk = _blocks(t, h)
-  nb = -(-t // blk)
-  tp = nb * blk
-  tok = jnp.arange(tp, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1
-  in_any = (tok >= cu_seqlens[0]) & (tok < cu_seqlens[-1]) & (tok < t)
-  seq = jnp.where(in_any, seq, -1)
-  nseq = cu_seqlens.shape[0] - 1
-  start = jnp.where(in_any, cu_seqlens[jnp.clip(seq, 0, max(nseq - 1, 0))], tp)         # first key of token's seq
-  end = jnp.where(in_any, cu_seqlens[jnp.clip(seq + 1, 0, nseq)], 0)                   # one past its last key
-  if causal:
-    end = jnp.where(in_any, tok + 1, 0)
+def _key_ranges(cu_q, cu_k, tq: int, tk: int, causal: bool):
+  """Per query token: (inside a sequence, first key, one past the last key) over the packed keys ``[0, tk)``.
 
-  pad = ((0, tp - t), (0, 0), (0, 0))
-  qf = jnp.pad(q.astype(jnp.float32), pad).reshape(nb, blk, h, dqk)
-  kf = jnp.pad(k.astype(jnp.float32), pad)
-  v32 = jnp.pad(v.astype(jnp.float32), pad)
+  Query token t of sequence b (``cu_q[b] <= t < cu_q[b+1]``, position ``i = t - cu_q[b]`` of ``Lq``) attends the
+  keys ``[cu_k[b], cu_k[b] + n)`` with ``n = Lk`` (``causal=False``) or ``n = clip(i + Lk - Lq + 1, 0, Lk)``
+  (bottom-right causal). Tokens outside every sequence get the empty range [0, 0). Both bounds lie in [0, tk].
+  """
+  tok = jnp.arange(tq, dtype=jnp.int32)
+  last = cu_q.shape[0] - 1
+  seq = jnp.searchsorted(cu_q, tok, side="right").astype(jnp.int32) - 1
+  inside = (tok >= cu_q[0]) & (tok < cu_q[-1])
+  b = jnp.clip(seq, 0, max(last - 1, 0))
+  nxt = jnp.minimum(b + 1, last)
+  start = cu_k[b]
+  len_k = jnp.maximum(cu_k[nxt] - start, 0)
+  n = len_k
+  if causal:
+    n = jnp.clip(tok - cu_q[b] + len_k - (cu_q[nxt] - cu_q[b]) + 1, 0, len_k)
+  start = jnp.clip(start, 0, tk)
+  end = jnp.clip(start + n, start, tk)
+  return inside, jnp.where(inside, start, 0), jnp.where(inside, end, 0)
+
+
+def _f32_prefill(q, k, v, cu_seqlens, cu_seqlens_k, softmax_scale, causal):
+  tq, h, dqk = q.shape
+  tk, dv = k.shape[0], v.shape[2]
+  blk = _blocks(max(tq, tk), h)
+  nbq, nbk = -(-tq // blk), -(-tk // blk)
+  tqp, tkp = nbq * blk, nbk * blk
+  inside, start, end = _key_ranges(cu_seqlens, cu_seqlens_k, tq, tk, causal)
+  pad_q = ((0, tqp - tq),)
+  start, end = jnp.pad(start, pad_q), jnp.pad(end, pad_q)          # padded queries: empty range
+
+  qf = jnp.pad(q.astype(jnp.float32), pad_q + ((0, 0), (0, 0))).reshape(nbq, blk, h, dqk)
+  pad_k = ((0, tkp - tk), (0, 0), (0, 0))
+  kf = jnp.pad(k.astype(jnp.float32), pad_k)
+  v32 = jnp.pad(v.astype(jnp.float32), pad_k)
   v_ok = jnp.isfinite(v32)
   v_fin = jnp.where(v_ok, v32, 0.0)
   v_bad = (~v_ok).astype(jnp.float32)
   scale = jnp.asarray(softmax_scale, jnp.float32)
 
   def q_block(args):
-    qb, seq_q, in_q, tok_q, lo_tok, hi_tok = args                    # qb [blk, H, Dqk]
-    lo = jnp.minimum(lo_tok, tp) // blk
-    hi = jnp.where(hi_tok > 0, -(-hi_tok // blk), 0)
+    qb, lo_q, hi_q = args                                            # qb [blk, H, Dqk]; key ranges [blk]
+    has_keys = hi_q > lo_q
+    lo = jnp.min(jnp.where(has_keys, lo_q, tkp)) // blk
+    hi = -(-jnp.max(jnp.where(has_keys, hi_q, 0)) // blk)
     hi = jnp.maximum(hi, lo)
 
     def body(j, carry):
@@ -202,12 +244,8 @@ def _f32_prefill(q, k, v, cu_seqlens, softmax_scale, causal):
       kb = lax.dynamic_slice_in_dim(kf, k0, blk, 0)
       vb = lax.dynamic_slice_in_dim(v_fin, k0, blk, 0)
       vbad = lax.dynamic_slice_in_dim(v_bad, k0, blk, 0)
-      seq_k = lax.dynamic_slice_in_dim(seq, k0, blk, 0)
-      in_k = lax.dynamic_slice_in_dim(in_any, k0, blk, 0)
       tok_k = k0 + jnp.arange(blk, dtype=jnp.int32)
-      valid = (seq_q[:, None] == seq_k[None, :]) & in_q[:, None] & in_k[None, :]       # [bq, bk]
-      if causal:
-        valid = valid & (tok_k[None, :] <= tok_q[:, None])
+      valid = (tok_k[None, :] >= lo_q[:, None]) & (tok_k[None, :] < hi_q[:, None])  # [bq, bk]
       s = jnp.einsum("qhd,khd->hqk", qb, kb, precision=_HI)
       s = jnp.where(valid[None], s * scale, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))                    # [H, bq]
@@ -230,35 +268,36 @@ def _f32_prefill(q, k, v, cu_seqlens, softmax_scale, causal):
     lse = jnp.where(has, jnp.log(d) + m_t, -jnp.inf)
     return out.astype(jnp.bfloat16), lse
 
-  lo_tok = jnp.min(start.reshape(nb, blk), axis=1)
-  hi_tok = jnp.max(end.reshape(nb, blk), axis=1)
-  out, lse = lax.map(q_block, (qf, seq.reshape(nb, blk), in_any.reshape(nb, blk), tok.reshape(nb, blk),
-                               lo_tok, hi_tok))
-  return out.reshape(tp, h, dv)[:t], lse.reshape(tp, h)[:t]
-
+  out, lse = lax.map(q_block, (qf, start.reshape(nbq, blk), end.reshape(nbq, blk)))
+  del inside
+  return out.reshape(tqp, h, dv)[:tq], lse.reshape(tqp, h)[:tq]
 
 
 @functools.partial(jax.jit, static_argnames=("causal",))
-def _f32_jit(q, k, v, cu_seqlens, softmax_scale, *, causal):
-  return _f32_prefill(q, k, v, cu_seqlens, softmax_scale, causal)
+def _f32_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, cu_seqlens_k=None):
+  return _f32_prefill(q, k, v, cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, softmax_scale,
+                      causal)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # cuDNN backend
 # ----------------------------------------------------------------------------------------------------------
 
-def _cudnn_attend(q4, k4, v4, lens, offsets, *, scale: float, causal: bool):
-  """cuDNN flash attention in JAX's packed layout: the only call into cuDNN.
+def _cudnn_attend(q4, k4, v4, q_lens, kv_lens, q_offsets, kv_offsets, *, scale: float, causal: bool):
+  """cuDNN flash attention in JAX's packed layout: the only call into cuDNN's packed kernels.
 
-  q4, k4, v4 [1, T, H, D] bfloat16 (one D); lens [1, M] int32 segment lengths; offsets [1, M + 1] int32 token
-  offsets of the segments (offsets[0, s] + lens[0, s] <= T). Returns out [1, T, H, D] (rows outside every segment
-  are not written: undefined) and stats [M, H, T] float32: stats[s, h, p] = natural lse of the scaled logits of
-  the query at position p of segment s (undefined for p >= lens[s]).
+  q4 [1, Tq, H, D], k4 and v4 [1, Tk, H, D] bfloat16 (one D); q_lens, kv_lens [1, M] int32 segment lengths;
+  q_offsets, kv_offsets [1, M + 1] int32 token offsets of the segments in q4 and in k4 / v4 (non-decreasing,
+  offsets[0, s] + lens[0, s] <= T). A segment with kv_lens 0 has q_lens 0 too (the callers' rule: cuDNN is never
+  asked for a query without keys). ``causal``: query p of a segment attends keys <= p (the callers only pass
+  causal segments with q_lens == kv_lens). Returns out [1, Tq, H, D] (rows outside every segment are not
+  written: undefined) and stats [M, H, Tq] float32: stats[s, h, p] = natural lse of the scaled logits of the query
+  at position p of segment s (undefined for p >= q_lens[s]).
   """
   from jax._src.cudnn import fused_attention_stablehlo as fa
   mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
-  out, stats = fa.dot_product_attention(q4, k4, v4, None, None, lens, lens, offsets, offsets, scale=scale,
-                                        mask_type=mask, qkv_layout="BTNH", return_residual=True)
+  out, stats = fa.dot_product_attention(q4, k4, v4, None, None, q_lens, kv_lens, q_offsets, kv_offsets,
+                                        scale=scale, mask_type=mask, qkv_layout="BTNH", return_residual=True)
   return out, stats
 
 
@@ -273,41 +312,81 @@ def _cudnn_attend_one(q4, k4, v4, *, scale: float, causal: bool):
                                   qkv_layout="BTNH", return_residual=True)
 
 
-def _is_clean(v, cu):
-  """True when every v element is finite and every token of v belongs to a sequence (cu: clipped cu_seqlens)."""
-  return jnp.all(jnp.isfinite(v)) & (cu[0] == 0) & (cu[-1] == v.shape[0])
+def _is_clean(v, cu_q, cu_k, tq: int):
+  """True when every v element is finite and every query and key token belongs to a sequence (clipped cu's)."""
+  return (jnp.all(jnp.isfinite(v)) & (cu_q[0] == 0) & (cu_q[-1] == tq) & (cu_k[0] == 0)
+          & (cu_k[-1] == v.shape[0]))
 
 
-def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: float | None, attend=_cudnn_attend,
-                   attend_one=None):
+def _segment_calls(cu_q, cu_k, context: bool, causal: bool):
+  """The packed-layout calls that make up the attention: a list of (q_lens, kv_lens, q_offsets, kv_offsets,
+  causal) with lens [M] and offsets [M + 1] (cu_q, cu_k: clipped, M + 1 entries).
+
+  Without separate keys, one call (each sequence attends itself). With separate keys (``context``) and
+  ``causal``: sequence b's Lq queries are its last Lq tokens, so they attend its first ``Lk - n`` keys (the
+  context, n = min(Lq, Lk)) without a mask and its last n keys causally with its last n queries (equal lengths:
+  cuDNN's top-left causal mask is then the bottom-right one); the two parts are merged by their lse. A query
+  segment whose key segment is empty is given length 0."""
+  len_q = jnp.maximum(cu_q[1:] - cu_q[:-1], 0)
+  len_k = jnp.maximum(cu_k[1:] - cu_k[:-1], 0)
+  if not context:
+    return [(len_q, len_q, cu_q, cu_q, causal)]
+  if not causal:
+    return [(jnp.where(len_k > 0, len_q, 0), len_k, cu_q, cu_k, False)]
+  n_new = jnp.minimum(len_q, len_k)
+  n_old = len_k - n_new
+  q_new = jnp.concatenate([cu_q[:-1] + len_q - n_new, cu_q[-1:]])
+  k_new = jnp.concatenate([cu_k[:-1] + len_k - n_new, cu_k[-1:]])
+  return [(jnp.where(n_old > 0, len_q, 0), n_old, cu_q, cu_k, False), (n_new, n_new, q_new, k_new, True)]
+
+
+def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: float | None, cu_seqlens_k=None,
+                   attend=_cudnn_attend, attend_one=None):
   """The cuDNN backend (module docstring). ``scale``: static softmax scale, or None to fold the traced
-  ``softmax_scale`` into q. ``attend``: the packed-layout attention (``_cudnn_attend``; tests pass a stand-in).
-  ``attend_one``: the whole-sequence attention (``_cudnn_attend_one``) that the clean branch of a one-sequence
-  batch calls, or None to use the packed layout there too."""
-  t, h, dqk = q.shape
-  dv = v.shape[2]
+  ``softmax_scale`` into q. ``cu_seqlens_k``: the keys' sequences (None: the queries'). ``attend``: the
+  packed-layout attention (``_cudnn_attend``; tests pass a stand-in). ``attend_one``: the whole-sequence attention
+  (``_cudnn_attend_one``) that the clean branch of a one-sequence batch without separate keys calls, or None to
+  use the packed layout there too."""
+  tq, h, dqk = q.shape
+  tk, dv = k.shape[0], v.shape[2]
   nseq = cu_seqlens.shape[0] - 1
+  context = cu_seqlens_k is not None
   if nseq == 0:                                                   # no sequence: every token is padding
-    return jnp.zeros((t, h, dv), jnp.bfloat16), jnp.full((t, h), -jnp.inf, jnp.float32)
+    return jnp.zeros((tq, h, dv), jnp.bfloat16), jnp.full((tq, h), -jnp.inf, jnp.float32)
   if scale is None:
     q = (q.astype(jnp.float32) * jnp.asarray(softmax_scale, jnp.float32)).astype(jnp.bfloat16)
     scale = 1.0
-  cu = jnp.clip(cu_seqlens, 0, t)
+  cu_q = jnp.clip(cu_seqlens, 0, tq)
+  cu_k = cu_q if not context else jnp.clip(cu_seqlens_k, 0, tk)
   if nseq == 1:                                                   # JAX's packed layout needs >= 2 segments
-    cu = jnp.concatenate([cu, cu[-1:]])
-  lens = jnp.maximum(cu[1:] - cu[:-1], 0)
-  tok = jnp.arange(t, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu, tok, side="right").astype(jnp.int32) - 1
-  in_any = (tok >= cu[0]) & (tok < cu[-1])
-  seg = jnp.clip(seq, 0, lens.shape[0] - 1)
-  pos = jnp.clip(tok - cu[seg], 0, t - 1)
+    cu_q, cu_k = jnp.concatenate([cu_q, cu_q[-1:]]), jnp.concatenate([cu_k, cu_k[-1:]])
+  inside, k_start, k_end = _key_ranges(cu_q, cu_k, tq, tk, causal)
+  tok = jnp.arange(tq, dtype=jnp.int32)
+  seg = jnp.clip(jnp.searchsorted(cu_q, tok, side="right").astype(jnp.int32) - 1, 0, cu_q.shape[0] - 2)
+  calls = _segment_calls(cu_q, cu_k, context, causal)
   q4, k4 = q[None], k[None]
   pad_v = ((0, 0), (0, 0), (0, dqk - dv))
 
   def run(v_padded):
-    out, stats = attend(q4, k4, v_padded[None], lens[None], cu[None], scale=float(scale), causal=causal)
-    lse = stats[seg, :, pos]                                      # [T, H]
-    return out[0, :, :, :dv], lse
+    parts = []
+    for q_lens, kv_lens, q_offs, kv_offs, c in calls:
+      out, stats = attend(q4, k4, v_padded[None], q_lens[None], kv_lens[None], q_offs[None], kv_offs[None],
+                          scale=float(scale), causal=c)
+      pos = tok - q_offs[seg]
+      mine = inside & (pos >= 0) & (pos < q_lens[seg])           # [Tq] the query is in this call's segment
+      lse = jnp.where(mine[:, None], stats[seg, :, jnp.clip(pos, 0, tq - 1)], -jnp.inf)   # [Tq, H]
+      parts.append((jnp.where(mine[:, None, None], out[0, :, :, :dv], jnp.zeros((), out.dtype)), lse))
+    if len(parts) == 1:
+      return parts[0]
+    (o_a, l_a), (o_b, l_b) = parts
+    m = jnp.maximum(l_a, l_b)
+    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_a, w_b = jnp.exp(l_a - m_use), jnp.exp(l_b - m_use)        # 0 for a part without keys (lse -inf)
+    den = w_a + w_b
+    has = den > 0
+    out = (o_a.astype(jnp.float32) * w_a[..., None] + o_b.astype(jnp.float32) * w_b[..., None]) \
+        / jnp.where(has, den, 1.0)[..., None]
+    return out, jnp.where(has, m_use + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
 
   def clean(v, v_padded):                                         # every token in a sequence, v finite
     if attend_one is not None:                                    # B = 1: the sequence is tokens [0, T)
@@ -317,29 +396,31 @@ def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: f
 
   def general(v, v_padded):
     del v_padded
+    ktok = jnp.arange(tk, dtype=jnp.int32)
+    k_in = (ktok >= cu_k[0]) & (ktok < cu_k[-1])
     finite = jnp.isfinite(v)
-    out, lse = run(jnp.pad(jnp.where(finite & in_any[:, None, None], v, jnp.zeros_like(v)), pad_v))
-    out = jnp.where(in_any[:, None, None], out, jnp.zeros_like(out))
-    # non-finite v elements among each query's keys: exclusive prefix counts, differenced per sequence
-    n_bad = jnp.cumsum((~finite & in_any[:, None, None]).astype(jnp.int32), axis=0)
+    out, lse = run(jnp.pad(jnp.where(finite & k_in[:, None, None], v, jnp.zeros_like(v)), pad_v))
+    has = k_end > k_start                                         # [Tq] the query attends some key
+    out = jnp.where(has[:, None, None], out, jnp.zeros_like(out))
+    # non-finite v elements among each query's keys: exclusive prefix counts over the keys, differenced
+    n_bad = jnp.cumsum((~finite & k_in[:, None, None]).astype(jnp.int32), axis=0)
     n_bad = jnp.concatenate([jnp.zeros((1, h, dv), jnp.int32), n_bad])
-    start = cu[seg]
-    stop = tok + 1 if causal else cu[seg + 1]
-    seen = n_bad[jnp.clip(stop, 0, t)] - n_bad[start]
-    out = jnp.where(in_any[:, None, None] & (seen > 0), jnp.asarray(jnp.nan, out.dtype), out)
-    return out, jnp.where(in_any[:, None], lse, -jnp.inf)
+    seen = n_bad[k_end] - n_bad[k_start]
+    out = jnp.where(has[:, None, None] & (seen > 0), jnp.asarray(jnp.nan, out.dtype), out)
+    return out, jnp.where(has[:, None], lse, -jnp.inf)
 
   # The padded v of the common (clean) case is made outside the branches, beside the finiteness test that reads
   # the same v, so that XLA can fuse the two reads of v into one pass.
   v_padded = v if attend_one is not None else jnp.pad(v, pad_v)   # (the clean branch of B = 1 takes v as is)
-  out, lse = lax.cond(_is_clean(v, cu), clean, general, v, v_padded)
+  out, lse = lax.cond(_is_clean(v, cu_q, cu_k, tq), clean, general, v, v_padded)
   return out.astype(jnp.bfloat16), lse.astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "attend", "attend_one"))
-def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, attend=_cudnn_attend, attend_one=None):
-  return _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, causal=causal, scale=scale, attend=attend,
-                        attend_one=attend_one)
+def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, cu_seqlens_k=None, attend=_cudnn_attend,
+               attend_one=None):
+  return _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, causal=causal, scale=scale, cu_seqlens_k=cu_seqlens_k,
+                        attend=attend, attend_one=attend_one)
 
 
 def _one_sequence_call(q, v, cu_seqlens):
@@ -362,20 +443,25 @@ def _static_scale(softmax_scale) -> float | None:
     return None
 
 
-def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal: bool = True, impl: str = "auto",
+def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal: bool = True, cu_seqlens_k=None, impl: str = "auto",
                 interpret: bool = False):
   """Variable-length multi-head attention for MLA prefill (packed batch, FlashAttention varlen semantics).
 
   Args:
     q: [T, H, Dqk] bfloat16 or float32 (e.g. Dqk = 192 = 128 nope + 64 rope for DeepSeek-V3).
-    k: [T, H, Dqk] bfloat16 or float32, one key per head (no sharing).
-    v: [T, H, Dv] bfloat16 or float32 (e.g. Dv = 128).
-    cu_seqlens: [B + 1] int32, non-decreasing, cu_seqlens[B] <= T: sequence b owns tokens
+    k: [Tk, H, Dqk] bfloat16 or float32, one key per head (no sharing); Tk = T without ``cu_seqlens_k``.
+    v: [Tk, H, Dv] bfloat16 or float32 (e.g. Dv = 128).
+    cu_seqlens: [B + 1] int32, non-decreasing, cu_seqlens[B] <= T: sequence b owns query tokens
       [cu_seqlens[b], cu_seqlens[b+1]). Tokens outside [cu_seqlens[0], cu_seqlens[B]) get out = 0, lse = -inf
       and are never attended. (Monotonicity is not checked: it would need the values on the host.)
     softmax_scale: python float or f32 scalar multiplying q·k.
-    causal: python bool. True: a token at position i of its sequence attends positions <= i of the same
-      sequence; False: the whole sequence.
+    causal: python bool. True: the query at position i of its sequence (Lq queries, Lk keys) attends the key
+      positions j <= i + Lk - Lq of the same sequence (bottom-right alignment, as FlashAttention's varlen: the
+      queries are the sequence's last Lq tokens, e.g. new tokens after Lk - Lq cached ones; queries with no such
+      key, when Lk < Lq, get out 0 and lse -inf); with Lk = Lq, j <= i. False: the whole sequence.
+    cu_seqlens_k: optional [B + 1] int32, non-decreasing, cu_seqlens_k[B] <= Tk: sequence b's keys are tokens
+      [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k and v (keys outside every sequence are never attended). None:
+      the keys are the query tokens (k and v have T rows and share cu_seqlens).
     impl: "auto" | "mosaic" | "xla". There is no Mosaic kernel yet: "mosaic" raises NotImplementedError and
       "auto" runs XLA, whose backend is :func:`xla_backend` (cuDNN flash attention on a CUDA GPU for bfloat16
       inputs, float32 math elsewhere; module docstring).
@@ -389,11 +475,13 @@ def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal: bool = True, impl
     NotImplementedError: ``impl="mosaic"``.
   """
   _dispatch.check_impl(impl)
-  _check_args(q, k, v, cu_seqlens, softmax_scale, causal)
+  _check_args(q, k, v, cu_seqlens, softmax_scale, causal, cu_seqlens_k)
   _dispatch.choose(OP, impl, interpret=interpret, supported=None)
   reason = _backend_reason(q, k, v, cu_seqlens)
   if reason is None:
+    one = _one_sequence_call(q, v, cu_seqlens) if cu_seqlens_k is None else None
     return _cudnn_jit(q, k, v, cu_seqlens, jnp.asarray(softmax_scale, jnp.float32), causal=bool(causal),
-                      scale=_static_scale(softmax_scale), attend_one=_one_sequence_call(q, v, cu_seqlens))
+                      scale=_static_scale(softmax_scale), cu_seqlens_k=cu_seqlens_k, attend_one=one)
   _log.debug("%s: float32 XLA backend: %s", OP, reason)
-  return _f32_jit(q, k, v, cu_seqlens, jnp.asarray(softmax_scale, jnp.float32), causal=bool(causal))
+  return _f32_jit(q, k, v, cu_seqlens, jnp.asarray(softmax_scale, jnp.float32), causal=bool(causal),
+                  cu_seqlens_k=cu_seqlens_k)
