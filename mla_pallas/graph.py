@@ -30,8 +30,11 @@ Branches (``t`` = tokens, ``T = B * s_q`` for decode):
   ``quantize_and_bmm_fp8`` reading ``w_uk`` as ``[H, N, K]`` with ``weight_layout="hnk"``), ``v = latent @ w_uv``;
   ``K = k_nope ‖ broadcast(k_rope_rot)`` (the rope part of the cached row), ``Q = q_nope ‖ q_rope_rot`` (head dim
   ``nope + 64``: 192 for DeepSeek-V3.2, 256 for GLM-5) and causal varlen ``mla_prefill(Q, K, V, cu_seqlens)``.
-  The keys are the new tokens only: each sequence of the packed batch starts at position 0 (no chunked prefill
-  over earlier context; use the sparse prefill or decode branches for that).
+  The keys are the new tokens, or, with ``block_table`` and ``context_lens`` (prefill over cached context:
+  chunked prefill, a cached prefix, a later turn), every token of each sequence, old and new, read through its
+  block table into a packed ``[max_keys, 576]`` buffer and attended bottom-right causally
+  (``mla_prefill(..., cu_seqlens_k=...)``: new token i of a sequence with c cached tokens sees positions
+  ``<= c + i``).
 * **sparse prefill** (absorbed, :func:`mla_prefill_branch_sparse_fp8` / ``_bf16``): the decode branch on ``[T]``
   tokens with ``sparse_mla_prefill`` and per-token ``indices [T, topk]``.
 * :func:`mla_prefill_decode_graph_fp8` / ``_bf16``: a static Python choice from ``max_seqlen`` (the largest
@@ -406,6 +409,36 @@ def _check_cu_seqlens(cu_seqlens):
     raise ValueError(f"cu_seqlens must have shape [B + 1] with B >= 1; got shape {tuple(cu_seqlens.shape)}")
 
 
+def _concrete(x):
+  """x as a numpy array when its value is known outside any trace, else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
+def _check_context(block_table, context_lens, max_keys, cu_seqlens, pages):
+  """Prefill over cached context: checks ``block_table`` / ``context_lens`` / ``max_keys`` and returns the key
+  buffer's static size (None: no context, the keys are the new tokens)."""
+  if (block_table is None) != (context_lens is None):
+    given = "block_table=" if block_table is not None else "context_lens="
+    raise ValueError(f"prefill over cached context needs both block_table= and context_lens=; got only {given}")
+  if block_table is None:
+    if max_keys is not None:
+      raise ValueError("max_keys= applies to prefill over cached context (with block_table= and context_lens=)")
+    return None
+  b = cu_seqlens.shape[0] - 1
+  _checks.check_array("block_table", block_table, ndim=2, shape=(b, None), dtypes=_I32,
+                      expect=f"[B={b}, max_pages_per_seq] (B from cu_seqlens)")
+  _checks.check_array("context_lens", context_lens, shape=(b,), dtypes=_I32, expect=f"[B={b}]")
+  ctx = _concrete(context_lens)
+  if ctx is not None and ctx.size and ctx.min() < 0:
+    raise ValueError(f"context_lens must be >= 0 (tokens already cached per sequence); got {ctx.tolist()}")
+  if max_keys is None:
+    return max(1, b * block_table.shape[1] * pages.shape[1])
+  return _checks.check_positive_int("max_keys", max_keys)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # graph bodies (traced under jax.jit)
 # ----------------------------------------------------------------------------------------------------------
@@ -466,25 +499,73 @@ def _gather_latent(pages, slots, kv_scale):
   return jnp.where(ok[:, None], rows, 0.0)
 
 
-def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *, cfg,
-                  impl, interpret, interleaved, key, graph, unique_slots=False):
+def _context_rows(pages, kv_scale, block_table, cu_seqlens, context_lens, max_keys: int):
+  """The keys of prefill over cached context, read from the pages after the write.
+
+  Sequence b (its new tokens ``[cu_seqlens[b], cu_seqlens[b+1])``, n_b of them) has ``L_b = context_lens[b] + n_b``
+  keys: its positions ``0 .. L_b - 1``, read through ``block_table[b]``, packed in sequence order into a buffer of
+  ``max_keys`` rows. Returns ``rows [max_keys, 576]`` float32 (dequantized; 0 where no row is read),
+  ``missing [max_keys]`` (a key position whose page is past the block table or out of range: never read),
+  ``cu_seqlens_k [B + 1]`` and ``ok [B]`` (False: ``context_lens[b] < 0``, or the sequence's keys do not fit in
+  ``max_keys``; its outputs are then NaN)."""
+  num_pages, page, _ = pages.shape
+  b, per_seq = block_table.shape
+  n_new = jnp.maximum(cu_seqlens[1:] - cu_seqlens[:-1], 0)
+  ok = context_lens >= 0
+  ends = jnp.cumsum(jnp.where(ok, context_lens + n_new, 0))
+  ok = ok & (ends <= max_keys)
+  cu_k = jnp.clip(jnp.concatenate([jnp.zeros((1,), ends.dtype), ends]), 0, max_keys).astype(jnp.int32)
+  j = jnp.arange(max_keys, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_k, j, side="right").astype(jnp.int32) - 1, 0, b - 1)
+  inside = j < cu_k[-1]
+  pos = j - cu_k[seq]
+  page_idx = pos // page
+  page_id = block_table[seq, jnp.clip(page_idx, 0, per_seq - 1)]
+  found = inside & (page_idx < per_seq) & (page_id >= 0) & (page_id < num_pages)
+  slot = jnp.where(found, page_id * page + pos % page, 0)
+  rows = jnp.take(pages.reshape(-1, D_QK), slot, axis=0).astype(jnp.float32) * kv_scale
+  return jnp.where(found[:, None], rows, 0.0), inside & ~found, cu_k, ok
+
+
+def _poison_sequences(out, cu_seqlens, ok):
+  """NaN for the outputs of the sequences with ``ok[b]`` False (a contract the call broke: never garbage)."""
+  t = out.shape[0]
+  tok = jnp.arange(t, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1, 0, ok.shape[0] - 1)
+  bad = (tok >= cu_seqlens[0]) & (tok < cu_seqlens[-1]) & ~ok[seq]
+  return jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out.dtype), out)
+
+
+def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
+                  block_table, context_lens, *, cfg, impl, interpret, interleaved, key, graph, unique_slots=False,
+                  max_keys=None):
   rec = _Steps()
   fp8 = _is_fp8(weights)
   t, h, nope = q_nope.shape
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl,
                                   interpret, interleaved, unique_slots, rec)
-  rows = _gather_latent(new_pages, slots, kv_scale)                                 # [T, 576] f32
-  rec.xla("gather new rows from the cache (dequantized)", "jnp.take")
+  if max_keys is None:                                                             # keys: the new tokens
+    rows = _gather_latent(new_pages, slots, kv_scale)                               # [T, 576] f32
+    rec.xla("gather new rows from the cache (dequantized)", "jnp.take")
+    cu_k = missing = ok = None
+  else:                                                                            # keys: context + new tokens
+    rows, missing, cu_k, ok = _context_rows(new_pages, kv_scale, block_table, cu_seqlens, context_lens, max_keys)
+    rec.xla("gather context + new rows from the cache (dequantized)", "jnp.take")
+  tk = rows.shape[0]
   latent = rows[:, :D_V] if fp8 else rows[:, :D_V].astype(jnp.bfloat16)
-  latent_h = jnp.broadcast_to(latent[:, None, :], (t, h, D_V))
-  k_nope = _k_up(weights, latent_h, fp8, impl, interpret, rec)                     # [T, H, nope]
-  v = _v_up(weights, latent_h, fp8, impl, interpret, rec, step="latent @ w_uv (v)")  # [T, H, v]
-  k_rope = jnp.broadcast_to(rows[:, None, D_V:].astype(jnp.bfloat16), (t, h, D_ROPE))
+  latent_h = jnp.broadcast_to(latent[:, None, :], (tk, h, D_V))
+  k_nope = _k_up(weights, latent_h, fp8, impl, interpret, rec)                     # [Tk, H, nope]
+  v = _v_up(weights, latent_h, fp8, impl, interpret, rec, step="latent @ w_uv (v)")  # [Tk, H, v]
+  if missing is not None:                                                          # unread keys: NaN, never 0
+    v = jnp.where(missing[:, None, None], jnp.asarray(jnp.nan, v.dtype), v)
+  k_rope = jnp.broadcast_to(rows[:, None, D_V:].astype(jnp.bfloat16), (tk, h, D_ROPE))
   q = jnp.concatenate([q_nope.astype(jnp.bfloat16), q_rot.astype(jnp.bfloat16)], axis=-1)
   k = jnp.concatenate([k_nope, k_rope], axis=-1)
-  out, _ = mla_prefill(q, k, v, cu_seqlens, softmax_scale=cfg.softmax_scale, causal=True,
+  out, _ = mla_prefill(q, k, v, cu_seqlens, softmax_scale=cfg.softmax_scale, causal=True, cu_seqlens_k=cu_k,
                        impl=_impl_for(impl, "mla_prefill"), interpret=interpret)
-  rec.op("attention (causal varlen)", "mla_prefill")
+  rec.op("attention (causal varlen" + (", cached context)" if cu_k is not None else ")"), "mla_prefill")
+  if ok is not None:
+    out = _poison_sequences(out, cu_seqlens, ok)
   _REPORTS[key] = dict(graph=graph, branch="prefill", variant="fp8" if fp8 else "bf16",
                       cache_dtype=jnp.dtype(pages.dtype).name, steps=rec.steps)
   return out, new_pages
@@ -493,14 +574,14 @@ def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots
 _STATIC = ("cfg", "impl", "interpret", "interleaved", "key", "graph", "unique_slots")
 _decode_jit = jax.jit(_decode_body, static_argnames=_STATIC, donate_argnames=("pages",))
 _sparse_prefill_jit = jax.jit(_sparse_prefill_body, static_argnames=_STATIC, donate_argnames=("pages",))
-_prefill_jit = jax.jit(_prefill_body, static_argnames=_STATIC, donate_argnames=("pages",))
+_prefill_jit = jax.jit(_prefill_body, static_argnames=_STATIC + ("max_keys",), donate_argnames=("pages",))
 
 
-def _run(jitted, graph, dyn, cfg, impl, interpret, interleaved, unique_slots):
+def _run(jitted, graph, dyn, cfg, impl, interpret, interleaved, unique_slots, **static):
   impl = _freeze_impl(impl)
-  key = (graph, _sig(dyn), cfg, impl, interpret, interleaved, unique_slots)
+  key = (graph, _sig(dyn), cfg, impl, interpret, interleaved, unique_slots, tuple(sorted(static.items())))
   out = jitted(*dyn, cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved, key=key,
-               graph=graph, unique_slots=unique_slots)
+               graph=graph, unique_slots=unique_slots, **static)
   _LAST["report"] = _REPORTS.get(key)
   return out
 
@@ -594,54 +675,73 @@ mla_decode_branch_bf16.__doc__ = _DECODE_DOC.format(variant="BF16", wcls="MLAWei
 
 
 def _prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *,
-             cfg, impl, interpret, interleaved, unique_slots):
+             cfg, impl, interpret, interleaved, unique_slots, block_table=None, context_lens=None, max_keys=None):
   with _named(fn):
     _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
                   decode=False)
     _check_cu_seqlens(cu_seqlens)
+    max_keys = _check_context(block_table, context_lens, max_keys, cu_seqlens, pages)
     interleaved, unique_slots = _check_options(interleaved, unique_slots)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
-         cu_seqlens)
+         cu_seqlens, block_table, context_lens)
   return _run(_prefill_jit, f"mla_prefill_branch_{'fp8' if fp8 else 'bf16'}", dyn, cfg, impl, interpret,
-              interleaved, unique_slots)
+              interleaved, unique_slots, max_keys=max_keys)
 
 
 _PREFILL_DOC = """MLA dense prefill branch ({variant} weights, not absorbed): a packed batch of ``T`` new tokens.
 
-  Each sequence of the batch starts at position 0: its keys are its own new tokens (causal), read back from the
-  cache after the write. For prefill over earlier context use :func:`mla_prefill_branch_sparse_{v}`.
+  The new tokens are written into the cache first; then the keys are read back from the cache (dequantized),
+  up-projected per head, and each new token attends causally to its sequence's keys. Without ``block_table`` the
+  keys are the new tokens themselves (every sequence starts at position 0). With ``block_table`` and
+  ``context_lens`` (chunked prefill, a cached prompt prefix, a later turn) sequence b already holds
+  ``context_lens[b]`` tokens: its keys are positions ``0 .. context_lens[b] + n_b - 1`` read through
+  ``block_table[b]``, and its i-th new token (position ``context_lens[b] + i``) attends positions
+  ``<= context_lens[b] + i`` (bottom-right causal, ``mla_prefill(..., cu_seqlens_k=...)``). One call over a whole
+  prompt and several calls over its chunks give the same output up to the order of float32 sums.
 
   Args:
     weights: :class:`{wcls}`; pages (DONATED), kv_scale, cos, sin: as in :func:`mla_decode_branch_{v}`.
     q_nope: ``[T, H, nope]``, q_rope: ``[T, H, 64]``, kv: ``[T, 576]``: bfloat16/float32, the packed tokens.
-    positions: ``[T]`` int32 (sequence b's tokens at ``0, 1, ...``); slots: ``[T]`` int32 flat cache slots (-1:
-      padding, not written; :func:`mla_pallas.layer.token_slots`).
+    positions: ``[T]`` int32 (sequence b's new tokens at ``context_lens[b] + 0, 1, ...``, or ``0, 1, ...``);
+      slots: ``[T]`` int32 flat cache slots of those positions (-1: padding, not written;
+      :func:`mla_pallas.layer.token_slots`).
     cu_seqlens: ``[B + 1]`` int32, nondecreasing: sequence b owns tokens ``[cu_seqlens[b], cu_seqlens[b+1])``;
       tokens outside ``[cu_seqlens[0], cu_seqlens[B])`` get out = 0.
+    block_table: optional ``[B, max_pages_per_seq]`` int32 page ids of each sequence (with ``context_lens``).
+      A key position whose page is past the table or out of range is never read: the outputs that attend it
+      are NaN.
+    context_lens: optional ``[B]`` int32 >= 0, tokens of each sequence already in the cache before this call.
+    max_keys: optional python int (static), the size of the key buffer: at least ``sum_b (context_lens[b] +
+      n_b)``; default ``B * max_pages_per_seq * page_size`` (always enough). The up-projections and the
+      attention's key loads scale with it, so pass a tight bound when the cache is large. A sequence whose keys
+      do not fit (or with ``context_lens[b] < 0`` inside a trace) gets NaN outputs.
     cfg, impl, interpret, interleaved, unique_slots: as in :func:`mla_decode_branch_{v}` (keyword-only).
 
   Returns:
     ``(out [T, H, v] bfloat16, new_pages)``.
 
   Raises:
-    TypeError: ``cfg`` missing; ValueError naming this function and the argument (shapes, dtypes, weights).
+    TypeError: ``cfg`` missing; ValueError naming this function and the argument (shapes, dtypes, weights, only
+      one of ``block_table`` / ``context_lens``, negative concrete ``context_lens``).
   """
 
 
 def mla_prefill_branch_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
-                           *, cfg: MLAConfig, impl="auto", interpret=False, interleaved: bool = True,
-                           unique_slots: bool = False):
+                           *, cfg: MLAConfig, block_table=None, context_lens=None, max_keys: int | None = None,
+                           impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False):
   return _prefill(True, "mla_prefill_branch_fp8", weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
                   cos, sin, cu_seqlens, cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved,
-                  unique_slots=unique_slots)
+                  unique_slots=unique_slots, block_table=block_table, context_lens=context_lens,
+                  max_keys=max_keys)
 
 
 def mla_prefill_branch_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
-                            *, cfg: MLAConfig, impl="auto", interpret=False, interleaved: bool = True,
-                            unique_slots: bool = False):
+                            *, cfg: MLAConfig, block_table=None, context_lens=None, max_keys: int | None = None,
+                            impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False):
   return _prefill(False, "mla_prefill_branch_bf16", weights, pages, kv_scale, q_nope, q_rope, kv, positions,
                   slots, cos, sin, cu_seqlens, cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved,
-                  unique_slots=unique_slots)
+                  unique_slots=unique_slots, block_table=block_table, context_lens=context_lens,
+                  max_keys=max_keys)
 
 
 mla_prefill_branch_fp8.__doc__ = _PREFILL_DOC.format(variant="FP8", wcls="MLAWeightsFP8", v="fp8")
@@ -743,16 +843,25 @@ def _pd_check(fn, fp8, branch, a, weights, pages, kv_scale, q_nope, q_rope, kv, 
       _checks.check_array("cache_seqlens", a["cache_seqlens"], shape=lead, dtypes=_I32, expect=f"[T={lead[0]}]")
 
 
+def _prefill_context(a, context_lens, max_keys):
+  """The dense prefill branch's context arguments in a prefill-decode call: the block table is read only with
+  ``context_lens`` (else it is the decode branch's and ignored)."""
+  if context_lens is None:
+    return dict(max_keys=max_keys)
+  return dict(block_table=a["block_table"], context_lens=context_lens, max_keys=max_keys)
+
+
 def _prefill_decode(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg,
                     max_seqlen, cu_seqlens, block_table, cache_seqlens, indices, topk_length, impl, interpret,
-                    interleaved, unique_slots):
+                    interleaved, unique_slots, context_lens=None, max_keys=None):
   branch, a = _pd_plan(fn, max_seqlen, cu_seqlens, block_table, cache_seqlens, indices, topk_length)
   _pd_check(fn, fp8, branch, a, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cfg)
   common = dict(cfg=cfg, impl=impl, interpret=interpret, interleaved=interleaved, unique_slots=unique_slots)
   v = "fp8" if fp8 else "bf16"
   if branch == "prefill":
+    ctx = _prefill_context(a, context_lens, max_keys)
     out, pages = _prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                          a["cu_seqlens"], **common)
+                          a["cu_seqlens"], **ctx, **common)
   elif branch == "sparse_prefill":
     out, pages = _sparse_prefill(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos,
                                  sin, a["indices"], topk_length=a["topk_length"], **common)
@@ -786,6 +895,9 @@ _PD_DOC = """Prefill-or-decode MLA graph ({variant} weights): a static choice fr
       ``indices [T, topk]``, or dense with ``block_table [T, P]`` and ``cache_seqlens [T]``, lengths including the
       new token).
     topk_length: sparse only, optional ``[T]`` int32.
+    context_lens, max_keys: dense prefill over cached context (:func:`mla_prefill_branch_{v}`): with
+      ``context_lens [B]`` the prefill branch reads ``block_table [B, P]`` (else the block table is the dense
+      decode branch's).
     impl, interpret, interleaved, unique_slots: as in the branches.
 
   Returns:
@@ -799,24 +911,26 @@ _PD_DOC = """Prefill-or-decode MLA graph ({variant} weights): a static choice fr
 
 def mla_prefill_decode_graph_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
                                  cfg: MLAConfig, max_seqlen: int, cu_seqlens=None, block_table=None,
-                                 cache_seqlens=None, indices=None, topk_length=None, impl="auto", interpret=False,
+                                 cache_seqlens=None, indices=None, topk_length=None, context_lens=None,
+                                 max_keys: int | None = None, impl="auto", interpret=False,
                                  interleaved: bool = True, unique_slots: bool = False):
   return _prefill_decode(True, "mla_prefill_decode_graph_fp8", weights, pages, kv_scale, q_nope, q_rope, kv,
                          positions, slots, cos, sin, cfg=cfg, max_seqlen=max_seqlen, cu_seqlens=cu_seqlens,
                          block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
                          topk_length=topk_length, impl=impl, interpret=interpret, interleaved=interleaved,
-                         unique_slots=unique_slots)
+                         unique_slots=unique_slots, context_lens=context_lens, max_keys=max_keys)
 
 
 def mla_prefill_decode_graph_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
                                   cfg: MLAConfig, max_seqlen: int, cu_seqlens=None, block_table=None,
-                                  cache_seqlens=None, indices=None, topk_length=None, impl="auto",
-                                  interpret=False, interleaved: bool = True, unique_slots: bool = False):
+                                  cache_seqlens=None, indices=None, topk_length=None, context_lens=None,
+                                  max_keys: int | None = None, impl="auto", interpret=False,
+                                  interleaved: bool = True, unique_slots: bool = False):
   return _prefill_decode(False, "mla_prefill_decode_graph_bf16", weights, pages, kv_scale, q_nope, q_rope, kv,
                          positions, slots, cos, sin, cfg=cfg, max_seqlen=max_seqlen, cu_seqlens=cu_seqlens,
                          block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
                          topk_length=topk_length, impl=impl, interpret=interpret, interleaved=interleaved,
-                         unique_slots=unique_slots)
+                         unique_slots=unique_slots, context_lens=context_lens, max_keys=max_keys)
 
 
 mla_prefill_decode_graph_fp8.__doc__ = _PD_DOC.format(variant="FP8", v="fp8")
@@ -902,42 +1016,56 @@ def reference_prefill_branch_sparse(weights, pages, kv_scale, q_nope, q_rope, kv
   return out[:, 0], new_pages
 
 
-def _ref_prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens, *,
-                      cfg, interleaved):
+def _ref_prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu_seqlens,
+                      block_table, context_lens, *, cfg, interleaved, max_keys=None):
   fp8 = _is_fp8(weights)
-  t, h, _ = q_nope.shape
+  h = q_nope.shape[1]
   new_pages, q_rot = _ref_write(weights, pages, kv_scale, kv.astype(jnp.float32), q_rope.astype(jnp.float32),
                                 positions, slots, cos, sin, cfg, interleaved)
-  rows = _gather_latent(new_pages, slots, kv_scale)
+  if max_keys is None:
+    rows, missing, cu_k, ok = _gather_latent(new_pages, slots, kv_scale), None, None, None
+  else:
+    rows, missing, cu_k, ok = _context_rows(new_pages, kv_scale, block_table, cu_seqlens, context_lens, max_keys)
+  tk = rows.shape[0]
   latent = rows[:, :D_V] if fp8 else rows[:, :D_V].astype(jnp.bfloat16).astype(jnp.float32)
-  latent_h = jnp.broadcast_to(latent[:, None, :], (t, h, D_V))
+  latent_h = jnp.broadcast_to(latent[:, None, :], (tk, h, D_V))
   k_nope = _ref_bmm(weights, latent_h, "uk_t")
   v = _ref_bmm(weights, latent_h, "uv")
+  if missing is not None:
+    v = jnp.where(missing[:, None, None], jnp.nan, v)
   q = jnp.concatenate([q_nope.astype(jnp.float32), q_rot], axis=-1)
-  k = jnp.concatenate([k_nope, jnp.broadcast_to(rows[:, None, D_V:], (t, h, D_ROPE))], axis=-1)
-  out, _ = reference.mla_prefill(q, k, v, cu_seqlens, softmax_scale=cfg.softmax_scale, causal=True)
-  return out.astype(jnp.float32), new_pages
+  k = jnp.concatenate([k_nope, jnp.broadcast_to(rows[:, None, D_V:], (tk, h, D_ROPE))], axis=-1)
+  out, _ = reference.mla_prefill(q, k, v, cu_seqlens, softmax_scale=cfg.softmax_scale, causal=True,
+                                 cu_seqlens_k=cu_k)
+  out = out.astype(jnp.float32)
+  if ok is not None:
+    out = _poison_sequences(out, cu_seqlens, ok)
+  return out, new_pages
 
 
-_ref_prefill_jit = jax.jit(_ref_prefill_body, static_argnames=("cfg", "interleaved"))
+_ref_prefill_jit = jax.jit(_ref_prefill_body, static_argnames=("cfg", "interleaved", "max_keys"))
 
 
 def reference_prefill_branch(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                             cu_seqlens, *, cfg: MLAConfig, interleaved: bool = True):
+                             cu_seqlens, *, cfg: MLAConfig, block_table=None, context_lens=None,
+                             max_keys: int | None = None, interleaved: bool = True):
   """Float32 oracle of :func:`mla_prefill_branch_fp8` / ``_bf16`` (jitted; same arguments and checks, without
   ``impl`` / ``interpret`` / ``unique_slots``): ``(out float32 [T, H, v], new_pages)``."""
   with _named("reference_prefill_branch"):
     _check_tokens(weights, cfg, None, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
                   decode=False)
     _check_cu_seqlens(cu_seqlens)
+    max_keys = _check_context(block_table, context_lens, max_keys, cu_seqlens, pages)
     interleaved = _check_bool("interleaved", interleaved)
   return _ref_prefill_jit(weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions,
-                          slots, cos, sin, cu_seqlens, cfg=cfg, interleaved=interleaved)
+                          slots, cos, sin, cu_seqlens, block_table, context_lens, cfg=cfg, interleaved=interleaved,
+                          max_keys=max_keys)
 
 
 def reference_prefill_decode_graph(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
                                    cfg: MLAConfig, max_seqlen: int, cu_seqlens=None, block_table=None,
-                                   cache_seqlens=None, indices=None, topk_length=None, interleaved: bool = True):
+                                   cache_seqlens=None, indices=None, topk_length=None, context_lens=None,
+                                   max_keys: int | None = None, interleaved: bool = True):
   """Float32 oracle of :func:`mla_prefill_decode_graph_fp8` / ``_bf16`` (same arguments, branch choice and checks,
   without ``impl`` / ``interpret`` / ``unique_slots``): ``(out float32 [T, H, v], new_pages)``."""
   fn = "reference_prefill_decode_graph"
@@ -945,7 +1073,8 @@ def reference_prefill_decode_graph(weights, pages, kv_scale, q_nope, q_rope, kv,
   _pd_check(fn, None, branch, a, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cfg)
   args = (weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin)
   if branch == "prefill":
-    return reference_prefill_branch(*args, a["cu_seqlens"], cfg=cfg, interleaved=interleaved)
+    return reference_prefill_branch(*args, a["cu_seqlens"], cfg=cfg, interleaved=interleaved,
+                                    **_prefill_context(a, context_lens, max_keys))
   if branch == "sparse_prefill":
     return reference_prefill_branch_sparse(*args, a["indices"], cfg=cfg, topk_length=a["topk_length"],
                                            interleaved=interleaved)

@@ -290,17 +290,26 @@ class MLAAttention:
   # ---- forward -----------------------------------------------------------------------------------------
 
   def prefill(self, x, positions, cache: PagedCache, cu_seqlens, *, cos=None, sin=None, indices=None,
-              topk_length=None, impl="auto", interpret=False, tp_axis=None, interleaved=True):
-    """Prefill a packed batch (each sequence from position ``cache.seq_lens[b]``; the dense branch needs 0).
+              topk_length=None, max_keys=None, impl="auto", interpret=False, tp_axis=None, interleaved=True):
+    """Prefill a packed batch; sequence b continues from position ``cache.seq_lens[b]`` (0 for a new prompt).
+
+    The dense branch attends each sequence's cached tokens and its new ones (prefill over cached context:
+    :func:`mla_pallas.graph.mla_prefill_branch_fp8` with ``block_table`` and ``context_lens = seq_lens``), so a
+    prompt prefilled in chunks gives the output of one call up to the order of float32 sums.
 
     Args:
-      x: ``[T, hidden]`` bf16 packed hidden states; positions: ``[T]`` int32.
+      x: ``[T, hidden]`` bf16 packed hidden states; positions: ``[T]`` int32 (sequence b's tokens at
+        ``seq_lens[b] + 0, 1, ...``).
       cache: :class:`PagedCache` (its pages are DONATED).
       cu_seqlens: ``[B + 1]`` int32 (tokens of sequence b: ``[cu_seqlens[b], cu_seqlens[b+1])``).
       cos, sin: rope tables ``[max_pos, 32]`` float32 (:meth:`rope_tables`), or both None: the config's tables
         for the cache's capacity (``block_table.shape[1] * page_size`` positions).
       indices: optional ``[T, topk]`` int32 flat slot ids: the sparse (absorbed) prefill branch; without it the
         dense (un-absorbed) branch.
+      max_keys: dense branch: static size of the key buffer (>= the cached plus new tokens of all sequences). None:
+        when ``seq_lens`` and ``cu_seqlens`` are concrete (outside ``jax.jit``), the next power of two of what
+        they need (at most the cache's capacity); inside a trace, the capacity ``B * max_pages_per_seq *
+        page_size``.
       impl, interpret: as in :mod:`mla_pallas.graph` (``impl`` also applies to the projections).
       tp_axis: mesh axis name to ``psum`` the output projection over (inside ``jax.shard_map``), or None.
 
@@ -318,7 +327,8 @@ class MLAAttention:
       o, pages = fn(*args, indices, topk_length=topk_length, **common)
     else:
       fn = graph.mla_prefill_branch_fp8 if self.fp8 else graph.mla_prefill_branch_bf16
-      o, pages = fn(*args, cu_seqlens, **common)
+      o, pages = fn(*args, cu_seqlens, block_table=cache.block_table, context_lens=cache.seq_lens,
+                    max_keys=_key_budget(cache, cu_seqlens, max_keys), **common)
     y = self._out_proj(o, _proj_impl(impl), interpret, tp_axis)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).astype(jnp.int32)
     return y, cache.replace(pages=pages, seq_lens=cache.seq_lens + lens)
@@ -354,6 +364,21 @@ class MLAAttention:
                   cfg=self.cfg, impl=impl, interpret=interpret, interleaved=interleaved, **kw)
     y = self._out_proj(o.reshape(b * s_q, h, -1), _proj_impl(impl), interpret, tp_axis)
     return y.reshape(b, s_q, -1), cache.replace(pages=pages, seq_lens=new_lens)
+
+
+def _key_budget(cache: PagedCache, cu_seqlens, max_keys):
+  """The dense prefill's key-buffer size (see :meth:`MLAAttention.prefill`'s ``max_keys``)."""
+  if max_keys is not None:
+    return max_keys
+  capacity = max(1, cache.block_table.shape[0] * cache.block_table.shape[1] * cache.page_size)
+  try:
+    lens, cu = np.asarray(cache.seq_lens), np.asarray(cu_seqlens)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
+    return capacity
+  if cu.ndim != 1 or cu.size < 1 or lens.ndim != 1:
+    return capacity                                               # malformed: the graph's checks will say so
+  need = int(np.maximum(lens, 0).sum()) + int(np.maximum(np.diff(cu), 0).sum())
+  return min(capacity, 1 << max(need - 1, 0).bit_length())
 
 
 def _tables(cfg: MLAConfig, cache: PagedCache, cos, sin):
@@ -407,7 +432,7 @@ def _ref_out(layer, o):
 
 
 def reference_prefill(layer: MLAAttention, x, positions, cache: PagedCache, cu_seqlens, *, cos=None, sin=None,
-                      indices=None, topk_length=None, interleaved=True):
+                      indices=None, topk_length=None, max_keys=None, interleaved=True):
   """Float32 oracle of :meth:`MLAAttention.prefill`: ``(y float32 [T, hidden], new_cache)`` (nothing donated)."""
   cos, sin = _tables(layer.cfg, cache, cos, sin)
   q_nope, q_rope, kv = _ref_project(layer, x)
@@ -417,7 +442,9 @@ def reference_prefill(layer: MLAAttention, x, positions, cache: PagedCache, cu_s
     o, pages = graph.reference_prefill_branch_sparse(*args, indices, cfg=layer.cfg, topk_length=topk_length,
                                                      interleaved=interleaved)
   else:
-    o, pages = graph.reference_prefill_branch(*args, cu_seqlens, cfg=layer.cfg, interleaved=interleaved)
+    o, pages = graph.reference_prefill_branch(*args, cu_seqlens, cfg=layer.cfg, interleaved=interleaved,
+                                              block_table=cache.block_table, context_lens=cache.seq_lens,
+                                              max_keys=_key_budget(cache, cu_seqlens, max_keys))
   lens = (cu_seqlens[1:] - cu_seqlens[:-1]).astype(jnp.int32)
   return _ref_out(layer, o), cache.replace(pages=pages, seq_lens=cache.seq_lens + lens)
 

@@ -265,6 +265,166 @@ def test_prefill_branch_matches_reference(rng, preset, fp8):
   assert cfg.qk_head_dim == {"glm5": 256, "deepseek_v32": 192}[preset]
 
 
+# ----------------------------------------------------------------------------------------------------------
+# dense prefill over cached context
+# ----------------------------------------------------------------------------------------------------------
+
+def _context_case(rng, cfg, *, ctx=(19, 0, 7), new=(6, 5, 1), max_pages=3, num_pages=12, kv_scale=0.05, pad=2,
+                  cache_dtype=FP8):
+  """Sequences that already hold ``ctx[b]`` tokens (random rows in the cache at their block-table slots, NaN in
+  every other row) and bring ``new[b]`` tokens (+ ``pad`` padding tokens, slot -1) at positions ctx[b] + i."""
+  h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+  B = len(ctx)
+  table = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages).astype(np.int32)
+  slot = lambda b, p: table[b, p // PAGE] * PAGE + p % PAGE
+  cached = [slot(b, p) for b in range(B) for p in range(ctx[b])]
+  pages = _poisoned_cache(rng, num_pages, np.asarray(cached, np.int64), kv_scale, cache_dtype)
+  seq = np.concatenate([np.full(n, b) for b, n in enumerate(new)]).astype(np.int64)
+  positions = np.concatenate([ctx[b] + np.arange(n) for b, n in enumerate(new)] + [np.zeros(pad)]).astype(np.int32)
+  slots = np.concatenate([[slot(b, p) for b, p in zip(seq, positions)], np.full(pad, -1)]).astype(np.int32)
+  t = len(positions)
+  cos, sin = cfg.rope_tables(512)
+  case = dict(q_nope=_bf16(rng, t, h, nope), q_rope=_bf16(rng, t, h, 64), kv=_bf16(rng, t, 576),
+              positions=jnp.asarray(positions), slots=jnp.asarray(slots), cos=cos, sin=sin)
+  extra = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32),
+               block_table=jnp.asarray(table), context_lens=jnp.asarray(ctx, jnp.int32))
+  return pages, kv_scale, case, extra
+
+
+@pytest.mark.parametrize("preset", list(CFGS))
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_prefill_over_cached_context_matches_reference(rng, preset, fp8):
+  """New tokens attend their sequence's cached rows and themselves (bottom-right causal), read through the block
+  table; the NaN rows of the cache (other sequences' pages, unwritten slots) are never read. Same error budget as
+  the prefill without context (the keys are cache rows on both sides)."""
+  cfg = CFGS[preset]
+  w = _weights(rng, cfg, fp8)
+  pages, kv_scale, case, extra = _context_case(rng, cfg, cache_dtype=FP8 if fp8 else jnp.bfloat16)
+  old = jnp.array(pages, copy=True)
+  ref_out, ref_pages = graph.reference_prefill_branch(w, old, kv_scale, **case, **extra, cfg=cfg)
+  fn = graph.mla_prefill_branch_fp8 if fp8 else graph.mla_prefill_branch_bf16
+  out, new_pages = fn(w, pages, kv_scale, **case, **extra, cfg=cfg)
+  _check_pages(new_pages, ref_pages, old, case["slots"])
+  o = np.asarray(out, np.float32)
+  assert np.isfinite(o).all() and np.all(o[-2:] == 0), "padding tokens give 0; no NaN row of the cache is read"
+  testing.assert_close_fp8(out, ref_out, rel_l2=_prefill_budget(cfg), min_cos=0.999, what="prefill out")
+  rep = _check_report("mla_prefill")
+  assert any("cached context" in s["step"] for s in rep["steps"]), graph.format_report(rep)
+  # the context matters: without it (keys = the new tokens only) the output is a different one
+  no_ctx, _ = graph.reference_prefill_branch(w, jnp.array(old, copy=True), kv_scale, **case,
+                                             cu_seqlens=extra["cu_seqlens"], cfg=cfg)
+  assert np.abs(np.asarray(no_ctx)[:6] - np.asarray(ref_out)[:6]).max() > 0.05
+
+
+def _graph_prefill(fn, w, pages, kv_scale, case, rows, cfg, **kw):
+  """fn on the tokens ``rows`` of ``case`` (a slice of the packed batch)."""
+  sub = {k: (v if k in ("cos", "sin") else v[rows]) for k, v in case.items()}
+  return fn(w, pages, kv_scale, **sub, cfg=cfg, **kw)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_chunked_prefill_equals_one_call(rng, fp8):
+  """Two prompts (13 and 21 tokens) prefilled in one call, and in three calls of chunks (5 + 9, 6 + 7, 2 + 5
+  tokens) over the cache the earlier calls wrote: the same cache bits, and outputs that differ only by the order
+  of float32 sums (the key buffers differ in size and layout): a bf16 rounding flip of an up-projected k or v
+  element (2^-8 relative) or of the output (2^-8): rel-L2 <= 2^-7, every element within 2^-6 of the largest."""
+  cfg = CFGS["deepseek_v32"]
+  w = _weights(rng, cfg, fp8)
+  lens = (13, 21)
+  pages0, kv_scale, case, extra = _context_case(rng, cfg, ctx=(0, 0), new=lens, pad=0,
+                                                cache_dtype=FP8 if fp8 else jnp.bfloat16)
+  fn = graph.mla_prefill_branch_fp8 if fp8 else graph.mla_prefill_branch_bf16
+  table = extra["block_table"]
+  whole, whole_pages = fn(w, jnp.array(pages0, copy=True), kv_scale, **case, **extra, cfg=cfg)
+  pages = jnp.array(pages0, copy=True)
+  done = [0, 0]
+  got = np.zeros(np.shape(whole), np.float32)
+  for chunk in ((5, 9), (6, 7), (2, 5)):
+    rows = np.concatenate([np.arange(done[b], done[b] + chunk[b]) + (0, lens[0])[b] for b in range(2)])
+    cu = jnp.asarray([0, chunk[0], chunk[0] + chunk[1]], jnp.int32)
+    out, pages = _graph_prefill(fn, w, pages, kv_scale, case, rows, cfg, cu_seqlens=cu, block_table=table,
+                                context_lens=jnp.asarray(done, jnp.int32))
+    got[rows] = np.asarray(out, np.float32)
+    done = [done[b] + chunk[b] for b in range(2)]
+  np.testing.assert_array_equal(_bits(pages), _bits(whole_pages))
+  want = np.asarray(whole, np.float32)
+  assert np.linalg.norm(got - want) <= 2.0 ** -7 * np.linalg.norm(want)
+  assert np.abs(got - want).max() <= 2.0 ** -6 * np.abs(want).max()
+
+
+def test_prefill_context_missing_pages_and_overflow_are_nan(rng):
+  """A key position whose page is not in the block table (-1, or an id past the cache) is never read: the outputs
+  that attend it are NaN, the others exact. A key buffer too small for a sequence (max_keys) makes that sequence's
+  outputs NaN; the sequences before it are unchanged."""
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, extra = _context_case(rng, cfg, ctx=(19, 0, 7), new=(6, 5, 1))
+  ok_out, _ = graph.mla_prefill_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, **extra, cfg=cfg)
+  ok_out = np.asarray(ok_out, np.float32)
+  table = np.asarray(extra["block_table"]).copy()
+  table[0, 0] = -1                   # sequence 0's positions 0..15: every one of its queries sees them
+  table[2, 0] = 99                   # sequence 2's page 0 (positions 0..6 cached): out of range
+  out, _ = graph.mla_prefill_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case,
+                                        **{**extra, "block_table": jnp.asarray(table)}, cfg=cfg)
+  o = np.asarray(out, np.float32)
+  assert np.isnan(o[:6]).all() and np.isnan(o[11]).all()        # sequences 0 and 2
+  np.testing.assert_array_equal(o[6:11], ok_out[6:11])           # sequence 1 (no context) unchanged
+  assert np.all(o[12:] == 0)                                     # padding
+  need = 19 + 6 + 0 + 5                                          # sequences 0 and 1 fit, sequence 2 does not
+  out, _ = graph.mla_prefill_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, **extra, cfg=cfg,
+                                        max_keys=need)
+  o = np.asarray(out, np.float32)
+  assert np.isnan(o[11]).all() and np.isfinite(o[:11]).all()
+  np.testing.assert_allclose(o[:11], ok_out[:11], rtol=2.0 ** -7, atol=2.0 ** -6 * np.abs(ok_out).max())
+
+
+def test_prefill_context_argument_errors(rng):
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, extra = _context_case(rng, cfg)
+  fn = graph.mla_prefill_branch_fp8
+  cu, table, ctx = extra["cu_seqlens"], extra["block_table"], extra["context_lens"]
+  _raises(ValueError, "mla_prefill_branch_fp8: prefill over cached context needs both .* got only block_table=",
+          fn, w, pages, kv_scale, **case, cu_seqlens=cu, block_table=table, cfg=cfg)
+  _raises(ValueError, "needs both .* got only context_lens=", fn, w, pages, kv_scale, **case, cu_seqlens=cu,
+          context_lens=ctx, cfg=cfg)
+  _raises(ValueError, r"block_table must have shape \[B=3, max_pages_per_seq\]", fn, w, pages, kv_scale, **case,
+          cu_seqlens=cu, block_table=table[:2], context_lens=ctx, cfg=cfg)
+  _raises(ValueError, r"context_lens must have shape \[B=3\]", fn, w, pages, kv_scale, **case, cu_seqlens=cu,
+          block_table=table, context_lens=ctx[:2], cfg=cfg)
+  _raises(ValueError, r"context_lens must be >= 0 .* \[19, -1, 7\]", fn, w, pages, kv_scale, **case,
+          cu_seqlens=cu, block_table=table, context_lens=ctx.at[1].set(-1), cfg=cfg)
+  _raises(ValueError, "max_keys= applies to prefill over cached context", fn, w, pages, kv_scale, **case,
+          cu_seqlens=cu, max_keys=64, cfg=cfg)
+  _raises(ValueError, "max_keys must be a positive int", fn, w, pages, kv_scale, **case, cu_seqlens=cu,
+          block_table=table, context_lens=ctx, max_keys=0, cfg=cfg)
+  _raises(ValueError, "reference_prefill_branch: prefill over cached context needs both",
+          graph.reference_prefill_branch, w, pages, kv_scale, **case, cu_seqlens=cu, block_table=table, cfg=cfg)
+  assert not pages.is_deleted()
+
+
+def test_prefill_decode_graph_passes_the_context(rng):
+  """mla_prefill_decode_graph's prefill branch reads block_table only with context_lens (else the block table is
+  the decode branch's and ignored), and then equals the prefill branch called directly."""
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  pages, kv_scale, case, extra = _context_case(rng, cfg)
+  want, _ = graph.mla_prefill_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, **extra, cfg=cfg)
+  out, _ = graph.mla_prefill_decode_graph_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, **extra, cfg=cfg,
+                                              max_seqlen=6)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  ref, _ = graph.reference_prefill_decode_graph(w, jnp.array(pages, copy=True), kv_scale, **case, **extra,
+                                                cfg=cfg, max_seqlen=6)
+  r2, _ = graph.reference_prefill_branch(w, jnp.array(pages, copy=True), kv_scale, **case, **extra, cfg=cfg)
+  np.testing.assert_array_equal(np.asarray(ref), np.asarray(r2))
+  no_ctx = {k: v for k, v in extra.items() if k != "context_lens"}
+  plain, _ = graph.mla_prefill_decode_graph_fp8(w, jnp.array(pages, copy=True), kv_scale, **case, **no_ctx,
+                                                cfg=cfg, max_seqlen=6)
+  want_plain, _ = graph.mla_prefill_branch_fp8(w, jnp.array(pages, copy=True), kv_scale, **case,
+                                               cu_seqlens=extra["cu_seqlens"], cfg=cfg)
+  np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(want_plain, np.float32))
+
+
 @pytest.mark.parametrize("preset", list(CFGS))
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_sparse_prefill_branch_matches_reference(rng, preset, fp8):
@@ -382,13 +542,15 @@ def test_decode_graph_runs_attention_kernel_in_interpret_mode(rng):
 # ----------------------------------------------------------------------------------------------------------
 
 _DECODE_KW = ["indices", "topk_length", "block_table", "cache_seqlens"]
-_PD_KW = ["max_seqlen", "cu_seqlens", "block_table", "cache_seqlens", "indices", "topk_length"]
+_CONTEXT_KW = ["block_table", "context_lens", "max_keys"]
+_PD_KW = ["max_seqlen", "cu_seqlens", "block_table", "cache_seqlens", "indices", "topk_length", "context_lens",
+          "max_keys"]
 # public function -> (positional arguments after the ten tensors, keyword-only attention arguments)
 SIGNATURES = {
     "mla_decode_branch_fp8": ([], _DECODE_KW), "mla_decode_branch_bf16": ([], _DECODE_KW),
     "reference_decode_branch": ([], _DECODE_KW),
-    "mla_prefill_branch_fp8": (["cu_seqlens"], []), "mla_prefill_branch_bf16": (["cu_seqlens"], []),
-    "reference_prefill_branch": (["cu_seqlens"], []),
+    "mla_prefill_branch_fp8": (["cu_seqlens"], _CONTEXT_KW), "mla_prefill_branch_bf16": (["cu_seqlens"], _CONTEXT_KW),
+    "reference_prefill_branch": (["cu_seqlens"], _CONTEXT_KW),
     "mla_prefill_branch_sparse_fp8": (["indices"], ["topk_length"]),
     "mla_prefill_branch_sparse_bf16": (["indices"], ["topk_length"]),
     "reference_prefill_branch_sparse": (["indices"], ["topk_length"]),

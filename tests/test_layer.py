@@ -129,6 +129,53 @@ def test_prefill_then_decode_matches_reference(key, preset, fp8):
                                what=f"{name} fp8 layer vs bf16 reference")
 
 
+@pytest.mark.parametrize("preset,fp8,cache_dtype", [("deepseek_v32", True, quant.FP8),
+                                                     ("glm5", False, jnp.bfloat16)])
+def test_chunked_prefill_through_the_layer(key, preset, fp8, cache_dtype):
+  """Two prompts (23 and 14 tokens) prefilled in one call, and in three calls of chunks (the layer continues each
+  sequence from cache.seq_lens): the same cache bits, and outputs equal up to the order of float32 sums (the key
+  buffers differ; an FP8 layer may then also flip an e4m3 rounding of the attention output before W_o: 2^-4 on an
+  element, rel-L2 well under 2^-6 for the rare flips). Each chunked call also matches the reference layer over the
+  same cache (same budget as the one-call prefill)."""
+  cfg = CFGS[preset]
+  k0, k1, k3 = jax.random.split(key, 3)
+  lay = L.MLAAttention.init(k0, cfg)
+  lay = lay.to_fp8() if fp8 else lay
+  cos, sin = cfg.rope_tables(256)
+  lens = [23, 14]
+  cache0 = L.PagedCache.create(cfg, 2, 64, shuffle_key=k3, dtype=cache_dtype)
+  x, pos, cu = _prefill_inputs(k1, cfg, lens)
+  whole, whole_cache = lay.prefill(x, pos, jax.tree.map(jnp.copy, cache0), cu, cos=cos, sin=sin)
+  cache = jax.tree.map(jnp.copy, cache0)
+  got = np.zeros(whole.shape, np.float32)
+  done = [0, 0]
+  for chunk in ((7, 4), (16, 1), (0, 9)):                   # a sequence with no new tokens in the last call
+    rows = np.concatenate([np.arange(done[b], done[b] + chunk[b]) + (0, lens[0])[b] for b in range(2)])
+    cu_c = jnp.asarray([0, chunk[0], chunk[0] + chunk[1]], jnp.int32)
+    ref_y, _ = L.reference_prefill(lay, x[rows], pos[rows], cache, cu_c, cos=cos, sin=sin)
+    y, cache = lay.prefill(x[rows], pos[rows], cache, cu_c, cos=cos, sin=sin)
+    testing.assert_close_fp8(y, ref_y, rel_l2=_same_weights_budget(cfg, 64), min_cos=0.97, what=f"chunk {chunk}")
+    got[rows] = np.asarray(y, np.float32)
+    done = [done[b] + chunk[b] for b in range(2)]
+  np.testing.assert_array_equal(np.asarray(cache.seq_lens), lens)
+  np.testing.assert_array_equal(np.asarray(cache.pages).view(np.uint8), np.asarray(whole_cache.pages).view(np.uint8))
+  want = np.asarray(whole, np.float32)
+  assert np.linalg.norm(got - want) <= 2.0 ** -6 * np.linalg.norm(want)
+
+
+def test_layer_key_budget():
+  """max_keys of the dense prefill: explicit wins; concrete lengths give the next power of two of cached + new
+  tokens (capped at the capacity B * pages * page_size); traced ones the capacity."""
+  cfg = CFGS["glm5"]
+  cache = L.PagedCache.create(cfg, 2, 64)                   # capacity 2 * 4 * 16 = 128
+  cu = jnp.asarray([0, 5, 9], jnp.int32)
+  assert L._key_budget(cache, cu, 77) == 77
+  assert L._key_budget(cache, cu, None) == 16
+  assert L._key_budget(cache.replace(seq_lens=jnp.asarray([30, 20], jnp.int32)), cu, None) == 64
+  assert L._key_budget(cache.replace(seq_lens=jnp.asarray([60, 60], jnp.int32)), cu, None) == 128
+  assert jax.jit(lambda c, u: jnp.int32(L._key_budget(c, u, None)))(cache, cu) == 128
+
+
 def _bf16_layer_budget(cfg):
   """A bf16 layer on a bf16 cache against its float32 reference (same weights; the reference's projections in
   f32): every bf16 rounding has RMS 2^-8/sqrt(3) relative. On the logits (times logit_std): the query's three
