@@ -1,7 +1,9 @@
 """The benchmark specs of :mod:`mla_pallas.bench`: one :class:`~mla_pallas.bench.BenchSpec` per op.
 
 ``sparse_mla_decode``, ``dense_mla_decode`` (cache bytes read as "gathered" bytes: the memory-bound figure of
-merit), ``sparse_mla_prefill``; ``quantize_and_bmm_fp8`` (XLA = fp8 ``dot_general``, i.e. cuBLASLt on
+merit), ``sparse_mla_prefill``; ``mla_prefill`` (varlen attention of the dense prefill branch at the models' head
+dims, optionally over ``ctx`` cached tokens; extra impls ``cudnn``: ``jax.nn.dot_product_attention`` on the
+equal-length batch with V zero-padded, and ``f32``: the op's float32 backend); ``quantize_and_bmm_fp8`` (XLA = fp8 ``dot_general``, i.e. cuBLASLt on
 a GPU; FLOPs 2*T*H*K*N, "moved" bytes; reference evaluated on the CPU, see ``BenchSpec.reference_on_cpu``);
 ``fused_rope_rmsnorm_quantization`` and ``rope_rmsnorm`` ("moved" bytes = what the op must read and write; extra
 impl ``copy``: a device copy of the same bytes in the same run, reported as "% copy BW"); ``mla_decode_step``: one
@@ -351,6 +353,137 @@ register(BenchSpec(
     module="mla_pallas.ops.sparse_decode",
     sweep=_sparse_sweep(prefill=True),
     tuned_op=_sparse_tuned(prefill=True),
+))
+
+
+# ---- mla_prefill: varlen attention of the dense prefill branch ---------------------------------------------
+
+_MLA_PREFILL_KEYS = {
+    "model": (str, "head dims of: deepseek_v32 (H 128, qk 192 / v 128) or glm5 (H 64, qk 256 / v 256)"),
+    "H": (int, "query heads (0: the model's)"),
+    "seqs": (int, "sequences in the packed batch"),
+    "T": (int, "new tokens (queries) per sequence"),
+    "ctx": (int, "cached tokens per sequence before the new ones: keys = ctx + T (> 0: cu_seqlens_k)"),
+    "causal": (int, "1: causal (bottom-right with ctx > 0); 0: every key of the sequence"),
+}
+
+
+def _mla_prefill_cfg(s):
+  from mla_pallas import config
+  return config.preset(s["model"])
+
+
+def _mla_prefill_validate(s):
+  from mla_pallas import config
+  if s["model"] not in config.PRESETS:
+    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
+  if s["H"] == 0:                    # resolved in place, so that the JSON and the table show what ran
+    s["H"] = _mla_prefill_cfg(s).num_heads
+  _check_positive(s, "H", "seqs", "T")
+  if s["ctx"] < 0:
+    raise ValueError(f"shape key 'ctx' must be >= 0; got {s['ctx']}")
+  if s["causal"] not in (0, 1):
+    raise ValueError(f"shape key 'causal' must be 0 or 1; got {s['causal']}")
+
+
+def _mla_prefill_dims(s):
+  cfg = _mla_prefill_cfg(s)
+  return cfg.qk_head_dim, cfg.v_head_dim, cfg.softmax_scale
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _mla_prefill_inputs_jit(shape_items, key):
+  s = dict(shape_items)
+  dqk, dv, _ = _mla_prefill_dims(s)
+  n, t, tk, h = s["seqs"], s["T"], s["ctx"] + s["T"], s["H"]
+  kq, kk, kv = jax.random.split(key, 3)
+  q = jax.random.normal(kq, (n * t, h, dqk), jnp.bfloat16)
+  k = jax.random.normal(kk, (n * tk, h, dqk), jnp.bfloat16)
+  v = jax.random.normal(kv, (n * tk, h, dv), jnp.bfloat16)
+  cu = jnp.arange(n + 1, dtype=jnp.int32) * t
+  cu_k = jnp.arange(n + 1, dtype=jnp.int32) * tk
+  return q, k, v, cu, cu_k
+
+
+def _mla_prefill_op(impl, s, interpret):
+  from mla_pallas.ops import prefill as pf
+  _, dv, scale = _mla_prefill_dims(s)
+  causal, ctx = bool(s["causal"]), s["ctx"] > 0
+  if impl in IMPLS:
+    return lambda q, k, v, cu, cu_k: pf.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal,
+                                                    cu_seqlens_k=cu_k if ctx else None, impl=impl,
+                                                    interpret=interpret)
+  if impl == "f32":                  # the float32 XLA backend (what runs off CUDA), on the same bf16 inputs
+    return lambda q, k, v, cu, cu_k: pf._f32_jit(q, k, v, cu, jnp.float32(scale), causal=causal,
+                                                 cu_seqlens_k=cu_k if ctx else None)
+  if impl == "cudnn":                # cuDNN through jax.nn on the equal-length batch, V zero-padded to Dqk
+    reason = pf._cudnn_device_reason()
+    if reason is not None:
+      raise NotImplementedError(f"cudnn: {reason}")
+    if ctx and causal:
+      raise NotImplementedError("cudnn: jax.nn.dot_product_attention has no bottom-right causal mask (ctx > 0)")
+    n = s["seqs"]
+
+    @jax.jit
+    def f(q, k, v, cu, cu_k):
+      del cu, cu_k
+      dqk = q.shape[-1]
+      vp = jnp.pad(v, ((0, 0), (0, 0), (0, dqk - dv)))
+      o = jax.nn.dot_product_attention(q.reshape(n, -1, *q.shape[1:]), k.reshape(n, -1, *k.shape[1:]),
+                                       vp.reshape(n, -1, *vp.shape[1:]), scale=scale, is_causal=causal,
+                                       implementation="cudnn")
+      return o.reshape(q.shape[0], q.shape[1], dqk)[..., :dv]
+    return f
+  raise ValueError(f"mla_prefill has no impl {impl!r}")
+
+
+def _mla_prefill_reference(s):
+  from mla_pallas.ops import prefill as pf
+  _, _, scale = _mla_prefill_dims(s)
+  causal, ctx = bool(s["causal"]), s["ctx"] > 0
+  # the float32 flash backend (tested against reference.mla_prefill): the reference's [H, T, Tk] logits would not
+  # fit at the GPU default (128 x 8192 x 8192 x 4 B = 34 GB per temporary)
+  return lambda q, k, v, cu, cu_k: pf._f32_jit(q, k, v, cu, jnp.float32(scale), causal=causal,
+                                               cu_seqlens_k=cu_k if ctx else None)
+
+
+def _mla_prefill_pairs(s):
+  """(query, key) pairs attended: per sequence T * (ctx + T), or T * ctx + T (T + 1) / 2 causal."""
+  t, c = s["T"], s["ctx"]
+  per_seq = t * c + t * (t + 1) / 2 if s["causal"] else t * (c + t)
+  return s["seqs"] * per_seq
+
+
+def _mla_prefill_bytes(s):
+  dqk, dv, _ = _mla_prefill_dims(s)
+  n, t, tk, h = s["seqs"], s["T"], s["ctx"] + s["T"], s["H"]
+  return float(n * h * (t * dqk * 2 + tk * (dqk + dv) * 2 + t * (dv * 2 + 4)))
+
+
+register(BenchSpec(
+    name="mla_prefill",
+    keys=_MLA_PREFILL_KEYS,
+    cpu_defaults=dict(model="deepseek_v32", H=4, seqs=2, T=128, ctx=0, causal=1),
+    gpu_defaults=dict(model="deepseek_v32", H=0, seqs=2, T=4096, ctx=0, causal=1),
+    preset=lambda name: {"model": name, "H": 0},
+    validate=_mla_prefill_validate,
+    make_inputs=lambda s, key: _mla_prefill_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=lambda s: {},
+    flops=lambda s: 2.0 * _mla_prefill_pairs(s) * s["H"] * sum(_mla_prefill_dims(s)[:2]),
+    gathered_bytes=_mla_prefill_bytes,
+    set_bytes=_mla_prefill_bytes,
+    touched_bytes=_mla_prefill_bytes,
+    # cuDNN: bf16 P and outputs (<= 3 * 2^-8 rel-L2, tests/test_prefill_gpu.py), one more bf16 rounding per part
+    # with separate keys; the f32 path: one bf16 rounding of the output
+    tolerance=lambda s: 4 * 2.0 ** -8,
+    outputs=("out", "lse"),
+    make_op=_mla_prefill_op,
+    make_reference=_mla_prefill_reference,
+    extra_impls=("cudnn", "f32"),
+    bytes_kind="moved",
+    conventions={"flops": "2 * attended (query, key) pairs * H * (Dqk + Dv): causal counts the triangle "
+                          "(T * ctx + T (T + 1) / 2 per sequence), as FlashAttention does",
+                 "gathered_bytes": "bf16 q, k, v read once and out + lse written once"},
 ))
 
 
@@ -803,6 +936,154 @@ register(BenchSpec(
                  "q_nope @ W_UK, sparse_mla_decode, o @ W_UV; the projections (W_q_a/W_q_b/W_kv_a/W_o) and the "
                  "indexer are not included. Cache donated and updated in place; impl = the graph's impl argument; "
                  "results[].info.steps = graph_report() (which implementation each step ran)",
+    },
+    info=_step_info,
+    module="mla_pallas.graph",
+))
+
+
+# ---- mla_prefill_step: the dense prefill branch of one MLA layer, optionally over cached context -------------
+
+_PSTEP_KEYS = {
+    "model": _STEP_KEYS["model"],
+    "seqs": (int, "sequences"),
+    "T": (int, "new tokens per sequence"),
+    "ctx": (int, "tokens per sequence already in the cache (0: a fresh prompt, the branch without context)"),
+    "H": _STEP_KEYS["H"],
+    "tp": _STEP_KEYS["tp"],
+    "page": _STEP_KEYS["page"],
+    "kv_scale": _STEP_KEYS["kv_scale"],
+}
+
+
+def _pstep_validate(s):
+  from mla_pallas import config
+  if s["model"] not in config.PRESETS:
+    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
+  cfg = config.preset(s["model"])
+  for k, v in (("H", cfg.num_heads), ("page", cfg.page_size)):
+    if s[k] == 0:
+      s[k] = v
+  _check_positive(s, "seqs", "T", "H", "tp", "page")
+  _check_page(s)
+  if s["ctx"] < 0:
+    raise ValueError(f"shape key 'ctx' must be >= 0; got {s['ctx']}")
+  if s["H"] % s["tp"]:
+    raise ValueError(f"shape key 'tp' must divide H={s['H']}; got {s['tp']}")
+  if not s["kv_scale"] > 0:
+    raise ValueError("shape key 'kv_scale' must be positive")
+
+
+def _pstep_pages(s):
+  return -(-(s["ctx"] + s["T"]) // s["page"])
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _pstep_inputs_jit(shape_items, key):
+  from mla_pallas import quant
+  s = dict(shape_items)
+  cfg = _step_cfg(s)
+  n, t, c, h, page = s["seqs"], s["T"], s["ctx"], cfg.num_heads, s["page"]
+  nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+  pps = _pstep_pages(s)
+  ks = jax.random.split(key, 10)
+  pages = _random_cache(ks[0], n * pps, page)              # the context rows (and rows the write overwrites)
+  block_table = jax.random.permutation(ks[1], n * pps).astype(jnp.int32).reshape(n, pps)
+  positions = jnp.tile(c + jnp.arange(t, dtype=jnp.int32), n)
+  from mla_pallas import cache as mcache
+  seq = jnp.repeat(jnp.arange(n, dtype=jnp.int32), t)
+  slots = mcache.slots_for_positions(block_table[seq], positions[:, None], page)[:, 0]
+  q_nope = jax.random.normal(ks[3], (n * t, h, nope), jnp.bfloat16)
+  q_rope = jax.random.normal(ks[4], (n * t, h, 64), jnp.bfloat16)
+  kv = jax.random.normal(ks[5], (n * t, D_QK), jnp.bfloat16)
+  cos, sin = cfg.rope_tables(c + t)
+  w_uk, uks = quant.quantize_blocks_fp8(jax.random.normal(ks[6], (h, nope, D_V), jnp.float32) * nope ** -0.5)
+  w_uv, uvs = quant.quantize_blocks_fp8(jax.random.normal(ks[7], (h, D_V, v), jnp.float32) * D_V ** -0.5)
+  norm_w = (1.0 + 0.1 * jax.random.normal(ks[8], (D_V,), jnp.float32)).astype(jnp.bfloat16)
+  cu = jnp.arange(n + 1, dtype=jnp.int32) * t
+  context_lens = jnp.full((n,), c, jnp.int32)
+  return (pages, jnp.asarray(s["kv_scale"], jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin, cu,
+          block_table, context_lens, w_uk, uks, w_uv, uvs, norm_w)
+
+
+def _pstep_call(graph_fn, s, **kw):
+  cfg = _step_cfg(s)
+  ctx_kw = {} if s["ctx"] == 0 else None
+
+  def f(pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu, block_table, context_lens, w_uk, uks,
+        w_uv, uvs, norm_w):
+    from mla_pallas import graph
+    w = graph.MLAWeightsFP8(w_uk, uks, w_uv, uvs, norm_w)
+    extra = ctx_kw if ctx_kw is not None else dict(block_table=block_table, context_lens=context_lens,
+                                                   max_keys=s["seqs"] * (s["ctx"] + s["T"]))
+    return graph_fn(w, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu, cfg=cfg, **extra, **kw)
+  return f
+
+
+def _pstep_op(impl, s, interpret):
+  if impl not in IMPLS:
+    raise ValueError(f"mla_prefill_step has no impl {impl!r}")
+  from mla_pallas import graph
+  return _pstep_call(graph.mla_prefill_branch_fp8, s, impl=impl, interpret=interpret)
+
+
+def _pstep_reference(s):
+  from mla_pallas import graph
+  return _pstep_call(graph.reference_prefill_branch, s)
+
+
+def _pstep_flops(s):
+  cfg = _step_cfg(s)
+  n, t, c, h = s["seqs"], s["T"], s["ctx"], cfg.num_heads
+  pairs = n * (t * c + t * (t + 1) / 2)
+  up = 2.0 * n * (c + t) * h * D_V * (cfg.qk_nope_head_dim + cfg.v_head_dim)     # k_nope and v of every key
+  return 2.0 * pairs * h * (cfg.qk_head_dim + cfg.v_head_dim) + up
+
+
+def _pstep_tolerance(s):
+  """tests/test_graph.py's prefill budget: the graph's bf16 roundings of q and k (logits: 2 x logit_std, with
+  logit_std = 2 softmax_scale sqrt(qk_head_dim), YaRN's factor included) and 3 of the output path (v, P under
+  cuDNN, out), RMS 2^-8 / sqrt(3) each, times the safety factor 3."""
+  cfg = _step_cfg(s)
+  logit_std = 2.0 * cfg.softmax_scale * cfg.qk_head_dim ** 0.5
+  return 3 * math.sqrt((2 * logit_std) ** 2 + 3) * 2.0 ** -8 / math.sqrt(3)
+
+
+def _pstep_bytes(s):
+  cfg = _step_cfg(s)
+  n, t, c, h = s["seqs"], s["T"], s["ctx"], cfg.num_heads
+  return float(n * (c + t) * D_QK + n * t * (h * (cfg.qk_nope_head_dim + 64) * 2 + D_QK * 2)
+               + n * t * h * cfg.v_head_dim * 2 + _step_weight_bytes(s))
+
+
+register(BenchSpec(
+    name="mla_prefill_step",
+    keys=_PSTEP_KEYS,
+    cpu_defaults=dict(model="deepseek_v32", seqs=2, T=64, ctx=32, H=8, tp=1, page=64, kv_scale=1.0),
+    gpu_defaults=dict(model="deepseek_v32", seqs=2, T=4096, ctx=0, H=0, tp=1, page=0, kv_scale=1.0),
+    preset=lambda name: {"model": name, "H": 0, "page": 0},
+    validate=_pstep_validate,
+    make_inputs=lambda s, key: _pstep_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=lambda s: {},
+    flops=_pstep_flops,
+    gathered_bytes=_pstep_bytes,
+    set_bytes=lambda s: float(s["seqs"] * _pstep_pages(s) * s["page"] * D_QK) + _pstep_bytes(s),
+    touched_bytes=_pstep_bytes,
+    tolerance=_pstep_tolerance,
+    outputs=("out",),
+    make_op=_pstep_op,
+    make_reference=_pstep_reference,
+    extra_impls=("auto",),
+    state=(0, 1),
+    bytes_kind="moved",
+    conventions={
+        "flops": "attention 2 * causal pairs * H * (Dqk + Dv) (pairs: T * ctx + T (T + 1) / 2 per sequence) + the "
+                 "up-projections of every key 2 * seqs * (ctx + T) * H * 512 * (nope + v)",
+        "gathered_bytes": "cache rows read (576 B per key) + q, kv in + out",
+        "scope": "mla_pallas.graph.mla_prefill_branch_fp8: fused rope+rmsnorm+fp8 cache write, the key gather "
+                 "(with block_table / context_lens when ctx > 0), k_nope and v up-projections (FP8 BMMs), "
+                 "mla_prefill (cuDNN on a GPU). The reference is graph.reference_prefill_branch, whose attention "
+                 "is O(T * Tk * H) float32 memory: at 2 x 4096 tokens and H 128 use --no-check",
     },
     info=_step_info,
     module="mla_pallas.graph",

@@ -120,7 +120,7 @@ def _bench_epilog() -> str:
     if extra:
       lines.append(f"    --impl all = {','.join(spec.all_impls)}")
   lines.append("presets set the model's sizes from mla_pallas.config (sparse decode/prefill: H, topk, page; "
-               "quantize_and_bmm_fp8: H, K=qk_nope, N=512; rope: H (, page); mla_decode_step: model); --shape "
+               "quantize_and_bmm_fp8: H, K=qk_nope, N=512; rope: H (, page); mla_decode_step, mla_prefill: model); --shape "
                "entries override them. Shape keys are case-insensitive when unambiguous.")
   lines.append("timer: cupti (device time, GPU) or wall (host wall clock incl. dispatch, CPU); "
                "never compare the two.")

@@ -553,3 +553,37 @@ def test_demo_formatting_fits_and_names_shapes():
   assert max(len(line) for line in text.splitlines()) <= cli.WIDTH, text
   wrapped = cli.fit("  " + "word " * 60)
   assert all(len(line) <= cli.WIDTH for line in wrapped.splitlines()) and wrapped.count("\n") >= 2
+
+
+def test_mla_prefill_bench_spec():
+  """mla_prefill: the models' head dims, causal pairs counted as FlashAttention does, separate keys with ctx > 0;
+  the XLA row checked against the float32 backend; cudnn / mosaic rows unavailable on a CPU."""
+  spec = bench.get_spec("mla_prefill")
+  assert spec.shape({}, preset="glm5", gpu=True) == dict(model="glm5", H=64, seqs=2, T=4096, ctx=0, causal=1)
+  with pytest.raises(ValueError, match="ctx"):
+    spec.shape({"ctx": -1})
+  shape = dict(model="glm5", H=2, seqs=3, T=9, ctx=20, causal=1)
+  s = spec.shape(shape)
+  assert spec.flops(s) == 2.0 * 3 * (9 * 20 + 9 * 10 / 2) * 2 * (256 + 256)
+  results = bench.run("mla_prefill", ("xla", "mosaic", "cudnn", "f32"), shape, iters=1, n_inputs=1,
+                      progress=False)
+  xla, mosaic, cudnn, f32 = results
+  assert xla.ok and xla.check_ok and f32.ok
+  assert mosaic.status.startswith("unavailable")
+  if ON_CPU:
+    assert cudnn.status.startswith("unavailable")
+  else:                      # no bottom-right causal mask in jax.nn's cuDNN call
+    assert "bottom-right" in cudnn.status
+
+
+def test_mla_prefill_step_bench_spec():
+  """The dense prefill branch as a bench: with cached context (block_table / context_lens) and without, checked
+  against the graph's reference; the cache is donated and fed back (state)."""
+  spec = bench.get_spec("mla_prefill_step")
+  assert spec.shape({}, preset="glm5", gpu=True)["H"] == 64
+  for ctx in (0, 21):
+    shape = dict(model="glm5", seqs=2, T=9, ctx=ctx, H=4, page=16)
+    (res,) = bench.run("mla_prefill_step", ("xla",), shape, iters=1, n_inputs=1, progress=False)
+    assert res.ok and res.check_ok, (res.status, res.check)
+    ops = [st["step"] for st in res.info["steps"]]
+    assert any("cached context" in op for op in ops) == (ctx > 0), ops
