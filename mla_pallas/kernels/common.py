@@ -120,7 +120,8 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
 
   Args:
     s: [R, T] f32 raw Q.K products (``keys_axis=0``: the transposed tile Sᵀ [T, R], heads on the columns);
-    valid_cols: [T] bool (False: masked key); row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
+    valid_cols: [T] bool (False: masked key), or a mask of the shape of ``s`` (per element: causal masks);
+    row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
     log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
     (running sums per element: no reduction over the keys in this step, the caller sums once at the end).
   Returns:
@@ -128,7 +129,7 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
     m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
   """
   head_axis = 1 - keys_axis
-  valid = lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+  valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
   s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
   s = jnp.where(valid, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=keys_axis))

@@ -93,6 +93,7 @@ _CUDNN_MLA_MIN_VERSION = 91000  # Dv != Dqk without padding (non-packed layout o
 _CUDNN_MAX_HEAD_DIM = 256   # Hopper and later
 _STATS_BUDGET = 1 << 30     # bytes of cuDNN softmax statistics, M · H · T · 4
 _log = logging.getLogger("mla_pallas")
+LOG2E = float(np.log2(np.e))
 
 
 def _check_args(q, k, v, cu_seqlens, softmax_scale, causal, cu_seqlens_k=None):
@@ -423,6 +424,138 @@ def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, cu_seqlens_
                         attend=attend, attend_one=attend_one)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Mosaic GPU kernel (kernels/prefill_sm90.py): FP8 QKᵀ, bf16 P·V
+# ----------------------------------------------------------------------------------------------------------
+
+# Families on which the kernel ran against the reference on hardware ("auto" picks it only there).
+_KERNEL_VALIDATED_ON: tuple[str, ...] = ()
+_FP8_MAX = 448.0
+
+
+def _kernel_supported(q, k, v):
+  """``supported`` callable for :func:`_dispatch.choose`: NotImplementedError for inputs the kernel lacks."""
+  def check():
+    from mla_pallas.kernels import prefill_sm90 as kp
+    if _dispatch.mosaic_arch(False) == "sm100":
+      raise NotImplementedError(f"{OP}: the prefill kernel is sm_90a only (no Blackwell kernel yet)")
+    if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
+      raise NotImplementedError(f"{OP}: the Mosaic GPU kernel takes bfloat16 q, k, v; got "
+                                f"{q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+    try:
+      kp.check_config(kp.TuningConfig(), q.shape[2], v.shape[2])
+    except ValueError as e:
+      raise NotImplementedError(f"{OP}: {e}") from None
+  return check
+
+
+def _aligned_packing(cu, n_rows: int, nseq: int):
+  """The kernel's aligned packing of a packed batch (``cu`` clipped, [nseq + 1]): sequence b starts at row
+  ``starts[b]``, a multiple of 8. Returns (starts [nseq + 1], src [n_al]: the token of each aligned row or -1,
+  n_al: static rows, a multiple of 8)."""
+  lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + 7) // 8 * 8).astype(jnp.int32)])
+  n_al = -(-(n_rows + 7 * nseq) // 8) * 8
+  r = jnp.arange(n_al, dtype=jnp.int32)
+  b = jnp.clip(jnp.searchsorted(starts, r, side="right").astype(jnp.int32) - 1, 0, nseq - 1)
+  off = r - starts[b]
+  ok = (off < lens[b]) & (r < starts[-1])
+  return starts, jnp.where(ok, cu[b] + off, -1), n_al
+
+
+def _fp8_per_head(x, src):
+  """x [T, H, D] gathered into the aligned rows ``src`` (-1: zero row) and quantized to e4m3 with one scale per
+  head (its largest finite |x| over the gathered rows / 448). Returns (x8 [n_al, H, D], scale [H] float32)."""
+  ok = src >= 0
+  rows = jnp.take(x, jnp.maximum(src, 0), axis=0).astype(jnp.float32)
+  rows = jnp.where(ok[:, None, None], rows, 0.0)
+  amax = jnp.max(jnp.where(jnp.isfinite(rows), jnp.abs(rows), 0.0), axis=(0, 2))
+  scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+  x8 = jnp.clip(rows / scale[None, :, None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+  return x8, scale
+
+
+def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq: int, nseq: int, causal: bool):
+  """The kernel's tile table [n_max, 8] (kernels/prefill_sm90.py) and (tile_start [nseq + 1]): tile i of
+  sequence b covers its queries 128 j .. 128 j + 127, j = i - tile_start[b]."""
+  from mla_pallas.kernels import prefill_sm90 as kp
+  tile_q = kp.TILE_Q
+  len_q = jnp.maximum(cu_q[1:] - cu_q[:-1], 0)
+  len_k = jnp.maximum(cu_k[1:] - cu_k[:-1], 0)
+  tile_start = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                jnp.cumsum((len_q + tile_q - 1) // tile_q).astype(jnp.int32)])
+  n_max = -(-tq // tile_q) + nseq
+  i = jnp.arange(n_max, dtype=jnp.int32)
+  b = jnp.clip(jnp.searchsorted(tile_start, i, side="right").astype(jnp.int32) - 1, 0, nseq - 1)
+  j = i - tile_start[b]
+  live = i < tile_start[-1]
+  lq, lk = len_q[b], len_k[b]
+  diag = tile_q * j + lk - lq if causal else jnp.zeros_like(j)
+  z = jnp.zeros_like(i)
+  tiles = jnp.stack([jnp.where(live, q_starts[b] + tile_q * j, 0), jnp.where(live, jnp.minimum(tile_q, lq - tile_q * j), 0),
+                     jnp.where(live, k_starts[b], 0), jnp.where(live, lk, 0), jnp.where(live, diag, 0),
+                     jnp.where(live, cu_q[b] + tile_q * j, 0), z, z], axis=1)
+  return tiles, tile_start
+
+
+def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seqlens_k=None, interpret=False,
+                    cfg=None):
+  """``mla_prefill`` on the Mosaic GPU kernel: q and k quantized to e4m3 per head and laid out in the kernel's
+  aligned packing (every sequence at a multiple of 8 rows; one gather fused with the quantization), v sanitized
+  into the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the
+  module docstring applied (under ``lax.cond``, skipped when every v is finite and every token is in a
+  sequence). ``cfg``: the kernel's TuningConfig (None: the default)."""
+  from mla_pallas.kernels import prefill_sm90 as kp
+  cfg = kp.TuningConfig() if cfg is None else cfg
+  tq, h, _ = q.shape
+  tk, dv = k.shape[0], v.shape[2]
+  nseq = cu_seqlens.shape[0] - 1
+  if nseq == 0:
+    return jnp.zeros((tq, h, dv), jnp.bfloat16), jnp.full((tq, h), -jnp.inf, jnp.float32)
+  cu_q = jnp.clip(cu_seqlens, 0, tq)
+  cu_k = cu_q if cu_seqlens_k is None else jnp.clip(cu_seqlens_k, 0, tk)
+  q_starts, q_src, _ = _aligned_packing(cu_q, tq, nseq)
+  k_starts, k_src, _ = _aligned_packing(cu_k, tk, nseq)
+  q8, q_scale = _fp8_per_head(q, q_src)
+  k8, k_scale = _fp8_per_head(k, k_src)
+  k_ok = k_src >= 0
+  v_rows = jnp.take(v, jnp.maximum(k_src, 0), axis=0)
+  v_al = jnp.where(k_ok[:, None, None] & jnp.isfinite(v_rows), v_rows, jnp.zeros((), v.dtype))
+  row_scale = (jnp.asarray(softmax_scale, jnp.float32) * q_scale * k_scale * LOG2E).astype(jnp.float32)
+  tiles, tile_start = _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq, nseq, causal)
+  out, lse_pad = kp.prefill_sm90(q8, k8, v_al, tiles, row_scale, cfg=cfg, causal=causal,
+                                 out_rows=tq, interpret=interpret)
+  inside, k_start, k_end = _key_ranges(cu_q, cu_k, tq, tk, causal)
+  tok = jnp.arange(tq, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q, tok, side="right").astype(jnp.int32) - 1, 0, nseq - 1)
+  pos = tok - cu_q[seq]
+  col = jnp.where(inside, (tile_start[seq] + pos // kp.TILE_Q) * kp.TILE_Q + pos % kp.TILE_Q, 0)
+  lse = jnp.where(inside[:, None], lse_pad[:, col].T, -jnp.inf)
+  ktok = jnp.arange(tk, dtype=jnp.int32)
+  k_in = (ktok >= cu_k[0]) & (ktok < cu_k[-1])
+
+  def clean(out):
+    return out
+
+  def general(out):
+    out = jnp.where(inside[:, None, None], out, jnp.zeros((), out.dtype))     # padding rows: never written
+    bad = ~jnp.isfinite(v) & k_in[:, None, None]
+    n_bad = jnp.concatenate([jnp.zeros((1, h, dv), jnp.int32), jnp.cumsum(bad.astype(jnp.int32), axis=0)])
+    seen = n_bad[k_end] - n_bad[k_start]
+    return jnp.where((k_end > k_start)[:, None, None] & (seen > 0), jnp.asarray(jnp.nan, out.dtype), out)
+
+  all_in = (cu_q[0] == 0) & (cu_q[-1] == tq)
+  finite = jnp.all(jnp.isfinite(jnp.where(k_in[:, None, None], v, jnp.zeros((), v.dtype))))
+  out = lax.cond(all_in & finite, clean, general, out)
+  return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "cfg"))
+def _mosaic_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, cu_seqlens_k=None, interpret=False, cfg=None):
+  return _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, causal=causal, cu_seqlens_k=cu_seqlens_k,
+                         interpret=interpret, cfg=cfg)
+
+
 def _one_sequence_call(q, v, cu_seqlens):
   """``_cudnn_attend_one`` when the batch has one sequence and cuDNN can take its head dims unpadded (Dv == Dqk,
   or cuDNN >= 9.10 for Dv != Dqk), else None (the packed layout everywhere)."""
@@ -476,7 +609,10 @@ def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal: bool = True, cu_s
   """
   _dispatch.check_impl(impl)
   _check_args(q, k, v, cu_seqlens, softmax_scale, causal, cu_seqlens_k)
-  _dispatch.choose(OP, impl, interpret=interpret, supported=None)
+  if _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(q, k, v),
+                      validated_on=_KERNEL_VALIDATED_ON) == "mosaic":
+    return _mosaic_jit(q, k, v, cu_seqlens, jnp.asarray(softmax_scale, jnp.float32), causal=bool(causal),
+                       cu_seqlens_k=cu_seqlens_k, interpret=interpret)
   reason = _backend_reason(q, k, v, cu_seqlens)
   if reason is None:
     one = _one_sequence_call(q, v, cu_seqlens) if cu_seqlens_k is None else None

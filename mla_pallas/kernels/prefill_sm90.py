@@ -1,0 +1,255 @@
+"""Varlen prefill attention with an FP8 QKᵀ for sm_90a: the Mosaic GPU kernel of ``mla_prefill``.
+
+One CTA computes one (query tile, head): a query tile is up to 128 consecutive query tokens of one sequence
+(two consumer warpgroups of 64 rows), and it attends that sequence's keys in blocks of ``block_kv``:
+
+    S  = Q8 · K8ᵀ                 fp8 wgmma (e4m3 x e4m3, K = Dqk, 64-byte swizzle), f32 accumulate
+    S' = S · row_scale[h]         softmax_scale · q_scale[h] · k_scale[h] · log2 e (base-2 logits)
+    masked keys: past the sequence's Lk keys, and (causal) key position j > i + diag for query row i
+    online softmax (base 2), P rounded to bf16 through an SMEM slot
+    O += P · V                    bf16 wgmma (V [block_kv, Dv] MN-major, 128-byte swizzle), f32 accumulate
+    out = O / l (0 where l = 0), lse = (m + log2 l) · ln 2 (-inf where l = 0)
+
+Shapes and index conventions (the op builds them, ``ops/prefill.py``):
+  q8 [Tq_al, H, Dqk] float8_e4m3fn, k8 [Tk_al, H, Dqk] float8_e4m3fn (per-head scales folded into row_scale),
+  v [Tk_al, H, Dv] bfloat16 (finite: the op sanitizes non-finite values and poisons the outputs that see them),
+  in an *aligned* packing: every sequence starts at a multiple of 8 rows and Tq_al, Tk_al are multiples of 8
+  (Mosaic tiles the GMEM side of a TMA into the SMEM tile's 8-row tiling). Dqk and Dv multiples of 64 up to 256
+  (DeepSeek-V3.2 192 / 128, GLM-5 256 / 256).
+  tiles [n_tiles, 8] int32, one row per query tile: q0 (first query row in q8, a multiple of 8), nq (valid
+  queries, 0..128; 0: an empty tile, nothing is stored), k0 (first key row of the sequence in k8 / v, a multiple
+  of 8), nk (its keys), diag (causal: query row i of the tile sees key positions j <= i + diag, i.e.
+  FlashAttention's bottom-right rule; ignored otherwise), o0 (the output row of the tile's first query: any row),
+  and two unused fields.
+  row_scale [H] float32.
+  out_rows: static, rows of the output (the caller's unaligned packing).
+Returns out [out_rows, H, Dv] bfloat16 (rows o0 .. o0 + nq - 1 of each tile; every other row is left unwritten:
+the O tile goes out through an untiled SMEM buffer, so its GMEM rows need no alignment) and lse_pad
+[H, n_tiles · 128] float32 (natural log; entry [h, 128 t + i] belongs to row i of tile t).
+
+Rows of a tile past the end of its sequence hold other tokens (or TMA's zero fill past Tq): they are computed
+and thrown away. Keys past the sequence's end are read (zero fill past Tk) and masked before the softmax; their
+v rows are finite, so P = 0 keeps them out of O.
+
+Warpgroups (``num_threads=3``):
+  * WG0, WG1 — consumers (232 registers): their 64 query rows; per key block: wait ``k_full``, the QKᵀ wgmma,
+    release ``k_empty``; mask, online softmax, P to their slot ``p_sw[wg]``; wait ``v_full``, the P·V wgmma,
+    release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one TMA for 64 valid rows or one
+    per valid row otherwise (a tile's tail never overwrites the next sequence's rows); lse through ``lse_smem``.
+  * WG2 — loader (40 registers): TMA of each key block's K and V into ``kv_stages`` ring slots, waiting for both
+    consumers to release a slot before refilling it.
+
+SMEM (bytes; Dqk = dk, Dv = dv, block_kv = b, kv_stages = s): Q 2·64·dk + K s·b·dk + V 2·s·b·dv + P 2·2·64·b +
+O 2·2·64·dv + lse 2·64·4 (:func:`smem_budget`): 128 KB at 192 / 128 (b 64, s 2), 208 KB at 256 / 256.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas.kernels import common
+
+FP8 = common.FP8
+BLOCK_Q = 64                  # query rows per consumer warpgroup
+CONSUMERS = 2
+TILE_Q = BLOCK_Q * CONSUMERS  # query rows per CTA
+TILE_FIELDS = 8               # int32 fields per tile row: q0, nq, k0, nk, diag, o0, (2 unused)
+ALIGN = 8                     # q0, k0: multiples of 8 rows, Tq_al and Tk_al too (the SMEM tiles' 8-row tiling: Mosaic
+                              # tiles the GMEM side of a TMA like its SMEM side)
+CONSUMER_REGS = 232           # 2 x 128 x 232 + 128 x 40 <= 65536
+LOADER_REGS = 40
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+MAX_HEAD_DIM = 256            # wgmma N <= 256 (Dv); one QKᵀ wgmma of K = Dqk
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig(common.TuningConfigBase):
+  """block_kv: keys per pipeline step (64 or 128); kv_stages: K/V ring slots (2 or 3)."""
+  block_kv: int = 64
+  kv_stages: int = 2
+
+  def validate(self):
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"TuningConfig.block_kv must be 64 or 128; got {self.block_kv}")
+    if self.kv_stages not in (2, 3):
+      raise ValueError(f"TuningConfig.kv_stages must be 2 or 3; got {self.kv_stages}")
+
+
+def check_head_dims(dqk: int, dv: int) -> None:
+  """ValueError unless Dqk and Dv are multiples of 64 in [64, 256]."""
+  for name, d in (("Dqk", dqk), ("Dv", dv)):
+    if d % 64 or not 64 <= d <= MAX_HEAD_DIM:
+      raise ValueError(f"the prefill kernel takes {name} a multiple of 64 in [64, {MAX_HEAD_DIM}]; got {d}")
+
+
+def smem_budget(cfg: TuningConfig, dqk: int, dv: int) -> int:
+  """Bytes of SMEM of one CTA (module docstring)."""
+  b, s = cfg.block_kv, cfg.kv_stages
+  return common.smem_bytes(((CONSUMERS, BLOCK_Q, dqk), FP8), ((s, b, dqk), FP8), ((s, b, dv), jnp.bfloat16),
+                           ((CONSUMERS, BLOCK_Q, b), jnp.bfloat16), ((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
+                           ((CONSUMERS, BLOCK_Q), jnp.float32))
+
+
+def check_config(cfg: TuningConfig, dqk: int, dv: int) -> None:
+  check_head_dims(dqk, dv)
+  cfg.check_smem(smem_budget(cfg, dqk, dv), f" at Dqk {dqk}, Dv {dv}")
+
+
+def _key_steps(nq, nk, diag, block_kv: int, causal: bool):
+  """Key blocks a tile visits: enough for its last valid query (nothing for an empty tile)."""
+  keys = nk
+  if causal:
+    keys = jnp.clip(nq + diag, 0, nk)             # last valid row nq - 1 sees positions <= nq - 1 + diag
+  keys = jnp.where(nq > 0, keys, 0)
+  return (keys + block_kv - 1) // block_kv
+
+
+def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, refs):
+  (q_ref, k_ref, v_ref, tiles_ref, scale_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem, q_bar,
+   k_full, v_full, k_empty, v_empty) = refs
+  b = cfg.block_kv
+  dv = v_sw.shape[-1]
+  q0, nq, nk, diag = pl.multiple_of(tiles_ref[t, 0], ALIGN), tiles_ref[t, 1], tiles_ref[t, 3], tiles_ref[t, 4]
+  o0 = tiles_ref[t, 5]
+  steps = _key_steps(nq, nk, diag, b, causal)
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  row0 = wg * BLOCK_Q
+  plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0 + row0, BLOCK_Q), h], q_sw.at[wg], q_bar.at[wg])
+  plgpu.barrier_wait(q_bar.at[wg])
+  row_scale = plgpu.layout_cast(jnp.full((BLOCK_Q,), scale_ref[h], jnp.float32), ROW_LAYOUT)
+  acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv), jnp.float32), plgpu.Layout.WGMMA)
+  m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROW_LAYOUT)
+  l = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROW_LAYOUT)
+
+  def step(j, carry):
+    acc, m, l = carry
+    slot = lax.rem(j, cfg.kv_stages)
+    plgpu.barrier_wait(k_full.at[slot])
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, q_sw.at[wg], k_sw.at[slot].T)
+      return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, b), jnp.float32))
+    plgpu.barrier_arrive(k_empty.at[slot])
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 1, layout=plgpu.Layout.WGMMA) + j * b
+    valid = col < nk
+    if causal:
+      row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 0, layout=plgpu.Layout.WGMMA) + row0
+      valid = valid & (col <= row + diag)
+    p, alpha, m, l = common.online_softmax_tile(s, valid, row_scale, m, l)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p_sw.at[wg][...] = p.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(v_full.at[slot])
+    (acc,) = common.accumulate(lambda refs: plgpu.wgmma(refs[0], p_sw.at[wg], v_sw.at[slot]), (acc,), interpret)
+    plgpu.barrier_arrive(v_empty.at[slot])
+    return acc, m, l
+
+  acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+  has = l > 0
+  inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+  o_lin.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+  lse_smem.at[wg][...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * common.LN2, -jnp.inf)
+  plgpu.commit_smem()
+  rows = jnp.clip(nq - row0, 0, BLOCK_Q)
+
+  @pl.when(rows == BLOCK_Q)
+  def _():
+    plgpu.copy_smem_to_gmem(o_lin.at[wg], o_ref.at[pl.ds(o0 + row0, BLOCK_Q), h])
+
+  @pl.when((rows > 0) & (rows < BLOCK_Q))
+  def _():
+    @pl.loop(0, rows)
+    def _(r):
+      plgpu.copy_smem_to_gmem(o_lin.at[wg, pl.ds(r, 1)], o_ref.at[pl.ds(o0 + row0 + r, 1), h])
+
+  plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(t * TILE_Q + row0, BLOCK_Q)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _loader(cfg: TuningConfig, causal: bool, t, h, refs):
+  (q_ref, k_ref, v_ref, tiles_ref, scale_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem, q_bar,
+   k_full, v_full, k_empty, v_empty) = refs
+  b, stages = cfg.block_kv, cfg.kv_stages
+  nq, k0, nk, diag = tiles_ref[t, 1], pl.multiple_of(tiles_ref[t, 2], ALIGN), tiles_ref[t, 3], tiles_ref[t, 4]
+  steps = _key_steps(nq, nk, diag, b, causal)
+  plgpu.set_max_registers(LOADER_REGS, action="decrease")
+
+  @pl.loop(0, steps)
+  def _(j):
+    slot = lax.rem(j, stages)
+    rows = pl.ds(k0 + j * b, b)
+
+    @pl.when(j >= stages)
+    def _():
+      plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_sw.at[slot], k_full.at[slot])
+
+    @pl.when(j >= stages)
+    def _():
+      plgpu.barrier_wait(v_empty.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_sw.at[slot], v_full.at[slot])
+
+  # Observe the last release of every slot used (the interpreter's barrier rule; harmless on hardware).
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _(j):
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.barrier_wait(v_empty.at[slot])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "causal", "out_rows", "interpret"))
+def prefill_sm90(q8, k8, v, tiles, row_scale, *, cfg: TuningConfig, causal: bool, out_rows: int, interpret=False):
+  """The kernel (module docstring for shapes and conventions). ``interpret``: False, True or
+  ``plgpu.InterpretGPUParams``."""
+  _, h, dqk = q8.shape
+  for name, x in (("q8", q8), ("k8", k8)):
+    if x.shape[0] % ALIGN:
+      raise ValueError(f"{name} must have a multiple of {ALIGN} rows (aligned packing); got {x.shape[0]}")
+  dv = v.shape[2]
+  n_tiles = tiles.shape[0]
+  check_config(cfg, dqk, dv)
+  b, s = cfg.block_kv, cfg.kv_stages
+
+  def body(*refs):
+    t, hd, wg = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("wg")
+
+    @pl.when(wg < CONSUMERS)
+    def _():
+      _consumer(cfg, causal, bool(interpret), wg, t, hd, refs)
+
+    @pl.when(wg == CONSUMERS)
+    def _():
+      _loader(cfg, causal, t, hd, refs)
+
+  scratch = [
+      plgpu.SMEM((CONSUMERS, BLOCK_Q, dqk), FP8, transforms=common.swizzled(FP8, 64)),
+      plgpu.SMEM((s, b, dqk), FP8, transforms=common.swizzled(FP8, 64)),
+      plgpu.SMEM((s, b, dv), jnp.bfloat16, transforms=common.swizzled(jnp.bfloat16, 128)),
+      plgpu.SMEM((CONSUMERS, BLOCK_Q, b), jnp.bfloat16, transforms=common.swizzled(jnp.bfloat16, 128)),
+      plgpu.SMEM((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
+      plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.float32),
+      plgpu.Barrier(num_barriers=CONSUMERS),                                    # q_bar
+      plgpu.Barrier(num_barriers=s),                                            # k_full
+      plgpu.Barrier(num_barriers=s),                                            # v_full
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # k_empty
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # v_empty
+  ]
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((out_rows, h, dv), jnp.bfloat16),
+                jax.ShapeDtypeStruct((h, n_tiles * TILE_Q), jnp.float32)),
+      scratch_types=scratch,
+      grid=(n_tiles, h),
+      grid_names=("tile", "head"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **common.interpret_kwargs(interpret),
+  )(q8, k8, v, tiles, row_scale)

@@ -1,0 +1,170 @@
+"""mla_prefill's Mosaic GPU kernel (kernels/prefill_sm90.py) on the CPU: interpret mode with race detection
+against reference.mla_prefill (packed batches with ragged lengths, separate keys with context longer and shorter
+than the queries, padding tokens, non-finite v, both causal forms), its aligned packing and tile table, the
+config checks, the dispatch, and sm_90a lowering with instruction counts at both models' head dims.
+
+Error model (interpret mode computes the wgmmas exactly): q and k are quantized to e4m3 with one scale per head
+(RMS relative error <= 2^-4 / sqrt(3) each, acting on the logits times their std), P and the output are rounded
+to bf16: ``testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=False)``
+(its v term over-counts: v stays bf16). lse: the logits move by ~logit_std * sqrt(2) * 2^-4 / sqrt(3) RMS; the
+log-sum-exp, a smooth max, by at most their largest move: asserted <= 6 * logit_std * 2^-4 (3 sigma of the
+largest of a few hundred logits).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mla_pallas import _dispatch, reference as ref, testing
+from mla_pallas.kernels import prefill_sm90 as kp
+from mla_pallas.ops import prefill as pf
+from mla_pallas.ops.prefill import mla_prefill
+
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+# name: (T, cu_seqlens, Tk or None, cu_seqlens_k or None, bad v entries (key index, value))
+CASES = {
+    "ragged_self": (61, [0, 1, 2, 19, 19, 60, 61], None, None, ()),            # lengths 1, 1, 17, 0, 41, 1
+    "two_tiles": (150, [0, 150], None, None, ()),                              # a full and a partial query tile
+    "context": (12, [0, 5, 12], 200, [0, 130, 200], ()),                        # Lk - Lq = 125, 63 (3 key blocks)
+    "ragged_context": (9, [0, 1, 1, 8, 9], 47, [0, 37, 40, 47, 47], ()),       # 1/37, 0/3, 7/7, 1/0
+    "fewer_keys": (10, [0, 10], 4, [0, 4], ()),                                # 6 queries see nothing (causal)
+    "padding_nonfinite": (18, [2, 9, 15], 35, [3, 20, 31],
+                          [((0,), np.nan), ((33,), np.inf), ((10, 1, 3), np.nan)]),
+}
+
+
+def _inputs(rng, name, h=2, dqk=64, dv=64):
+  t, cu, tk, cu_k, bad = CASES[name]
+  q = jnp.asarray(rng.normal(size=(t, h, dqk)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(tk or t, h, dqk)), jnp.bfloat16)
+  v = rng.normal(size=(tk or t, h, dv)).astype(np.float32)
+  for idx, val in bad:
+    v[idx] = val
+  cu_k = None if cu_k is None else jnp.asarray(cu_k, jnp.int32)
+  return q, k, jnp.asarray(v, jnp.bfloat16), jnp.asarray(cu, jnp.int32), cu_k
+
+
+def _check(out, lse, r_out, r_lse, *, dqk, pv_length, what):
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(r), err_msg=f"{what}: NaN pattern")
+  g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
+  np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w), err_msg=f"{what}: -inf lse pattern")
+  empty = np.isneginf(w)
+  assert np.all(o[empty] == 0), f"{what}: rows without keys must be 0"
+  fin = np.isfinite(r)
+  budget = testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=False,
+                                    d_qk=dqk, pv_length=pv_length, logit_std=1.0)
+  rel = np.linalg.norm(o[fin] - r[fin]) / np.linalg.norm(r[fin])
+  assert rel <= budget, f"{what}: out rel-L2 {rel:.3g} > {budget:.3g}"
+  lf = np.isfinite(w)
+  assert np.abs(g[lf] - w[lf]).max() <= 6 * 2.0 ** -4, f"{what}: lse"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_interpret_matches_reference(rng, name, causal):
+  q, k, v, cu, cu_k = _inputs(rng, name)
+  scale = q.shape[2] ** -0.5                                      # logits of std ~1
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic",
+                         interpret=RACES)
+  assert _dispatch.last_impl("mla_prefill") == "mosaic-interpret"
+  assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == jnp.bfloat16
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  assert not ipc.get_races().races_found
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k)
+  _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=name)
+  if name == "padding_nonfinite":
+    assert np.all(np.asarray(out, np.float32)[list(range(2)) + [15, 16, 17]] == 0)   # padding tokens
+
+
+def test_kernel_interpret_model_head_dims_and_determinism(rng):
+  """DeepSeek-V3.2's head dims (Dqk 192 = 3 K chunks of 64, Dv 128) with 128-key blocks (a tile spanning both
+  consumers and a partial one), twice: bitwise the same."""
+  t, tk, h, dqk, dv = 140, 300, 1, 192, 128
+  q = jnp.asarray(rng.normal(size=(t, h, dqk)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(tk, h, dqk)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(tk, h, dv)), jnp.bfloat16)
+  cu, cu_k = jnp.asarray([0, 140], jnp.int32), jnp.asarray([0, 300], jnp.int32)
+  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=True, cu_seqlens_k=cu_k,
+                          interpret=True, cfg=kp.TuningConfig(block_kv=128, kv_stages=2))
+  out, lse = run()
+  out2, lse2 = run()
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=dqk ** -0.5, causal=True, cu_seqlens_k=cu_k)
+  _check(out, lse, r_out, r_lse, dqk=dqk, pv_length=tk, what="deepseek dims")
+
+
+def test_aligned_packing_and_tiles():
+  """Every sequence at a multiple of 8 rows in the kernel's packing, each row's source token; one tile per 128
+  queries of a sequence with its rows, keys and bottom-right diagonal."""
+  cu = jnp.asarray([2, 5, 5, 140], jnp.int32)                     # lengths 3, 0, 135; token 0, 1 padding
+  starts, src, n_al = pf._aligned_packing(cu, 141, 3)
+  assert n_al % 8 == 0 and n_al >= 8 + 0 + 136
+  np.testing.assert_array_equal(np.asarray(starts), [0, 8, 8, 144])
+  s = np.asarray(src)
+  np.testing.assert_array_equal(s[:8], [2, 3, 4, -1, -1, -1, -1, -1])
+  np.testing.assert_array_equal(s[8:143], np.arange(5, 140))
+  assert np.all(s[143:] == -1)
+  cu_k = jnp.asarray([0, 10, 10, 400], jnp.int32)
+  k_starts, _, _ = pf._aligned_packing(cu_k, 400, 3)
+  tiles, tile_start = pf._kernel_tiles(cu, cu_k, starts, k_starts, 141, 3, causal=True)
+  t = np.asarray(tiles)
+  np.testing.assert_array_equal(np.asarray(tile_start), [0, 1, 1, 3])
+  # fields q0, nq, k0, nk, diag, o0
+  np.testing.assert_array_equal(t[0, :6], [0, 3, 0, 10, 10 - 3, 2])
+  np.testing.assert_array_equal(t[1, :6], [8, 128, 16, 390, 390 - 135, 5])
+  np.testing.assert_array_equal(t[2, :6], [136, 7, 16, 390, 128 + 390 - 135, 133])
+  assert np.all(t[3:, 1] == 0)                                    # empty tiles: nothing stored
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="block_kv"):
+    kp.TuningConfig(block_kv=32)
+  with pytest.raises(ValueError, match="kv_stages"):
+    kp.TuningConfig(kv_stages=4)
+  with pytest.raises(ValueError, match="Dqk a multiple of 64"):
+    kp.check_config(kp.TuningConfig(), 576, 512)
+  with pytest.raises(ValueError, match="SMEM"):
+    kp.check_config(kp.TuningConfig(block_kv=128, kv_stages=3), 256, 256)
+  assert kp.smem_budget(kp.TuningConfig(), 192, 128) < kp.smem_budget(kp.TuningConfig(), 256, 256) <= 227 * 1024
+
+
+def test_dispatch(rng):
+  """On this CPU: impl="mosaic" without interpret has no device to run on; "auto" runs XLA (and keeps XLA on
+  hardware until the kernel's GPU tests pass); inputs the kernel lacks say why."""
+  q, k, v, cu, _ = _inputs(rng, "ragged_self")
+  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel can run"):
+    mla_prefill(q, k, v, cu, softmax_scale=1.0, impl="mosaic")
+  mla_prefill(q, k, v, cu, softmax_scale=1.0, impl="auto")
+  assert _dispatch.last_impl("mla_prefill") == "xla"
+  assert pf._KERNEL_VALIDATED_ON == ()
+  with pytest.raises(NotImplementedError, match="bfloat16 q, k, v"):
+    mla_prefill(q.astype(jnp.float32), k, v, cu, softmax_scale=1.0, impl="mosaic", interpret=True)
+  with pytest.raises(NotImplementedError, match="multiple of 64"):
+    mla_prefill(q[..., :24], k[..., :24], v, cu, softmax_scale=1.0, impl="mosaic", interpret=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dims", [(192, 128), (256, 256)], ids=["deepseek_v32", "glm5"])
+def test_kernel_lowers_for_sm90(dims, causal):
+  """Mosaic's layout inference, wgmma and TMA checks at both models' head dims: per key block one fp8 QKᵀ
+  (Dqk / 32 wgmma instructions of K = 32) and one bf16 P·V (block_kv / 16 of K = 16); setmaxnreg up and down."""
+  dqk, dv = dims
+  S = jax.ShapeDtypeStruct
+  tq, tk, h, nt = 304, 512, 4, 5
+  avals = (S((tq, h, dqk), kp.FP8), S((tk, h, dqk), kp.FP8), S((tk, h, dv), jnp.bfloat16), S((nt, 8), jnp.int32),
+           S((h,), jnp.float32))
+  cfg = kp.TuningConfig()
+  low = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=cfg, causal=causal, out_rows=300), *avals)
+  assert low.count(r"wgmma.mma_async") == dqk // 32 + cfg.block_kv // 16
+  assert low.count(r"e4m3") > 0 and low.count("setmaxnreg") == 2
+  with pytest.raises(ValueError, match="multiple of 8 rows"):
+    kp.prefill_sm90(jnp.zeros((300, h, dqk), kp.FP8), *[jnp.zeros(a.shape, a.dtype) for a in avals[1:]], cfg=cfg,
+                    causal=causal, out_rows=300)

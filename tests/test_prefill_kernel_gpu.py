@@ -1,0 +1,71 @@
+"""mla_prefill's Mosaic GPU kernel (kernels/prefill_sm90.py) on an H200 against reference.mla_prefill: both
+models' head dims, ragged sequences (1, 37, 600 and 0 tokens), cached context lengths that are not multiples of
+a tile or a page, fewer keys than queries, padding tokens and non-finite v, both causal forms, determinism.
+
+Error model: tests/test_prefill_kernel.py's (q and k in e4m3 with per-head scales, P and the output in bf16) plus
+Hopper's reduced-precision fp8 accumulation of QKᵀ (``fp8_mma=True``; its P·V term over-counts: P·V is a bf16
+wgmma with f32 accumulation).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_pallas import _dispatch, reference as ref, testing
+from mla_pallas.ops.prefill import mla_prefill
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+
+DIMS = {"deepseek_v32": (16, 192, 128), "glm5": (8, 256, 256)}        # (H, Dqk, Dv)
+# (query lengths, key lengths or None, leading padding queries, trailing padding queries)
+CASES = {
+    "ragged": ([1, 37, 600, 0], None, 0, 0),
+    "context": ([1, 37, 600, 0, 50], [301, 37, 1000, 5, 20], 0, 0),      # context 300, 0, 400, 5; 50 > 20 keys
+    "padding": ([64, 200], [700, 333], 3, 9),
+}
+
+
+def _cu(lens, lead=0):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32) + lead
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_kernel_matches_reference(rng, model, case, causal):
+  h, dqk, dv = DIMS[model]
+  lq, lk, lead, trail = CASES[case]
+  cu = _cu(lq, lead)
+  t = int(cu[-1]) + trail
+  cu_k = None if lk is None else _cu(lk, lead)
+  tk = t if lk is None else int(cu_k[-1]) + trail
+  q = jnp.asarray(rng.normal(size=(t, h, dqk)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(tk, h, dqk)), jnp.bfloat16)
+  v = rng.normal(size=(tk, h, dv)).astype(np.float32)
+  if lead:
+    v[:lead] = np.nan                                                 # padding keys: must not leak
+    v[lead + 5, 1, 3] = np.inf                                        # a real key of sequence 0
+  v = jnp.asarray(v, jnp.bfloat16)
+  cu, cu_k = jnp.asarray(cu), None if cu_k is None else jnp.asarray(cu_k)
+  scale = dqk ** -0.5
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic")
+  assert _dispatch.last_impl("mla_prefill") == "mosaic"
+  out2, lse2 = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic")
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k)
+  o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
+  g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
+  np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
+  assert np.all(o[np.isneginf(w)] == 0)
+  fin = np.isfinite(r)
+  budget = testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=True,
+                                    d_qk=dqk, pv_length=tk, logit_std=1.0)
+  rel = np.linalg.norm(o[fin] - r[fin]) / np.linalg.norm(r[fin])
+  lf = np.isfinite(w)
+  lse_err = np.abs(g[lf] - w[lf]).max()
+  print(f"{model} {case} causal={causal}: out rel-L2 {rel:.3g} (<= {budget:.3g}), lse max err {lse_err:.3g}")
+  assert rel <= budget
+  assert lse_err <= 6 * 2.0 ** -4
