@@ -56,6 +56,13 @@ def check_positive_int(name: str, v) -> int:
   return int(v)
 
 
+def check_bool(name: str, v) -> bool:
+  """v as a python bool; ValueError naming ``name`` for anything else (a traced or array value included)."""
+  if not isinstance(v, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a python bool; got {type(v).__name__}")
+  return bool(v)
+
+
 def check_multiple(name: str, v: int, m: int) -> int:
   v = check_positive_int(name, v)
   if v % m:

@@ -324,10 +324,7 @@ def _check_cfg(cfg):
     raise ValueError(f"cfg must be an MLAConfig (e.g. mla_pallas.deepseek_v32()); got {type(cfg).__name__}")
 
 
-def _check_bool(name, v) -> bool:
-  if not isinstance(v, (bool, np.bool_)):
-    raise ValueError(f"{name} must be a python bool; got {type(v).__name__}")
-  return bool(v)
+_check_bool = _checks.check_bool
 
 
 def _check_weights(weights, cfg, fp8):

@@ -114,14 +114,15 @@ def _chunk_pages(b, s_q, h, page_size, max_pages, causal):
   return int(max(1, min(max_pages, _STEP_BYTES // per_page)))
 
 
-def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal):
+def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal, cp=None):
   """XLA path (FP8, or BF16 attention for a bfloat16 cache: ``sparse_decode.xla_operands``): online softmax over
-  chunks of ``cp`` pages (a ``lax.scan``)."""
+  chunks of ``cp`` pages (a ``lax.scan``; None: as many as fit the step budget)."""
   b, s_q, h, _ = q.shape
   num_pages, page_size, _ = kv_cache.shape
   max_pages = block_table.shape[1]
   n_pos = max_pages * page_size
-  cp = _chunk_pages(b, s_q, h, page_size, max_pages, causal)
+  if cp is None:
+    cp = _chunk_pages(b, s_q, h, page_size, max_pages, causal)
   n_chunks = -(-max_pages // cp)
   table = jnp.pad(block_table, ((0, 0), (0, n_chunks * cp - max_pages)), constant_values=-1)
   table = table.reshape(b, n_chunks, cp).transpose(1, 0, 2)               # [n_chunks, B, cp]
@@ -175,9 +176,19 @@ def _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax
   return o.astype(jnp.bfloat16), lse
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal"))
-def _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale, *, softmax_scale, causal):
-  return _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal)
+# batch_invariant: the XLA path's chunk of pages, fixed (the default depends on the batch and the table width)
+INVARIANT_CHUNK_KEYS = 2048
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "batch_invariant"))
+def _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale, *, softmax_scale, causal, batch_invariant=False):
+  if not batch_invariant:
+    return _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal)
+  # one sequence at a time with a fixed chunk: extra (masked) chunks of a wider table add exact zeros
+  cp = max(1, INVARIANT_CHUNK_KEYS // kv_cache.shape[1])
+  return _sparse._xla_per_row(
+      lambda q1, t1, l1: _xla_dense_decode(q1, kv_cache, t1, l1, kv_scale, softmax_scale, causal, cp),
+      q, block_table, cache_seqlens)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "num_pages", "s_q", "causal"))
@@ -214,7 +225,8 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
 
 
 def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, kv_scale=1.0,
-                     causal: bool = False, impl: str = "auto", interpret: bool = False):
+                     causal: bool = False, impl: str = "auto", interpret: bool = False,
+                     batch_invariant: bool = False):
   """Dense (whole-context) MLA decode attention over a paged FP8 latent cache (FlashMLA dense decode).
 
   Args:
@@ -235,6 +247,11 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). "mosaic" runs the sparse top-k kernel on
       per-token slot ids built from the block table (top-k = P · page_size); "auto" prefers it when it can run.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU).
+    batch_invariant: python bool. True: a sequence's bits do not depend on the batch size, the other sequences,
+      their lengths or the block table's width (padding entries past its pages): the kernel runs splits of
+      ``sparse_decode.INVARIANT_SPLIT_TILES`` · 64 positions merged in a fixed order (positions past a sequence
+      are masked and add exact zeros); the XLA path runs one sequence at a time over fixed chunks of
+      ``INVARIANT_CHUNK_KEYS`` positions.
 
   Returns:
     out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with nothing to attend to
@@ -248,6 +265,7 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
   _dispatch.check_impl(impl)
   _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal)
   causal = bool(causal)
+  batch_invariant = _checks.check_bool("batch_invariant", batch_invariant)
   num_slots = kv_cache.shape[0] * kv_cache.shape[1]
   used = _dispatch.choose(OP, impl, interpret=interpret,
                           supported=_kernel_supported(q.shape, num_slots, interpret, kv_cache.dtype),
@@ -260,7 +278,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     arch = _dispatch.mosaic_arch(interpret)
     return _sparse._sparse_decode_jit(q, kv_cache.reshape(-1, D_QK), indices, kv_scale_arr, None,
                                       softmax_scale=float(softmax_scale), impl="mosaic", interpret=interpret,
-                                      tuning=kernel_tuning(int(page_size), arch, bool(interpret)), arch=arch)
+                                      tuning=kernel_tuning(int(page_size), arch, bool(interpret)), arch=arch,
+                                      batch_invariant=batch_invariant)
   return _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
-                  causal=causal)
+                  causal=causal, batch_invariant=batch_invariant)
 

@@ -54,10 +54,7 @@ D_ROPE = 64
 _ACT = (jnp.bfloat16, jnp.float32)
 
 
-def _check_bool(name, v):
-  if not isinstance(v, (bool, np.bool_)):
-    raise ValueError(f"{name} must be a python bool; got {type(v).__name__}")
-  return bool(v)
+_check_bool = _checks.check_bool
 
 
 def _check_tables(cos, sin, half):

@@ -232,19 +232,25 @@ def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132
 
 
 def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
-                   cache_dtype: str = "float8_e4m3fn") -> KernelConfig:
+                   cache_dtype: str = "float8_e4m3fn", batch_invariant: bool = False) -> KernelConfig:
   """The kernel, its config and the split plan for H heads, ``batch_tokens`` = B · s_q query tokens and a top-k
   of ``topk`` keys on kernel family ``arch`` ("sm90" | "sm100"), for this device's SM count
   (:func:`mla_pallas._dispatch.num_sms`). Rules: sm_90 puts H <= HEADS_ON_N_MAX heads on the MMAs' N side
   (sparse_sm90_heads_n, 4 K buffers), more on the 64 MMA rows (sparse_sm90_heads_m, 2 K buffers); the top-k is
   split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys. A bfloat16
-  ``cache_dtype`` (heads on M only): "twin" on splits of at most BF16_MAX_SPLIT_TILES (SMEM: bf16 Q and K tiles)."""
+  ``cache_dtype`` (heads on M only): "twin" on splits of at most BF16_MAX_SPLIT_TILES (SMEM: bf16 Q and K tiles).
+  ``batch_invariant``: splits of INVARIANT_SPLIT_TILES tiles whatever ``batch_tokens`` is (a row's reduction
+  order then depends on its own top-k width only)."""
   bf16 = jnp.dtype(cache_dtype) != FP8
   design = _design(h, arch, bf16)
   if bf16 and design != "sm90_heads_m":
     raise NotImplementedError(f"no bfloat16-cache kernel for the {design} design (H={h}, {arch})")
-  splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
-                      BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design))
+  if batch_invariant:
+    tps = INVARIANT_SPLIT_TILES
+    splits = -(-max(1, -(-topk // TILE)) // tps)
+  else:
+    splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
+                        BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design))
   if bf16:
     tuning = dict(cache_dtype="bfloat16")
   else:
@@ -252,6 +258,9 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps, **tuning))
 
 
+# batch_invariant=True: every split is this many 64-key tiles whatever the batch (the split plan otherwise depends on
+# the number of query tokens, and with it the order of each row's sums); 16 fits every design's limits.
+INVARIANT_SPLIT_TILES = 16
 HANDOFF_MIN_TILES = 32  # heads on M: "handoff_vt" from splits this long; "twin" below (equal at 16, slower at 8)
 
 
@@ -264,10 +273,10 @@ def _heads_m_tuning(tiles_per_split: int) -> dict:
 
 
 def _config(h: int, batch_tokens: int, topk: int, arch: str, tuning=(),
-            cache_dtype: str = "float8_e4m3fn") -> KernelConfig:
+            cache_dtype: str = "float8_e4m3fn", batch_invariant: bool = False) -> KernelConfig:
   """:func:`default_config` with ``tuning`` ((field, value) pairs of the kernel's TuningConfig) applied; a
   ``tiles_per_split`` override re-plans the number of splits."""
-  cfg = default_config(h, batch_tokens, topk, arch, cache_dtype)
+  cfg = default_config(h, batch_tokens, topk, arch, cache_dtype, batch_invariant)
   kw = dict(tuning)
   if not kw:
     return cfg
@@ -314,12 +323,12 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
 
 
 def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning=(),
-                          arch="sm90"):
+                          arch="sm90", batch_invariant=False):
   b, s_q, h, _ = q.shape
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
   n_tok = b * s_q
-  cfg = _config(h, n_tok, topk, arch, tuning, jnp.dtype(kv_flat.dtype).name)
+  cfg = _config(h, n_tok, topk, arch, tuning, jnp.dtype(kv_flat.dtype).name, batch_invariant)
   heads_on_n = cfg.design == "sm90_heads_n"
   tiles_per_token = _tiles_per_token(h, cfg.design)
   splits, tps = cfg.num_splits, cfg.kernel.tiles_per_split
@@ -335,7 +344,9 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
-  out_dtype = "bfloat16" if splits == 1 else "float32"      # split partials in f32 (merged by combine_splits)
+  # split partials in f32, merged by combine_splits (batch_invariant: always, so that a row's last rounding is the
+  # same whether its top-k width gives it one split or several)
+  out_dtype = "bfloat16" if splits == 1 and not batch_invariant else "float32"
   q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
                             interpret)
   if heads_on_n:        # O [.., out_heads, 512]
@@ -353,7 +364,9 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
-  if splits > 1:
+  if batch_invariant:
+    o, lse = combine_splits_unrolled(o, lse)
+  elif splits > 1:
     o, lse = combine_splits(o, lse)
   else:
     o, lse = o[:, 0], lse[:, 0]
@@ -408,9 +421,38 @@ def combine_splits(o, lse):
   return o, jnp.log(tot) + m_use[..., 0, :]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret", "tuning", "arch"))
+def combine_splits_unrolled(o, lse):
+  """:func:`combine_splits` as a fixed chain of elementwise ops over the splits in order (split 0 first), so that
+  a row's bits do not depend on how XLA would tile a reduction for the array's shape; empty splits (lse = −inf,
+  o = 0) add exact zeros, so a row with extra empty splits gets the same bits (batch-invariant mode)."""
+  n = lse.shape[-2]
+  m = lse[..., 0, :]
+  for i in range(1, n):
+    m = jnp.maximum(m, lse[..., i, :])
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  tot = jnp.zeros_like(m_use)
+  acc = jnp.zeros(o.shape[:-3] + o.shape[-2:], jnp.float32)
+  for i in range(n):
+    w = jnp.exp(lse[..., i, :] - m_use)
+    tot = tot + w
+    acc = acc + w[..., None] * o[..., i, :, :].astype(jnp.float32)
+  return acc / jnp.where(tot == 0, 1.0, tot)[..., None], jnp.log(tot) + m_use
+
+
+def _xla_per_row(fn, q, *args):
+  """``fn`` on one sequence at a time (``lax.map`` over the batch): every sequence runs the same program on
+  arrays of the same shape, so its bits cannot depend on the others (batch-invariant XLA path). ``args``: arrays
+  with the batch first, or None."""
+  def one(xs):
+    o, lse = fn(*(None if x is None else x[None] for x in xs))
+    return o[0], lse[0]
+  return lax.map(one, (q,) + args)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "impl", "interpret", "tuning", "arch",
+                                             "batch_invariant"))
 def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, impl, interpret,
-                       tuning=(), arch=None):
+                       tuning=(), arch=None, batch_invariant=False):
   """``tuning``: tuple of (field, value) overrides of the kernel's TuningConfig (benchmarks; see
   :func:`sweep_configs`), applied by :func:`_config` to :func:`default_config`.
 
@@ -420,12 +462,15 @@ def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_sc
   if impl == "mosaic":
     arch = arch or _dispatch.mosaic_arch(interpret)
     return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning,
-                                 arch)
+                                 arch, batch_invariant)
+  if batch_invariant:
+    return _xla_per_row(lambda q1, i1, t1: _xla_sparse_decode(q1, kv_flat, i1, softmax_scale, kv_scale, t1),
+                        q, indices, topk_length)
   return _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length)
 
 
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
-                      impl: str = "auto", interpret: bool = False):
+                      impl: str = "auto", interpret: bool = False, batch_invariant: bool = False):
   """Sparse (DSA top-k) MLA decode attention over a paged FP8 latent cache.
 
   Args:
@@ -445,6 +490,11 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
       runs it anyway.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU): True, or a
       ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``).
+    batch_invariant: python bool. True: the bits of a row's out and lse depend only on its own q, indices and
+      topk_length (and the cache), not on the batch size or the other rows: the kernel splits every row's top-k
+      into splits of INVARIANT_SPLIT_TILES · 64 keys whatever the batch (instead of the plan that fills the SMs)
+      and merges them in a fixed order (:func:`combine_splits_unrolled`); the XLA path runs one sequence at a
+      time (``lax.map``). Costs: fewer CTAs at small batch, more splits at top-k > 1024.
 
   Returns:
     out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with no valid index gives
@@ -457,22 +507,25 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
                           validated_on=validated_on(kv_flat.dtype, q.shape[2]))
   arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
   return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
-                            softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch)
+                            softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch,
+                            batch_invariant=_checks.check_bool("batch_invariant", batch_invariant))
 
 
 def sparse_mla_prefill(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
-                       impl: str = "auto", interpret: bool = False):
+                       impl: str = "auto", interpret: bool = False, batch_invariant: bool = False):
   """Sparse MLA prefill: the decode computation with B = T query tokens and s_q = 1.
 
   Args:
     q: [T, H, 576] bfloat16/float32; kv_cache as in :func:`sparse_mla_decode`; indices [T, topk] int32;
-    topk_length: optional [T] int32. Other arguments as in :func:`sparse_mla_decode`.
+    topk_length: optional [T] int32. Other arguments as in :func:`sparse_mla_decode` (``batch_invariant``: a
+    token's bits do not depend on T or the other tokens).
 
   Returns:
     out [T, H, 512] bfloat16, lse [T, H] float32.
   """
   _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=True)
   out, lse = sparse_mla_decode(q[:, None], kv_cache, indices[:, None], softmax_scale=softmax_scale,
-                               kv_scale=kv_scale, topk_length=topk_length, impl=impl, interpret=interpret)
+                               kv_scale=kv_scale, topk_length=topk_length, impl=impl, interpret=interpret,
+                               batch_invariant=batch_invariant)
   _dispatch.record("sparse_mla_prefill", _dispatch.last_impl("sparse_mla_decode"))
   return out[:, 0], lse[:, 0]
