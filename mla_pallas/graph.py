@@ -242,35 +242,40 @@ def _sig(tree):
 # shared steps
 # ----------------------------------------------------------------------------------------------------------
 
-def _bf16_bmm(a, w):
-  """[T,H,K] x [H,K,N] -> [T,H,N] bf16 (bf16 operands, f32 accumulation)."""
+def _bf16_bmm(a, w, per_row: bool = False):
+  """[T,H,K] x [H,K,N] -> [T,H,N] bf16 (bf16 operands, f32 accumulation). ``per_row``: one token at a time
+  (``lax.map``), so that a row's bits do not depend on T (XLA rewrites a dot of one row into a reduction, whose
+  summation order differs from the GEMM's)."""
   a, w = a.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   if jax.default_backend() == "cpu":   # XLA:CPU has no bf16 x bf16 -> f32 dot; the f32 upcast is exact
     a, w = a.astype(jnp.float32), w.astype(jnp.float32)
-  return jnp.einsum("thk,hkn->thn", a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  mm = lambda x: jnp.einsum("thk,hkn->thn", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  if per_row:
+    return jax.lax.map(lambda row: mm(row[None])[0], a)
+  return mm(a)
 
 
-def _q_absorb(weights, q_nope, fp8, impl, interpret, rec):
-  """q_nope [T,H,nope] -> q_latent [T,H,512] bf16."""
+def _q_absorb(weights, q_nope, fp8, impl, interpret, rec, per_row=False):
+  """q_nope [T,H,nope] -> q_latent [T,H,512] bf16 (``per_row``: the bf16 product row by row, _bf16_bmm)."""
   if fp8:
     # w_uk [H, nope, 512] is [H, K, N] for this product
     out = quantize_and_bmm_fp8(q_nope, weights.w_uk, weights.w_uk_scale,
                                impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
     rec.op("q_nope @ w_uk (absorb)", "quantize_and_bmm_fp8")
     return out
-  out = _bf16_bmm(q_nope, weights.w_uk)
+  out = _bf16_bmm(q_nope, weights.w_uk, per_row)
   rec.xla("q_nope @ w_uk (absorb)", "jnp.einsum bf16")
   return out
 
 
-def _v_up(weights, o_latent, fp8, impl, interpret, rec, step="o_latent @ w_uv"):
-  """[T,H,512] -> [T,H,v] bf16."""
+def _v_up(weights, o_latent, fp8, impl, interpret, rec, step="o_latent @ w_uv", per_row=False):
+  """[T,H,512] -> [T,H,v] bf16 (``per_row``: as in :func:`_q_absorb`)."""
   if fp8:
     out = quantize_and_bmm_fp8(o_latent, weights.w_uv, weights.w_uv_scale,
                                impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
     rec.op(step, "quantize_and_bmm_fp8")
     return out
-  out = _bf16_bmm(o_latent, weights.w_uv)
+  out = _bf16_bmm(o_latent, weights.w_uv, per_row)
   rec.xla(step, "jnp.einsum bf16")
   return out
 
@@ -442,7 +447,7 @@ def _check_context(block_table, context_lens, max_keys, cu_seqlens, pages):
 
 def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, indices, topk_length,
                  block_table, cache_seqlens, *, cfg, impl, interpret, interleaved, key, graph,
-                 unique_slots=False):
+                 unique_slots=False, batch_invariant=False):
   rec = _Steps()
   fp8 = _is_fp8(weights)
   b, s_q, h, nope = q_nope.shape
@@ -450,19 +455,19 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE),
                                   positions.reshape(t), slots.reshape(t), cos, sin, cfg, impl, interpret,
                                   interleaved, unique_slots, rec)
-  q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec)
+  q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
   q576 = jnp.concatenate([q_lat, q_rot.astype(jnp.bfloat16)], axis=-1).reshape(b, s_q, h, D_QK)
   if indices is not None:
     o, _ = sparse_mla_decode(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
                              topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_decode"),
-                             interpret=interpret)
+                             interpret=interpret, batch_invariant=batch_invariant)
     rec.op("attention (sparse top-k)", "sparse_mla_decode")
   else:
     o, _ = dense_mla_decode(q576, new_pages, block_table, cache_seqlens, softmax_scale=cfg.softmax_scale,
                             kv_scale=kv_scale, causal=True, impl=_impl_for(impl, "dense_mla_decode"),
-                            interpret=interpret)
+                            interpret=interpret, batch_invariant=batch_invariant)
     rec.op("attention (dense, paged)", "dense_mla_decode")
-  out = _v_up(weights, o.reshape(t, h, D_V), fp8, impl, interpret, rec)
+  out = _v_up(weights, o.reshape(t, h, D_V), fp8, impl, interpret, rec, per_row=batch_invariant)
   _REPORTS[key] = dict(graph=graph, branch="decode", variant="fp8" if fp8 else "bf16",
                       cache_dtype=jnp.dtype(pages.dtype).name, steps=rec.steps)
   return out.reshape(b, s_q, h, -1), new_pages
@@ -569,7 +574,7 @@ def _prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots
 
 
 _STATIC = ("cfg", "impl", "interpret", "interleaved", "key", "graph", "unique_slots")
-_decode_jit = jax.jit(_decode_body, static_argnames=_STATIC, donate_argnames=("pages",))
+_decode_jit = jax.jit(_decode_body, static_argnames=_STATIC + ("batch_invariant",), donate_argnames=("pages",))
 _sparse_prefill_jit = jax.jit(_sparse_prefill_body, static_argnames=_STATIC, donate_argnames=("pages",))
 _prefill_jit = jax.jit(_prefill_body, static_argnames=_STATIC + ("max_keys",), donate_argnames=("pages",))
 
@@ -592,16 +597,18 @@ def _check_options(interleaved, unique_slots):
 # ----------------------------------------------------------------------------------------------------------
 
 def _decode(fp8, fn, weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *, cfg, indices,
-            topk_length, block_table, cache_seqlens, impl, interpret, interleaved, unique_slots):
+            topk_length, block_table, cache_seqlens, impl, interpret, interleaved, unique_slots,
+            batch_invariant=False):
   with _named(fn):
     lead = _check_tokens(weights, cfg, fp8, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
                          decode=True)
     _check_decode_attention(lead, indices, topk_length, block_table, cache_seqlens)
     interleaved, unique_slots = _check_options(interleaved, unique_slots)
+    batch_invariant = _check_bool("batch_invariant", batch_invariant)
   dyn = (weights, pages, jnp.asarray(kv_scale, jnp.float32), q_nope, q_rope, kv, positions, slots, cos, sin,
          indices, topk_length, block_table, cache_seqlens)
   return _run(_decode_jit, f"mla_decode_branch_{'fp8' if fp8 else 'bf16'}", dyn, cfg, impl, interpret,
-              interleaved, unique_slots)
+              interleaved, unique_slots, batch_invariant=batch_invariant)
 
 
 _DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form): ``s_q`` new tokens per sequence.
@@ -638,6 +645,11 @@ _DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form): ``s_q`` n
     interleaved: python bool, the RoPE pairing (True: DeepSeek's interleaved pairs ``(2i, 2i+1)``; False: halves).
     unique_slots: python bool; True promises that no two new tokens share a valid slot (as ``unique_indices`` of a
       JAX scatter), which skips the cache write's duplicate-slot scan (fused_rope_rmsnorm_quantization).
+    batch_invariant: python bool; True runs the attention step batch-invariant (``sparse_mla_decode`` /
+      ``dense_mla_decode``'s keyword: a sequence's attention bits do not depend on the batch) and the BF16
+      branch's einsums one token at a time. The other steps work row by row (the cache write, the per-token FP8
+      quantization of the BMMs); that the FP8 BMMs' GEMMs keep a row's bits whatever the batch is checked on the
+      CPU (XLA path) and, by tests/test_batch_invariance_gpu.py, on the H200.
 
   Returns:
     ``(out [B, s_q, H, v] bfloat16, new_pages)`` (``v = cfg.v_head_dim``; out is before ``W_o``).
@@ -651,20 +663,22 @@ _DECODE_DOC = """MLA decode branch ({variant} weights, absorbed form): ``s_q`` n
 
 def mla_decode_branch_fp8(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
                           cfg: MLAConfig, indices=None, topk_length=None, block_table=None, cache_seqlens=None,
-                          impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False):
+                          impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False,
+                          batch_invariant: bool = False):
   return _decode(True, "mla_decode_branch_fp8", weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
                  cos, sin, cfg=cfg, indices=indices, topk_length=topk_length, block_table=block_table,
                  cache_seqlens=cache_seqlens, impl=impl, interpret=interpret, interleaved=interleaved,
-                 unique_slots=unique_slots)
+                 unique_slots=unique_slots, batch_invariant=batch_invariant)
 
 
 def mla_decode_branch_bf16(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, *,
                            cfg: MLAConfig, indices=None, topk_length=None, block_table=None, cache_seqlens=None,
-                           impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False):
+                           impl="auto", interpret=False, interleaved: bool = True, unique_slots: bool = False,
+                           batch_invariant: bool = False):
   return _decode(False, "mla_decode_branch_bf16", weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
                  cos, sin, cfg=cfg, indices=indices, topk_length=topk_length, block_table=block_table,
                  cache_seqlens=cache_seqlens, impl=impl, interpret=interpret, interleaved=interleaved,
-                 unique_slots=unique_slots)
+                 unique_slots=unique_slots, batch_invariant=batch_invariant)
 
 
 mla_decode_branch_fp8.__doc__ = _DECODE_DOC.format(variant="FP8", wcls="MLAWeightsFP8")

@@ -334,7 +334,7 @@ class MLAAttention:
     return y, cache.replace(pages=pages, seq_lens=cache.seq_lens + lens)
 
   def decode(self, x, positions, cache: PagedCache, *, cos=None, sin=None, indices=None, topk_length=None,
-             impl="auto", interpret=False, tp_axis=None, interleaved=True):
+             impl="auto", interpret=False, tp_axis=None, interleaved=True, batch_invariant=False):
     """Decode ``s_q`` new tokens per sequence.
 
     Args:
@@ -344,6 +344,7 @@ class MLAAttention:
       indices: optional ``[B, s_q, topk]`` int32 flat slot ids (sparse attention, with optional ``topk_length
         [B]``); without it dense attention over the block table and ``cache.seq_lens + s_q``.
       cos, sin, impl, interpret, tp_axis: as in :meth:`prefill`.
+      batch_invariant: the attention step's batch-invariant mode (:func:`mla_pallas.graph.mla_decode_branch_fp8`).
 
     Returns:
       ``(y [B, s_q, hidden] bf16, new_cache)`` (``seq_lens + s_q``).
@@ -361,7 +362,8 @@ class MLAAttention:
     kw = dict(indices=indices, topk_length=topk_length) if indices is not None else \
         dict(block_table=cache.block_table, cache_seqlens=new_lens)
     o, pages = fn(self.graph_weights(), cache.pages, cache.kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin,
-                  cfg=self.cfg, impl=impl, interpret=interpret, interleaved=interleaved, **kw)
+                  cfg=self.cfg, impl=impl, interpret=interpret, interleaved=interleaved,
+                  batch_invariant=batch_invariant, **kw)
     y = self._out_proj(o.reshape(b * s_q, h, -1), _proj_impl(impl), interpret, tp_axis)
     return y.reshape(b, s_q, -1), cache.replace(pages=pages, seq_lens=new_lens)
 

@@ -117,3 +117,39 @@ def test_batch_invariant_must_be_a_bool(rng):
     dense_mla_decode(q, cache.reshape(32, 64, 576), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
                      softmax_scale=1.0, batch_invariant="yes")
   assert dd.INVARIANT_CHUNK_KEYS % 64 == 0
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_decode_branch_row_alone_and_in_a_batch(rng, fp8):
+  """The decode branch with batch_invariant=True on the XLA path (every step): sequence 0 alone and beside 4
+  others (which write their own slots; sequence 0's top-k is its own new row and rows no neighbour writes) gives
+  the same bits; the cache row it writes is the same too."""
+  from mla_pallas import graph
+  from mla_pallas.config import glm5
+  cfg = glm5().replace(num_heads=8, hidden_size=256, q_lora_rank=128, index_topk=64, page_size=16)
+  h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+  w16 = graph.MLAWeightsBF16(jnp.asarray(rng.normal(size=(h, nope, 512)) / nope ** 0.5, jnp.bfloat16),
+                             jnp.asarray(rng.normal(size=(h, 512, cfg.v_head_dim)) / 512 ** 0.5, jnp.bfloat16),
+                             jnp.asarray(1 + 0.1 * rng.normal(size=512), jnp.bfloat16))
+  w = w16.to_fp8() if fp8 else w16
+  cos, sin = cfg.rope_tables(256)
+  pages0 = jnp.asarray(rng.normal(size=(40, 16, 576)) * 0.5, jnp.bfloat16).astype(jnp.float8_e4m3fn)
+
+  def tokens(b):
+    return dict(q_nope=jnp.asarray(rng.normal(size=(b, 1, h, nope)), jnp.bfloat16),
+                q_rope=jnp.asarray(rng.normal(size=(b, 1, h, 64)), jnp.bfloat16),
+                kv=jnp.asarray(rng.normal(size=(b, 1, 576)), jnp.bfloat16),
+                positions=jnp.asarray(rng.integers(0, 100, size=(b, 1)), jnp.int32),
+                slots=jnp.asarray((np.arange(b) * 8 + 3)[:, None], jnp.int32),
+                indices=jnp.asarray(np.c_[np.arange(b)[:, None] * 8 + 3,                 # its own new row
+                                          rng.integers(100, 640, size=(b, 63))][:, None], jnp.int32))
+
+  one = tokens(1)
+  many = {k: v.at[0].set(one[k][0]) if k != "slots" else v for k, v in tokens(5).items()}
+  kw = dict(cfg=cfg, impl="xla", batch_invariant=True)
+  fn = graph.mla_decode_branch_fp8 if fp8 else graph.mla_decode_branch_bf16
+  args = lambda t: (t["q_nope"], t["q_rope"], t["kv"], t["positions"], t["slots"], cos, sin)
+  o1, p1 = fn(w, jnp.array(pages0, copy=True), 0.05, *args(one), indices=one["indices"], **kw)
+  o, p = fn(w, jnp.array(pages0, copy=True), 0.05, *args(many), indices=many["indices"], **kw)
+  np.testing.assert_array_equal(_bits(o[0]), _bits(o1[0]))
+  np.testing.assert_array_equal(np.asarray(p).view(np.uint8)[0, 3], np.asarray(p1).view(np.uint8)[0, 3])

@@ -58,3 +58,38 @@ def test_dense_decode_is_batch_invariant(rng, h, s_q):
     o, l = dense_mla_decode(q, pages, jnp.asarray(table), jnp.asarray(lens), **kw)
     np.testing.assert_array_equal(_bits(o[at]), _bits(o1[0]), err_msg=f"out, batch {b}")
     np.testing.assert_array_equal(_bits(l[at]), _bits(l1[0]), err_msg=f"lse, batch {b}")
+
+
+@pytest.mark.parametrize("h", [8, 128])
+def test_decode_branch_is_batch_invariant(rng, h):
+  """The FP8 decode branch (impl "auto": the kernels where validated, the FP8 BMMs included) with
+  batch_invariant=True: sequence 0 alone and in batches of 7 and 64 (neighbours write other slots)."""
+  from mla_pallas import graph
+  from mla_pallas.config import deepseek_v32
+  cfg = deepseek_v32().replace(num_heads=h, page_size=64)
+  nope = cfg.qk_nope_head_dim
+  w = graph.MLAWeightsBF16(jnp.asarray(rng.normal(size=(h, nope, 512)) / nope ** 0.5, jnp.bfloat16),
+                           jnp.asarray(rng.normal(size=(h, 512, cfg.v_head_dim)) / 512 ** 0.5, jnp.bfloat16),
+                           jnp.asarray(1 + 0.1 * rng.normal(size=512), jnp.bfloat16)).to_fp8()
+  cos, sin = cfg.rope_tables(8192)
+  pages0 = jnp.asarray(rng.normal(size=(1024, 64, 576)) * 0.5, jnp.bfloat16).astype(jnp.float8_e4m3fn)
+
+  def tokens(b):
+    slots = np.arange(b) * 64 + 7
+    idx = np.c_[slots[:, None], rng.integers(64 * 128, 64 * 1024, size=(b, 2047))]
+    return dict(q_nope=jnp.asarray(rng.normal(size=(b, 1, h, nope)), jnp.bfloat16),
+                q_rope=jnp.asarray(rng.normal(size=(b, 1, h, 64)), jnp.bfloat16),
+                kv=jnp.asarray(rng.normal(size=(b, 1, 576)), jnp.bfloat16),
+                positions=jnp.asarray(rng.integers(0, 8000, size=(b, 1)), jnp.int32),
+                slots=jnp.asarray(slots[:, None], jnp.int32), indices=jnp.asarray(idx[:, None], jnp.int32))
+
+  one = tokens(1)
+  o1, _ = graph.mla_decode_branch_fp8(w, jnp.array(pages0, copy=True), 0.05, *(one[k] for k in (
+      "q_nope", "q_rope", "kv", "positions", "slots")), cos, sin, cfg=cfg, indices=one["indices"],
+      batch_invariant=True)
+  for b in (7, 64):
+    many = {k: (v.at[0].set(one[k][0]) if k != "slots" else v) for k, v in tokens(b).items()}
+    o, _ = graph.mla_decode_branch_fp8(w, jnp.array(pages0, copy=True), 0.05, *(many[k] for k in (
+        "q_nope", "q_rope", "kv", "positions", "slots")), cos, sin, cfg=cfg, indices=many["indices"],
+        batch_invariant=True)
+    np.testing.assert_array_equal(_bits(o[0]), _bits(o1[0]), err_msg=f"batch {b}: {graph.format_report()}")
