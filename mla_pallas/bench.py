@@ -90,8 +90,9 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
   """Benchmark ``impls`` of ``op`` side by side on the same input sets (:func:`mla_pallas.bench_engine.run_spec`).
 
   Args:
-    op: a key of :func:`specs` ("sparse_mla_decode", "sparse_mla_prefill", "quantize_and_bmm_fp8",
-      "fused_rope_rmsnorm_quantization", "rope_rmsnorm", "mla_decode_step").
+    op: a key of :func:`specs` ("sparse_mla_decode", "sparse_mla_prefill", "dense_mla_decode", "mla_prefill",
+      "quantize_and_bmm_fp8", "fused_rope_rmsnorm_quantization", "rope_rmsnorm", "mla_decode_step",
+      "mla_prefill_step").
     impls, shape, preset, kw (iters, warmup, n_inputs, check, seed, progress, interpret, timer): see
       :func:`~mla_pallas.bench_engine.run_spec`.
     sweep: replace the "mosaic" row by one row per candidate of :func:`sweep_candidates` (appended when

@@ -587,3 +587,15 @@ def test_mla_prefill_step_bench_spec():
     assert res.ok and res.check_ok, (res.status, res.check)
     ops = [st["step"] for st in res.info["steps"]]
     assert any("cached context" in op for op in ops) == (ctx > 0), ops
+
+
+def test_mla_prefill_sweep_runs_the_kernel_candidates_in_interpret_mode():
+  from mla_pallas.ops import prefill as pf
+  cands = pf.sweep_configs(192, 128)
+  assert list(cands)[0] == "default" and "block_kv=128,kv_stages=2" in cands
+  assert pf.sweep_configs(256, 256) == {"default": ()}              # nothing else fits in SMEM at 256 / 256
+  results = bench.run("mla_prefill", ("mosaic",), dict(H=1, seqs=1, T=64, ctx=0, causal=1), iters=1, n_inputs=1,
+                      progress=False, interpret=True, sweep=True)
+  assert len(results) == len(cands)
+  for r in results:
+    assert r.ok and r.check_ok, (r.label, r.status, r.check)

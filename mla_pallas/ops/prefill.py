@@ -71,6 +71,7 @@ among a query's own valid v rows makes that output element NaN (as in the refere
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -81,7 +82,7 @@ import numpy as np
 
 from mla_pallas import _checks, _dispatch
 
-__all__ = ["mla_prefill", "xla_backend"]
+__all__ = ["mla_prefill", "xla_backend", "sweep_configs"]
 
 OP = "mla_prefill"
 _ACT = (jnp.bfloat16, jnp.float32)
@@ -554,6 +555,27 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
 def _mosaic_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, cu_seqlens_k=None, interpret=False, cfg=None):
   return _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, causal=causal, cu_seqlens_k=cu_seqlens_k,
                          interpret=interpret, cfg=cfg)
+
+
+def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]]:
+  """Labelled ``tuning`` overrides of the prefill kernel for benchmark sweeps at head dims (Dqk, Dv), ``"default":
+  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM."""
+  from mla_pallas.kernels import prefill_sm90 as kp
+  kp.check_head_dims(dqk, dv)
+  default = kp.TuningConfig()
+  out: dict[str, tuple[tuple[str, object], ...]] = {"default": ()}
+  for b in (64, 128):
+    for st in (2, 3):
+      cfg = kp.TuningConfig(block_kv=b, kv_stages=st)
+      if cfg != default and kp.smem_budget(cfg, dqk, dv) <= 227 * 1024:
+        out[f"block_kv={b},kv_stages={st}"] = (("block_kv", b), ("kv_stages", st))
+  return out
+
+
+def _tuned_config(tuning):
+  """The kernel's TuningConfig with ``tuning``'s (name, value) overrides."""
+  from mla_pallas.kernels import prefill_sm90 as kp
+  return dataclasses.replace(kp.TuningConfig(), **dict(tuning))
 
 
 def _one_sequence_call(q, v, cu_seqlens):
