@@ -126,6 +126,8 @@ class BenchSpec:
   tolerance: Callable[[dict], float]
   outputs: tuple[str, ...] = ("out",)
   module: str | None = None
+  #: optional (shape) -> keyword args of the op only, not of the reference (e.g. batch_invariant).
+  op_only_kwargs: Callable[[dict], dict] | None = None
   #: optional (impl, shape, interpret) -> callable, instead of ``partial(mla_pallas.<name>, **op_kwargs, impl=)``.
   make_op: Callable[[str, dict, Any], Callable] | None = None
   #: optional (shape) -> callable, instead of ``partial(mla_pallas.reference.<name>, **op_kwargs)``.
@@ -189,7 +191,8 @@ class BenchSpec:
     """Callable ``f(*inputs)`` running implementation ``impl`` of the op (traceable; not jitted)."""
     if self.make_op is not None:
       return self.make_op(impl, shape, interpret)
-    return functools.partial(_public_op(self.name, self.module), **self.op_kwargs(shape), impl=impl,
+    extra = self.op_only_kwargs(shape) if self.op_only_kwargs is not None else {}
+    return functools.partial(_public_op(self.name, self.module), **self.op_kwargs(shape), **extra, impl=impl,
                              interpret=interpret)
 
   def reference(self, shape: dict) -> Callable:

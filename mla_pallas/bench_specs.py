@@ -74,6 +74,13 @@ def _check_page(shape):
 
 
 CACHE_DTYPES = {"fp8": FP8, "bf16": jnp.bfloat16}   # shape key "cache"
+_INVARIANT_KEY = (int, "1: the op's batch_invariant=True (splits of a fixed key count; sweeps run the default plan)")
+
+
+def _invariant_kwargs(s):
+  if s["invariant"] not in (0, 1):
+    raise ValueError(f"shape key 'invariant' must be 0 or 1; got {s['invariant']}")
+  return {"batch_invariant": bool(s["invariant"])}
 _CACHE_KEY = (str, "cache dtype: fp8 (float8_e4m3fn, 576 B per token) or bf16 (bfloat16, 1152 B per token: BF16 "
                    "attention, which the kernels do not take yet)")
 
@@ -126,11 +133,13 @@ _DECODE_KEYS = {
     "softmax_scale": (float, "softmax scale (default 576**-0.5: logits of std 1 on N(0,1) data)"),
     "kv_scale": (float, "per-tensor dequantization scale of the cache"),
     "cache": _CACHE_KEY,
+    "invariant": _INVARIANT_KEY,
 }
-_SCALE_DEFAULTS = {"softmax_scale": D_QK ** -0.5, "kv_scale": 1.0, "cache": "fp8"}
+_SCALE_DEFAULTS = {"softmax_scale": D_QK ** -0.5, "kv_scale": 1.0, "cache": "fp8", "invariant": 0}
 
 
 def _decode_validate(s):
+  _invariant_kwargs(s)
   _check_positive(s, "B", "s_q", "H", "topk", "page", "ctx")
   _check_page(s)
   _check_cache(s)
@@ -207,6 +216,7 @@ def _attn_tolerance(s, pv_length):
 register(BenchSpec(
     name="sparse_mla_decode",
     keys=_DECODE_KEYS,
+    op_only_kwargs=_invariant_kwargs,
     cpu_defaults=dict(B=2, s_q=1, H=16, topk=128, page=64, ctx=512, **_SCALE_DEFAULTS),
     gpu_defaults=dict(B=128, s_q=2, H=128, topk=2048, page=64, ctx=32768, **_SCALE_DEFAULTS),
     preset=_model_preset,
@@ -241,10 +251,12 @@ _DENSE_KEYS = {
     "softmax_scale": (float, "softmax scale (default 576**-0.5: logits of std 1 on N(0,1) data)"),
     "kv_scale": (float, "per-tensor dequantization scale of the cache"),
     "cache": _CACHE_KEY,
+    "invariant": _INVARIANT_KEY,
 }
 
 
 def _dense_validate(s):
+  _invariant_kwargs(s)
   _check_positive(s, "B", "s_q", "H", "page", "ctx")
   _check_page(s)
   _check_cache(s)
@@ -274,6 +286,7 @@ def _dense_kwargs(s):
 register(BenchSpec(
     name="dense_mla_decode",
     keys=_DENSE_KEYS,
+    op_only_kwargs=_invariant_kwargs,
     cpu_defaults=dict(B=2, s_q=1, H=16, ctx=512, page=64, causal=0, **_SCALE_DEFAULTS),
     # memory-bound default (the peer kit's D3): 1.2 GB of FP8 cache read per call
     gpu_defaults=dict(B=64, s_q=1, H=16, ctx=32768, page=64, causal=0, **_SCALE_DEFAULTS),
@@ -307,10 +320,12 @@ _PREFILL_KEYS = {
     "softmax_scale": _DECODE_KEYS["softmax_scale"],
     "kv_scale": _DECODE_KEYS["kv_scale"],
     "cache": _CACHE_KEY,
+    "invariant": _INVARIANT_KEY,
 }
 
 
 def _prefill_validate(s):
+  _invariant_kwargs(s)
   _check_positive(s, "T", "H", "topk", "page", "ctx")
   _check_page(s)
   _check_cache(s)
@@ -334,6 +349,7 @@ def _prefill_inputs_jit(shape_items, key):
 register(BenchSpec(
     name="sparse_mla_prefill",
     keys=_PREFILL_KEYS,
+    op_only_kwargs=_invariant_kwargs,
     cpu_defaults=dict(T=8, H=16, topk=128, page=64, ctx=512, **_SCALE_DEFAULTS),
     gpu_defaults=dict(T=4096, H=128, topk=2048, page=64, ctx=32768, **_SCALE_DEFAULTS),
     preset=_model_preset,

@@ -599,3 +599,19 @@ def test_mla_prefill_sweep_runs_the_kernel_candidates_in_interpret_mode():
   assert len(results) == len(cands)
   for r in results:
     assert r.ok and r.check_ok, (r.label, r.status, r.check)
+
+
+def test_invariant_shape_key_reaches_the_op_not_the_reference(rng):
+  """invariant=1 runs the op with batch_invariant=True (the reference takes no such keyword); other values are a
+  shape error naming the key."""
+  spec = bench.get_spec("sparse_mla_decode")
+  s = spec.shape(dict(invariant=1, B=2, topk=64, ctx=128))
+  import functools
+  op = spec.op("xla", s)
+  assert isinstance(op, functools.partial) and op.keywords["batch_invariant"] is True
+  assert "batch_invariant" not in spec.reference(s).keywords
+  with pytest.raises(ValueError, match="invariant"):
+    spec.shape(dict(invariant=2))
+  (res,) = bench.run("dense_mla_decode", ("xla",), dict(invariant=1, B=2, ctx=128), iters=1, n_inputs=1,
+                     progress=False)
+  assert res.ok and res.check_ok
