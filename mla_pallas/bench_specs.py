@@ -372,6 +372,18 @@ register(BenchSpec(
 ))
 
 
+def _resolve_model(s, fields: dict[str, str]):
+  """Check shape key 'model' (a preset of mla_pallas.config) and replace the keys of ``fields`` (key -> MLAConfig
+  attribute) that are 0 by the model's values, in place, so that the JSON and the table show what ran."""
+  from mla_pallas import config
+  if s["model"] not in config.PRESETS:
+    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
+  cfg = config.preset(s["model"])
+  for key, attr in fields.items():
+    if s[key] == 0:
+      s[key] = getattr(cfg, attr)
+
+
 # ---- mla_prefill: varlen attention of the dense prefill branch ---------------------------------------------
 
 _MLA_PREFILL_KEYS = {
@@ -390,11 +402,7 @@ def _mla_prefill_cfg(s):
 
 
 def _mla_prefill_validate(s):
-  from mla_pallas import config
-  if s["model"] not in config.PRESETS:
-    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
-  if s["H"] == 0:                    # resolved in place, so that the JSON and the table show what ran
-    s["H"] = _mla_prefill_cfg(s).num_heads
+  _resolve_model(s, {"H": "num_heads"})
   _check_positive(s, "H", "seqs", "T")
   if s["ctx"] < 0:
     raise ValueError(f"shape key 'ctx' must be >= 0; got {s['ctx']}")
@@ -845,13 +853,7 @@ def _step_cfg(s):
 
 
 def _step_validate(s):
-  from mla_pallas import config
-  if s["model"] not in config.PRESETS:
-    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
-  cfg = config.preset(s["model"])
-  for k, v in (("H", cfg.num_heads), ("topk", cfg.index_topk), ("page", cfg.page_size)):
-    if s[k] == 0:            # resolved in place, so that the JSON and the table show the values that ran
-      s[k] = v
+  _resolve_model(s, {"H": "num_heads", "topk": "index_topk", "page": "page_size"})
   _check_positive(s, "B", "s_q", "H", "tp", "topk", "page", "ctx")
   _check_page(s)
   if s["H"] % s["tp"]:
@@ -992,13 +994,7 @@ _PSTEP_KEYS = {
 
 
 def _pstep_validate(s):
-  from mla_pallas import config
-  if s["model"] not in config.PRESETS:
-    raise ValueError(f"shape key 'model' must be one of {', '.join(config.PRESETS)}; got {s['model']!r}")
-  cfg = config.preset(s["model"])
-  for k, v in (("H", cfg.num_heads), ("page", cfg.page_size)):
-    if s[k] == 0:
-      s[k] = v
+  _resolve_model(s, {"H": "num_heads", "page": "page_size"})
   _check_positive(s, "seqs", "T", "H", "tp", "page")
   _check_page(s)
   if s["ctx"] < 0:
