@@ -155,7 +155,8 @@ def test_dispatch(rng):
 @pytest.mark.parametrize("dims", [(192, 128), (256, 256)], ids=["deepseek_v32", "glm5"])
 def test_kernel_lowers_for_sm90(dims, causal):
   """Mosaic's layout inference, wgmma and TMA checks at both models' head dims: per key block one fp8 QKᵀ
-  (Dqk / 32 wgmma instructions of K = 32) and one bf16 P·V (block_kv / 16 of K = 16); setmaxnreg up and down."""
+  (Dqk / 32 wgmma instructions of K = 32) and one bf16 P·V (block_kv / 16 of K = 16), in each of the two key
+  loops (blocks without and with a mask); setmaxnreg up and down."""
   dqk, dv = dims
   S = jax.ShapeDtypeStruct
   tq, tk, h, nt = 304, 512, 4, 5
@@ -163,7 +164,7 @@ def test_kernel_lowers_for_sm90(dims, causal):
            S((h,), jnp.float32))
   cfg = kp.TuningConfig()
   low = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=cfg, causal=causal, out_rows=300), *avals)
-  assert low.count(r"wgmma.mma_async") == dqk // 32 + cfg.block_kv // 16
+  assert low.count(r"wgmma.mma_async") == 2 * (dqk // 32 + cfg.block_kv // 16)   # the unmasked and masked loops
   assert low.count(r"e4m3") > 0 and low.count("setmaxnreg") == 2
   with pytest.raises(ValueError, match="multiple of 8 rows"):
     kp.prefill_sm90(jnp.zeros((300, h, dqk), kp.FP8), *[jnp.zeros(a.shape, a.dtype) for a in avals[1:]], cfg=cfg,

@@ -33,7 +33,8 @@ v rows are finite, so P = 0 keeps them out of O.
 
 Warpgroups (``num_threads=3``):
   * WG0, WG1 — consumers (232 registers): their 64 query rows; per key block: wait ``k_full``, the QKᵀ wgmma,
-    release ``k_empty``; mask, online softmax, P to their slot ``p_sw[wg]``; wait ``v_full``, the P·V wgmma,
+    release ``k_empty``; the key-bound and causal mask (only on the blocks past the first row's limit: two
+    loops), online softmax, P to their slot ``p_sw[wg]``; wait ``v_full``, the P·V wgmma,
     release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one TMA for 64 valid rows or one
     per valid row otherwise (a tile's tail never overwrites the next sequence's rows); lse through ``lse_smem``.
   * WG2 — loader (40 registers): TMA of each key block's K and V into ``kv_stages`` ring slots, waiting for both
@@ -127,7 +128,7 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, refs):
   m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROW_LAYOUT)
   l = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROW_LAYOUT)
 
-  def step(j, carry):
+  def step(j, carry, masked: bool):
     acc, m, l = carry
     slot = lax.rem(j, cfg.kv_stages)
     plgpu.barrier_wait(k_full.at[slot])
@@ -137,11 +138,14 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, refs):
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, b), jnp.float32))
     plgpu.barrier_arrive(k_empty.at[slot])
-    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 1, layout=plgpu.Layout.WGMMA) + j * b
-    valid = col < nk
-    if causal:
-      row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 0, layout=plgpu.Layout.WGMMA) + row0
-      valid = valid & (col <= row + diag)
+    if masked:
+      col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 1, layout=plgpu.Layout.WGMMA) + j * b
+      valid = col < nk
+      if causal:
+        row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 0, layout=plgpu.Layout.WGMMA) + row0
+        valid = valid & (col <= row + diag)
+    else:                                   # every key of the block is in the sequence and seen by every row
+      valid = plgpu.layout_cast(jnp.full((BLOCK_Q, b), True), plgpu.Layout.WGMMA)
     p, alpha, m, l = common.online_softmax_tile(s, valid, row_scale, m, l)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     p_sw.at[wg][...] = p.astype(jnp.bfloat16)
@@ -151,7 +155,11 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, refs):
     plgpu.barrier_arrive(v_empty.at[slot])
     return acc, m, l
 
-  acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+  # Blocks before `full` need no mask: all their keys are < nk and (causal) <= row0 + diag, the first row's limit.
+  limit = jnp.minimum(nk, row0 + diag + 1) if causal else nk
+  full = jnp.clip(limit // b, 0, steps)
+  carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l))
+  acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
   has = l > 0
   inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
   o_lin.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
