@@ -1,7 +1,10 @@
 """Variable-length MLA prefill attention (FlashAttention varlen semantics): ``mla_prefill``.
 
-Semantics are exactly those of :func:`mla_pallas.reference.mla_prefill`. There is no Mosaic GPU kernel
-(``impl="mosaic"`` raises ``NotImplementedError``; ``impl="auto"`` runs XLA). The XLA path has two backends, chosen
+Semantics are exactly those of :func:`mla_pallas.reference.mla_prefill`. ``impl="mosaic"`` runs the sm_90a kernel
+:mod:`mla_pallas.kernels.prefill_sm90` (FP8 QKᵀ with q and k quantized to e4m3 per head, bf16 P·V; bfloat16 q, k,
+v with head dims multiples of 64 up to 256; docs/kernels/prefill_sm90.md) on a Hopper GPU or in interpret mode;
+it has not run on a GPU yet, so ``impl="auto"`` runs XLA on hardware (``_KERNEL_VALIDATED_ON``; with
+``interpret=True`` it runs the kernel in the interpreter, as for every op). The XLA path has two backends, chosen
 per call at trace time by :func:`xla_backend`:
 
 * ``"cudnn"``: cuDNN flash attention (the forward of ``jax.nn.dot_product_attention(implementation="cudnn")``) on a
@@ -617,17 +620,19 @@ def mla_prefill(q, k, v, cu_seqlens, *, softmax_scale, causal: bool = True, cu_s
     cu_seqlens_k: optional [B + 1] int32, non-decreasing, cu_seqlens_k[B] <= Tk: sequence b's keys are tokens
       [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k and v (keys outside every sequence are never attended). None:
       the keys are the query tokens (k and v have T rows and share cu_seqlens).
-    impl: "auto" | "mosaic" | "xla". There is no Mosaic kernel yet: "mosaic" raises NotImplementedError and
-      "auto" runs XLA, whose backend is :func:`xla_backend` (cuDNN flash attention on a CUDA GPU for bfloat16
-      inputs, float32 math elsewhere; module docstring).
-    interpret: accepted for API uniformity (no kernel).
+    impl: "auto" | "mosaic" | "xla". "mosaic": the sm_90a kernel (module docstring; NotImplementedError where it
+      cannot run or lacks the inputs' dtypes / head dims); "auto" runs the XLA path on hardware until the kernel is
+      validated on a GPU; the XLA backend is :func:`xla_backend` (cuDNN flash attention on a CUDA GPU for
+      bfloat16 inputs, float32 math elsewhere; module docstring).
+    interpret: run the kernel in Pallas' GPU interpret mode (True or a ``plgpu.InterpretGPUParams``).
 
   Returns:
     out [T, H, Dv] bfloat16 and lse [T, H] float32 (natural log).
 
   Raises:
     ValueError: bad shape/dtype of an argument (the message names it) or an unknown ``impl``.
-    NotImplementedError: ``impl="mosaic"``.
+    NotImplementedError: ``impl="mosaic"`` where the kernel cannot run (no sm_90 GPU and no ``interpret``) or
+      does not take the inputs.
   """
   _dispatch.check_impl(impl)
   _check_args(q, k, v, cu_seqlens, softmax_scale, causal, cu_seqlens_k)
