@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/pending_gpu.sh tests  [OUT]   # the pending GPU tests, each group under a timeout (deadlock = rc 124)
 #   bash benchmarks/pending_gpu.sh bench  [OUT]   # the benches that decide the defaults (CUPTI, beside XLA / cuDNN)
+#   bash benchmarks/pending_gpu.sh latency [OUT]  # issue 24's latency shapes; each JSON keeps the per-kernel
+#                                                 # CUPTI breakdown (results[].kernels)
 #
 # Then flip what passed: sparse_decode.BF16_VALIDATED_HEADS (+16, 8), dense_decode.PAGE_LOADER_VALIDATED_ON,
 # rope_rmsnorm._BF16_PAGES_VALIDATED_ON, prefill._KERNEL_VALIDATED_ON (only where measured faster than cuDNN),
@@ -43,7 +45,25 @@ elif [[ $WHAT == bench ]]; then
   done
   run dense_D1 200 $B dense_mla_decode --impl all --shape B=128,s_q=1,H=128,ctx=4096,page=64 --no-plot \
     --no-progress --out "$OUT"
+elif [[ $WHAT == latency ]]; then
+  B="$PY -m mla_pallas.cli bench"
+  common=(--no-plot --no-progress --out "$OUT")
+  for h in 8 16 128; do
+    for bs in "1 1" "8 1" "8 4" "4 6"; do
+      read -r b sq <<<"$bs"
+      run "sparse_B${b}_sq${sq}_H${h}" 120 $B sparse_mla_decode --impl xla,mosaic \
+        --shape B=$b,s_q=$sq,H=$h,topk=2048,page=64,ctx=32768 "${common[@]}"
+    done
+  done
+  for b in 1 8; do
+    run "dense_B${b}_H16" 120 $B dense_mla_decode --impl xla,mosaic --shape B=$b,s_q=1,H=16,ctx=8192,page=64 \
+      "${common[@]}"
+    run "step_deepseek_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1 "${common[@]}"
+    run "step_glm5_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=glm5,B=$b,s_q=1,tp=8 "${common[@]}"
+    run "step_deepseek_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1,tp=8 \
+      "${common[@]}"
+  done
 else
-  echo "usage: $0 tests|bench [OUT]" >&2
+  echo "usage: $0 tests|bench|latency [OUT]" >&2
   exit 2
 fi
