@@ -325,9 +325,12 @@ def _graph_prefill(fn, w, pages, kv_scale, case, rows, cfg, **kw):
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_chunked_prefill_equals_one_call(rng, fp8):
   """Two prompts (13 and 21 tokens) prefilled in one call, and in three calls of chunks (5 + 9, 6 + 7, 2 + 5
-  tokens) over the cache the earlier calls wrote: the same cache bits, and outputs that differ only by the order
-  of float32 sums (the key buffers differ in size and layout): a bf16 rounding flip of an up-projected k or v
-  element (2^-8 relative) or of the output (2^-8): rel-L2 <= 2^-7, every element within 2^-6 of the largest."""
+  tokens) over the cache the earlier calls wrote: the same cache bits, and outputs that differ only in rounding
+  (bitwise equal on the CPU). Error model for the GPU: the chunked calls' attention is cuDNN's context call plus
+  its causal call, each rounded to bf16 (<= 2^-9 max|v| each, half an ulp) before the f32 merge, where the one
+  call rounds once; an up-projected k or v element may also round the other way (2^-8 relative). With max|v| ~
+  max|out| (a sequence's first token attends only itself) every element stays within 2^-6 of the largest, and
+  with outputs ~3x smaller than v in RMS (tens of keys averaged) rel-L2 <= 2^-6."""
   cfg = CFGS["deepseek_v32"]
   w = _weights(rng, cfg, fp8)
   lens = (13, 21)
@@ -348,7 +351,7 @@ def test_chunked_prefill_equals_one_call(rng, fp8):
     done = [done[b] + chunk[b] for b in range(2)]
   np.testing.assert_array_equal(_bits(pages), _bits(whole_pages))
   want = np.asarray(whole, np.float32)
-  assert np.linalg.norm(got - want) <= 2.0 ** -7 * np.linalg.norm(want)
+  assert np.linalg.norm(got - want) <= 2.0 ** -6 * np.linalg.norm(want)
   assert np.abs(got - want).max() <= 2.0 ** -6 * np.abs(want).max()
 
 
