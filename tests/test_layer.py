@@ -133,10 +133,13 @@ def test_prefill_then_decode_matches_reference(key, preset, fp8):
                                                      ("glm5", False, jnp.bfloat16)])
 def test_chunked_prefill_through_the_layer(key, preset, fp8, cache_dtype):
   """Two prompts (23 and 14 tokens) prefilled in one call, and in three calls of chunks (the layer continues each
-  sequence from cache.seq_lens): the same cache bits, and outputs equal up to the order of float32 sums (the key
-  buffers differ; an FP8 layer may then also flip an e4m3 rounding of the attention output before W_o: 2^-4 on an
-  element, rel-L2 well under 2^-6 for the rare flips). Each chunked call also matches the reference layer over the
-  same cache (same budget as the one-call prefill)."""
+  sequence from cache.seq_lens): the same cache bits, and outputs equal up to rounding (bitwise on the CPU). Error
+  model for the GPU: the chunked attention differs from the one call by bf16 roundings (cuDNN's context split,
+  tests/test_graph.py::test_chunked_prefill_equals_one_call); an FP8 layer then re-quantizes the attention output
+  to e4m3 before W_o, where a bf16 change (2^-8) crosses an e4m3 rounding boundary (ulp ~2^-3.5 relative) with
+  probability ~2^-8 / 2^-3.5 ~ 0.045 per changed element and moves it by ~2^-3.5: RMS ~0.088 sqrt(0.045 / 2)
+  ~ 0.013 relative; asserted rel-L2 <= 2^-5. Each chunked call also matches the reference layer over the same
+  cache (same budget as the one-call prefill)."""
   cfg = CFGS[preset]
   k0, k1, k3 = jax.random.split(key, 3)
   lay = L.MLAAttention.init(k0, cfg)
@@ -160,7 +163,7 @@ def test_chunked_prefill_through_the_layer(key, preset, fp8, cache_dtype):
   np.testing.assert_array_equal(np.asarray(cache.seq_lens), lens)
   np.testing.assert_array_equal(np.asarray(cache.pages).view(np.uint8), np.asarray(whole_cache.pages).view(np.uint8))
   want = np.asarray(whole, np.float32)
-  assert np.linalg.norm(got - want) <= 2.0 ** -6 * np.linalg.norm(want)
+  assert np.linalg.norm(got - want) <= 2.0 ** -5 * np.linalg.norm(want)
 
 
 def test_layer_key_budget():
