@@ -56,6 +56,15 @@ def check_positive_int(name: str, v) -> int:
   return int(v)
 
 
+def concrete(x) -> np.ndarray | None:
+  """``x`` as a numpy array when its value is known outside any trace (numbers, numpy and concrete JAX arrays),
+  else None (a tracer inside ``jax.jit``)."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
 def check_bool(name: str, v) -> bool:
   """v as a python bool; ValueError naming ``name`` for anything else (a traced or array value included)."""
   if not isinstance(v, (bool, np.bool_)):

@@ -472,13 +472,9 @@ def _mla_prefill_tuned(s, tuning, interpret):
 
 
 def _mla_prefill_reference(s):
-  from mla_pallas.ops import prefill as pf
-  _, _, scale = _mla_prefill_dims(s)
-  causal, ctx = bool(s["causal"]), s["ctx"] > 0
   # the float32 flash backend (tested against reference.mla_prefill): the reference's [H, T, Tk] logits would not
   # fit at the GPU default (128 x 8192 x 8192 x 4 B = 34 GB per temporary)
-  return lambda q, k, v, cu, cu_k: pf._f32_jit(q, k, v, cu, jnp.float32(scale), causal=causal,
-                                               cu_seqlens_k=cu_k if ctx else None)
+  return _mla_prefill_op("f32", s, False)
 
 
 def _mla_prefill_tolerance(s):
@@ -1039,14 +1035,14 @@ def _pstep_inputs_jit(shape_items, key):
 
 def _pstep_call(graph_fn, s, **kw):
   cfg = _step_cfg(s)
-  ctx_kw = {} if s["ctx"] == 0 else None
 
   def f(pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu, block_table, context_lens, w_uk, uks,
         w_uv, uvs, norm_w):
     from mla_pallas import graph
     w = graph.MLAWeightsFP8(w_uk, uks, w_uv, uvs, norm_w)
-    extra = ctx_kw if ctx_kw is not None else dict(block_table=block_table, context_lens=context_lens,
-                                                   max_keys=s["seqs"] * (s["ctx"] + s["T"]))
+    extra = {}
+    if s["ctx"]:          # prefill over the cached context: the branch's block table path
+      extra = dict(block_table=block_table, context_lens=context_lens, max_keys=s["seqs"] * (s["ctx"] + s["T"]))
     return graph_fn(w, pages, kv_scale, q_nope, q_rope, kv, positions, slots, cos, sin, cu, cfg=cfg, **extra, **kw)
   return f
 

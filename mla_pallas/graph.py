@@ -411,14 +411,6 @@ def _check_cu_seqlens(cu_seqlens):
     raise ValueError(f"cu_seqlens must have shape [B + 1] with B >= 1; got shape {tuple(cu_seqlens.shape)}")
 
 
-def _concrete(x):
-  """x as a numpy array when its value is known outside any trace, else None."""
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
-    return None
-
-
 def _check_context(block_table, context_lens, max_keys, cu_seqlens, pages):
   """Prefill over cached context: checks ``block_table`` / ``context_lens`` / ``max_keys`` and returns the key
   buffer's static size (None: no context, the keys are the new tokens)."""
@@ -433,7 +425,7 @@ def _check_context(block_table, context_lens, max_keys, cu_seqlens, pages):
   _checks.check_array("block_table", block_table, ndim=2, shape=(b, None), dtypes=_I32,
                       expect=f"[B={b}, max_pages_per_seq] (B from cu_seqlens)")
   _checks.check_array("context_lens", context_lens, shape=(b,), dtypes=_I32, expect=f"[B={b}]")
-  ctx = _concrete(context_lens)
+  ctx = _checks.concrete(context_lens)
   if ctx is not None and ctx.size and ctx.min() < 0:
     raise ValueError(f"context_lens must be >= 0 (tokens already cached per sequence); got {ctx.tolist()}")
   if max_keys is None:

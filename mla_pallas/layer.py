@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mla_pallas import cache as _cache, graph, reference
+from mla_pallas import _checks, cache as _cache, graph, reference
 from mla_pallas.config import MLAConfig
 from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
 from mla_pallas.ops.convert import convert_bf16_to_fp8_e4m3fn
@@ -373,9 +373,8 @@ def _key_budget(cache: PagedCache, cu_seqlens, max_keys):
   if max_keys is not None:
     return max_keys
   capacity = max(1, cache.block_table.shape[0] * cache.block_table.shape[1] * cache.page_size)
-  try:
-    lens, cu = np.asarray(cache.seq_lens), np.asarray(cu_seqlens)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
+  lens, cu = _checks.concrete(cache.seq_lens), _checks.concrete(cu_seqlens)
+  if lens is None or cu is None:                                  # traced: the bound that always holds
     return capacity
   if cu.ndim != 1 or cu.size < 1 or lens.ndim != 1:
     return capacity                                               # malformed: the graph's checks will say so

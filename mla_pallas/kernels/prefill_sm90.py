@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -111,9 +112,32 @@ def _key_steps(nq, nk, diag, block_kv: int, causal: bool):
   return (keys + block_kv - 1) // block_kv
 
 
-def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, refs):
-  (q_ref, k_ref, v_ref, tiles_ref, scale_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem, q_bar,
-   k_full, v_full, k_empty, v_empty) = refs
+class _Refs(NamedTuple):
+  """The kernel's refs in ``plgpu.kernel``'s order: inputs, outputs, then the scratch of :func:`prefill_sm90`."""
+  q_ref: object
+  k_ref: object
+  v_ref: object
+  tiles_ref: object
+  scale_ref: object
+  o_ref: object
+  lse_ref: object
+  q_sw: object
+  k_sw: object
+  v_sw: object
+  p_sw: object
+  o_lin: object
+  lse_smem: object
+  q_bar: object
+  k_full: object
+  v_full: object
+  k_empty: object
+  v_empty: object
+
+
+def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Refs):
+  (q_ref, tiles_ref, scale_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem) = (
+      r.q_ref, r.tiles_ref, r.scale_ref, r.o_ref, r.lse_ref, r.q_sw, r.k_sw, r.v_sw, r.p_sw, r.o_lin, r.lse_smem)
+  q_bar, k_full, v_full, k_empty, v_empty = r.q_bar, r.k_full, r.v_full, r.k_empty, r.v_empty
   b = cfg.block_kv
   dv = v_sw.shape[-1]
   q0, nq, nk, diag = pl.multiple_of(tiles_ref[t, 0], ALIGN), tiles_ref[t, 1], tiles_ref[t, 3], tiles_ref[t, 4]
@@ -181,9 +205,9 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, refs):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _loader(cfg: TuningConfig, causal: bool, t, h, refs):
-  (q_ref, k_ref, v_ref, tiles_ref, scale_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem, q_bar,
-   k_full, v_full, k_empty, v_empty) = refs
+def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
+  k_ref, v_ref, tiles_ref, k_sw, v_sw = r.k_ref, r.v_ref, r.tiles_ref, r.k_sw, r.v_sw
+  k_full, v_full, k_empty, v_empty = r.k_full, r.v_full, r.k_empty, r.v_empty
   b, stages = cfg.block_kv, cfg.kv_stages
   nq, k0, nk, diag = tiles_ref[t, 1], pl.multiple_of(tiles_ref[t, 2], ALIGN), tiles_ref[t, 3], tiles_ref[t, 4]
   steps = _key_steps(nq, nk, diag, b, causal)
@@ -226,6 +250,7 @@ def prefill_sm90(q8, k8, v, tiles, row_scale, *, cfg: TuningConfig, causal: bool
   b, s = cfg.block_kv, cfg.kv_stages
 
   def body(*refs):
+    refs = _Refs(*refs)
     t, hd, wg = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("wg")
 
     @pl.when(wg < CONSUMERS)

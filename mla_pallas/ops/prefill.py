@@ -223,7 +223,7 @@ def _f32_prefill(q, k, v, cu_seqlens, cu_seqlens_k, softmax_scale, causal):
   blk = _blocks(max(tq, tk), h)
   nbq, nbk = -(-tq // blk), -(-tk // blk)
   tqp, tkp = nbq * blk, nbk * blk
-  inside, start, end = _key_ranges(cu_seqlens, cu_seqlens_k, tq, tk, causal)
+  _, start, end = _key_ranges(cu_seqlens, cu_seqlens_k, tq, tk, causal)
   pad_q = ((0, tqp - tq),)
   start, end = jnp.pad(start, pad_q), jnp.pad(end, pad_q)          # padded queries: empty range
 
@@ -274,7 +274,6 @@ def _f32_prefill(q, k, v, cu_seqlens, cu_seqlens_k, softmax_scale, causal):
     return out.astype(jnp.bfloat16), lse
 
   out, lse = lax.map(q_block, (qf, start.reshape(nbq, blk), end.reshape(nbq, blk)))
-  del inside
   return out.reshape(tqp, h, dv)[:tq], lse.reshape(tqp, h)[:tq]
 
 
@@ -321,6 +320,24 @@ def _is_clean(v, cu_q, cu_k, tq: int):
   """True when every v element is finite and every query and key token belongs to a sequence (clipped cu's)."""
   return (jnp.all(jnp.isfinite(v)) & (cu_q[0] == 0) & (cu_q[-1] == tq) & (cu_k[0] == 0)
           & (cu_k[-1] == v.shape[0]))
+
+
+def _keys_in(cu_k, tk: int):
+  """[Tk] bool: key token inside [cu_k[0], cu_k[-1]) (in some sequence)."""
+  ktok = jnp.arange(tk, dtype=jnp.int32)
+  return (ktok >= cu_k[0]) & (ktok < cu_k[-1])
+
+
+def _nonfinite_v_rule(out, v, k_in, k_start, k_end):
+  """The module docstring's rules on ``out`` [Tq, H, Dv] computed from sanitized v: a query without keys
+  (``k_end <= k_start``, padding tokens included) gets 0, and an element whose keys hold a non-finite v element
+  gets NaN (exclusive prefix counts of the non-finite elements over the keys, differenced per query range)."""
+  has = (k_end > k_start)[:, None, None]
+  out = jnp.where(has, out, jnp.zeros((), out.dtype))
+  n_bad = jnp.cumsum((~jnp.isfinite(v) & k_in[:, None, None]).astype(jnp.int32), axis=0)
+  n_bad = jnp.concatenate([jnp.zeros((1,) + v.shape[1:], jnp.int32), n_bad])
+  seen = n_bad[k_end] - n_bad[k_start]
+  return jnp.where(has & (seen > 0), jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def _segment_calls(cu_q, cu_k, context: bool, causal: bool):
@@ -401,18 +418,10 @@ def _cudnn_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, scale: f
 
   def general(v, v_padded):
     del v_padded
-    ktok = jnp.arange(tk, dtype=jnp.int32)
-    k_in = (ktok >= cu_k[0]) & (ktok < cu_k[-1])
-    finite = jnp.isfinite(v)
-    out, lse = run(jnp.pad(jnp.where(finite & k_in[:, None, None], v, jnp.zeros_like(v)), pad_v))
-    has = k_end > k_start                                         # [Tq] the query attends some key
-    out = jnp.where(has[:, None, None], out, jnp.zeros_like(out))
-    # non-finite v elements among each query's keys: exclusive prefix counts over the keys, differenced
-    n_bad = jnp.cumsum((~finite & k_in[:, None, None]).astype(jnp.int32), axis=0)
-    n_bad = jnp.concatenate([jnp.zeros((1, h, dv), jnp.int32), n_bad])
-    seen = n_bad[k_end] - n_bad[k_start]
-    out = jnp.where(has[:, None, None] & (seen > 0), jnp.asarray(jnp.nan, out.dtype), out)
-    return out, jnp.where(has[:, None], lse, -jnp.inf)
+    k_in = _keys_in(cu_k, tk)
+    out, lse = run(jnp.pad(jnp.where(jnp.isfinite(v) & k_in[:, None, None], v, jnp.zeros_like(v)), pad_v))
+    out = _nonfinite_v_rule(out, v, k_in, k_start, k_end)
+    return out, jnp.where((k_end > k_start)[:, None], lse, -jnp.inf)
 
   # The padded v of the common (clean) case is made outside the branches, beside the finiteness test that reads
   # the same v, so that XLA can fuse the two reads of v into one pass.
@@ -535,22 +544,9 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   pos = tok - cu_q[seq]
   col = jnp.where(inside, (tile_start[seq] + pos // kp.TILE_Q) * kp.TILE_Q + pos % kp.TILE_Q, 0)
   lse = jnp.where(inside[:, None], lse_pad[:, col].T, -jnp.inf)
-  ktok = jnp.arange(tk, dtype=jnp.int32)
-  k_in = (ktok >= cu_k[0]) & (ktok < cu_k[-1])
-
-  def clean(out):
-    return out
-
-  def general(out):
-    out = jnp.where(inside[:, None, None], out, jnp.zeros((), out.dtype))     # padding rows: never written
-    bad = ~jnp.isfinite(v) & k_in[:, None, None]
-    n_bad = jnp.concatenate([jnp.zeros((1, h, dv), jnp.int32), jnp.cumsum(bad.astype(jnp.int32), axis=0)])
-    seen = n_bad[k_end] - n_bad[k_start]
-    return jnp.where((k_end > k_start)[:, None, None] & (seen > 0), jnp.asarray(jnp.nan, out.dtype), out)
-
-  all_in = (cu_q[0] == 0) & (cu_q[-1] == tq)
-  finite = jnp.all(jnp.isfinite(jnp.where(k_in[:, None, None], v, jnp.zeros((), v.dtype))))
-  out = lax.cond(all_in & finite, clean, general, out)
+  # rows of padding tokens were never written: the general branch zeroes them (no keys) with the NaN rule
+  out = lax.cond(_is_clean(v, cu_q, cu_k, tq), lambda o: o,
+                 lambda o: _nonfinite_v_rule(o, v, _keys_in(cu_k, tk), k_start, k_end), out)
   return out, lse
 
 
@@ -570,7 +566,7 @@ def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]
   for b in (64, 128):
     for st in (2, 3):
       cfg = kp.TuningConfig(block_kv=b, kv_stages=st)
-      if cfg != default and kp.smem_budget(cfg, dqk, dv) <= 227 * 1024:
+      if cfg != default and kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
         out[f"block_kv={b},kv_stages={st}"] = (("block_kv", b), ("kv_stages", st))
   return out
 
