@@ -8,7 +8,7 @@
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_batch_invariance,
 # t_dense_page_loader, t_rope_bf16_write, t_pv_pair_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
-# b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3, with the page loader when t_dense_page_loader passed in this call),
+# b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3 with the op's loader), b_dense_rows (the same with the row gather),
 # b_pv_pair_P1 / b_pv_pair_F1 / b_pv_pair_more (the default against the "pv_pair" schedule), latency (issue 24's
 # shapes; each JSON keeps the per-kernel CUPTI breakdown, results[].kernels).
 #
@@ -60,14 +60,23 @@ b_invariant() {
       --shape B=8,s_q=1,H=128,topk=2048,page=64,ctx=32768,invariant=$inv "${common[@]}"
   done
 }
-b_dense_D1() {
+b_dense_D1() {   # D1 and D3 with the op's loader (the page loader where PAGE_LOADER_VALIDATED_ON names sm90)
   if [[ ${RC[t_dense_page_loader]:-} == 0 ]]; then   # this call's copy only: the page loader passed its tests here
-    sed -i 's/^PAGE_LOADER_VALIDATED_ON: tuple\[str, ...\] = ()/PAGE_LOADER_VALIDATED_ON = ("sm90",)/' \
+    sed -i 's/^PAGE_LOADER_VALIDATED_ON: tuple\[str, ...\] = ()/PAGE_LOADER_VALIDATED_ON: tuple[str, ...] = ("sm90",)/' \
       mla_pallas/ops/dense_decode.py
-    grep -n "^PAGE_LOADER_VALIDATED_ON" mla_pallas/ops/dense_decode.py
   fi
+  grep -n "^PAGE_LOADER_VALIDATED_ON" mla_pallas/ops/dense_decode.py
   run b_dense_D1 200 $B dense_mla_decode --impl all --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
   run b_dense_D3 200 $B dense_mla_decode --impl all --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
+}
+b_dense_rows() {   # the same two shapes with the row gather (this call's copy: the page loader switched off)
+  cp mla_pallas/ops/dense_decode.py /tmp/dense_decode.py.keep
+  sed -i 's/^PAGE_LOADER_VALIDATED_ON: tuple\[str, ...\] = .*/PAGE_LOADER_VALIDATED_ON: tuple[str, ...] = ()/' \
+    mla_pallas/ops/dense_decode.py
+  grep -n "^PAGE_LOADER_VALIDATED_ON" mla_pallas/ops/dense_decode.py
+  run b_dense_rows_D1 200 $B dense_mla_decode --impl mosaic --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
+  run b_dense_rows_D3 200 $B dense_mla_decode --impl mosaic --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
+  cp /tmp/dense_decode.py.keep mla_pallas/ops/dense_decode.py
 }
 pv_pair() {   # case name, shape
   local op=$2 shape=$3

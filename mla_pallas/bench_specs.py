@@ -464,9 +464,9 @@ def _mla_prefill_op(impl, s, interpret):
 def _mla_prefill_tuned(s, tuning, interpret):
   """BenchSpec.tuned_op of mla_prefill: the kernel with ``tuning`` (``ops/prefill._mosaic_jit(cfg=...)``)."""
   from mla_pallas.ops import prefill as pf
-  _, _, scale = _mla_prefill_dims(s)
+  dqk, dv, scale = _mla_prefill_dims(s)
   causal, ctx = bool(s["causal"]), s["ctx"] > 0
-  cfg = pf._tuned_config(tuning)
+  cfg = pf._tuned_config(tuning, dqk, dv)
   return lambda q, k, v, cu, cu_k: pf._mosaic_jit(q, k, v, cu, jnp.float32(scale), causal=causal,
                                                   cu_seqlens_k=cu_k if ctx else None, interpret=interpret, cfg=cfg)
 

@@ -136,6 +136,22 @@ def test_config_checks():
   assert kp.smem_budget(kp.TuningConfig(), 192, 128) < kp.smem_budget(kp.TuningConfig(), 256, 256) <= 227 * 1024
 
 
+def test_default_config_and_sweep():
+  """128-key blocks where two stages of them fit (DeepSeek's 192 / 128), 64-key blocks at GLM-5's 256 / 256; the
+  sweep lists the default once, as "default", and only configs that fit."""
+  from mla_pallas.ops import prefill as pf
+  assert kp.default_config(192, 128) == kp.TuningConfig(block_kv=128, kv_stages=2)
+  assert kp.default_config(256, 256) == kp.TuningConfig()
+  for dqk, dv in ((192, 128), (256, 256)):
+    sweep = pf.sweep_configs(dqk, dv)
+    assert list(sweep)[0] == "default" and sweep["default"] == ()
+    cfgs = [pf._tuned_config(t, dqk, dv) for t in sweep.values()]
+    assert len(set(cfgs)) == len(cfgs) and cfgs[0] == kp.default_config(dqk, dv)
+    assert all(kp.smem_budget(c, dqk, dv) <= kp.common.SMEM_LIMIT for c in cfgs)
+  with pytest.raises(ValueError, match="Dv a multiple of 64"):
+    kp.default_config(192, 100)
+
+
 def test_dispatch(rng):
   """On this CPU: impl="mosaic" without interpret has no device to run on; "auto" runs XLA (and keeps XLA on
   hardware until the kernel's GPU tests pass); inputs the kernel lacks say why."""

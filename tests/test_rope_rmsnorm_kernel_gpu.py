@@ -39,8 +39,8 @@ def test_fused_kernel_matches_reference(rng, t, h, interleaved):
 @pytest.mark.parametrize("t,h,interleaved", [(1, 128, True), (333, 32, False), (4096, 16, True)])
 def test_fused_kernel_bf16_cache(rng, t, h, interleaved):
   """The kernel's bfloat16-cache write (bf16(row · f32(1 / kv_scale)), quant.encode_cache_rows) against the
-  reference write, NaN-poisoned bf16 cache, skipped / out-of-range slots; once this passes on a GPU,
-  ops.rope_rmsnorm._BF16_PAGES_VALIDATED_ON may name the family (then impl="auto" picks the kernel)."""
+  reference write, NaN-poisoned bf16 cache, skipped / out-of-range slots; passed on the H200, so
+  ops.rope_rmsnorm._BF16_PAGES_VALIDATED_ON names sm90 (impl="auto" picks the kernel there)."""
   import numpy as np
   case = make_case(rng, t, h, num_slots=4 * t + 64, page_size=64)
   case.pages = np.asarray(jnp.asarray(case.pages, jnp.float32).astype(jnp.bfloat16))   # NaN stays NaN

@@ -112,8 +112,8 @@ def test_designs_agree(rng, H, s_q):
 
 @pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), (16, 2), (8, 4), pytest.param(32, 4, marks=pytest.mark.slow)])
 def test_bf16_cache_kernel(rng, H, s_q):
-  """The heads-on-M kernel over a bfloat16 cache (BF16 attention, impl="mosaic"; validated on the H200 at H 64 /
-  128, the H <= 32 rows, zero-padded to 64, to be validated: ops.sparse_decode.BF16_VALIDATED_HEADS) against the
+  """The heads-on-M kernel over a bfloat16 cache (BF16 attention, impl="mosaic"; H <= 32 rows zero-padded to 64;
+  passed on the H200 at every head count: ops.sparse_decode.BF16_VALIDATED_HEADS) against the
   reference within testing.BF16_ATTENTION_REL_L2 (P and the outputs in bf16, f32 accumulation): top-k 2051 (a
   partial last tile, several 16-tile splits), NaN rows, invalid ids, an all-invalid row; bitwise deterministic."""
   import dataclasses

@@ -98,6 +98,15 @@ def smem_budget(cfg: TuningConfig, dqk: int, dv: int) -> int:
                            ((CONSUMERS, BLOCK_Q), jnp.float32))
 
 
+def default_config(dqk: int, dv: int) -> TuningConfig:
+  """The kernel's default at head dims (Dqk, Dv): 128-key blocks in two stages where they fit in SMEM (DeepSeek's
+  192 / 128: measured faster than 64-key blocks on the H200, docs/kernels/prefill_sm90.md), else 64-key blocks
+  (GLM-5's 256 / 256)."""
+  check_head_dims(dqk, dv)
+  wide = TuningConfig(block_kv=128, kv_stages=2)
+  return wide if smem_budget(wide, dqk, dv) <= common.SMEM_LIMIT else TuningConfig()
+
+
 def check_config(cfg: TuningConfig, dqk: int, dv: int) -> None:
   check_head_dims(dqk, dv)
   cfg.check_smem(smem_budget(cfg, dqk, dv), f" at Dqk {dqk}, Dv {dv}")

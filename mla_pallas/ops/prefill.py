@@ -3,8 +3,9 @@
 Semantics are exactly those of :func:`mla_pallas.reference.mla_prefill`. ``impl="mosaic"`` runs the sm_90a kernel
 :mod:`mla_pallas.kernels.prefill_sm90` (FP8 QKᵀ with q and k quantized to e4m3 per head, bf16 P·V; bfloat16 q, k,
 v with head dims multiples of 64 up to 256; docs/kernels/prefill_sm90.md) on a Hopper GPU or in interpret mode;
-it has not run on a GPU yet, so ``impl="auto"`` runs XLA on hardware (``_KERNEL_VALIDATED_ON``; with
-``interpret=True`` it runs the kernel in the interpreter, as for every op). The XLA path has two backends, chosen
+it passed its GPU tests on the H200, but the op (kernel plus its quantization and packing passes) is slower than
+cuDNN there, so ``impl="auto"`` runs XLA on hardware (``_KERNEL_VALIDATED_ON``; with ``interpret=True`` it runs
+the kernel in the interpreter, as for every op). The XLA path has two backends, chosen
 per call at trace time by :func:`xla_backend`:
 
 * ``"cudnn"``: cuDNN flash attention (the forward of ``jax.nn.dot_product_attention(implementation="cudnn")``) on a
@@ -441,7 +442,8 @@ def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, cu_seqlens_
 # Mosaic GPU kernel (kernels/prefill_sm90.py): FP8 QKᵀ, bf16 P·V
 # ----------------------------------------------------------------------------------------------------------
 
-# Families on which the kernel ran against the reference on hardware ("auto" picks it only there).
+# Families on which the kernel passed its GPU tests and the op measured faster than the XLA path ("auto" picks it
+# only there). sm90: passed, but slower than cuDNN (docs/kernels/prefill_sm90.md, "Measured").
 _KERNEL_VALIDATED_ON: tuple[str, ...] = ()
 _FP8_MAX = 448.0
 
@@ -517,9 +519,9 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   aligned packing (every sequence at a multiple of 8 rows; one gather fused with the quantization), v sanitized
   into the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the
   module docstring applied (under ``lax.cond``, skipped when every v is finite and every token is in a
-  sequence). ``cfg``: the kernel's TuningConfig (None: the default)."""
+  sequence). ``cfg``: the kernel's TuningConfig (None: ``default_config`` of the head dims)."""
   from mla_pallas.kernels import prefill_sm90 as kp
-  cfg = kp.TuningConfig() if cfg is None else cfg
+  cfg = kp.default_config(q.shape[2], v.shape[2]) if cfg is None else cfg
   tq, h, _ = q.shape
   tk, dv = k.shape[0], v.shape[2]
   nseq = cu_seqlens.shape[0] - 1
@@ -561,7 +563,7 @@ def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]
   ()`` first: every (block_kv, kv_stages) pair that fits in SMEM."""
   from mla_pallas.kernels import prefill_sm90 as kp
   kp.check_head_dims(dqk, dv)
-  default = kp.TuningConfig()
+  default = kp.default_config(dqk, dv)
   out: dict[str, tuple[tuple[str, object], ...]] = {"default": ()}
   for b in (64, 128):
     for st in (2, 3):
@@ -571,10 +573,10 @@ def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]
   return out
 
 
-def _tuned_config(tuning):
-  """The kernel's TuningConfig with ``tuning``'s (name, value) overrides."""
+def _tuned_config(tuning, dqk: int, dv: int):
+  """The kernel's default TuningConfig at head dims (Dqk, Dv) with ``tuning``'s (name, value) overrides."""
   from mla_pallas.kernels import prefill_sm90 as kp
-  return dataclasses.replace(kp.TuningConfig(), **dict(tuning))
+  return dataclasses.replace(kp.default_config(dqk, dv), **dict(tuning))
 
 
 def _one_sequence_call(q, v, cu_seqlens):

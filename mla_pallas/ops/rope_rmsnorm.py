@@ -94,9 +94,9 @@ def _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleave
 # ---------------------------------------------------------------------------------------------------------
 
 _VALIDATED_ON: tuple[str, ...] = ("sm90",)
-# The fused kernel's bfloat16-cache write (rows bf16(y · f32(1 / kv_scale))): lowered, not yet run on a GPU, so
-# "auto" keeps the XLA path for a bf16 cache until tests/test_rope_rmsnorm_kernel_gpu.py's bf16 case has passed.
-_BF16_PAGES_VALIDATED_ON: tuple[str, ...] = ()
+# The fused kernel's bfloat16-cache write (rows bf16(y · f32(1 / kv_scale))): "auto" picks it on the families where
+# tests/test_rope_rmsnorm_kernel_gpu.py's bf16 cases passed (sm90: the H200, 2026-12-02).
+_BF16_PAGES_VALIDATED_ON: tuple[str, ...] = ("sm90",)
 
 
 def _check_shape(t, h):
