@@ -2,15 +2,14 @@
 # Everything written on the CPU and not yet run on a GPU (issues 20-24), as named groups for device calls:
 #
 #   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | latency
-#   DEADLINE=540 bash benchmarks/pending_gpu.sh t_pv_pair,b_pv_pair_P1   # start no group after 540 s, and cut the
-#                                                                          # running one's timeout to what is left
+#   DEADLINE=540 bash benchmarks/pending_gpu.sh t_bf16,b_invariant   # start no group after 540 s, and cut the
+#                                                                      # running one's timeout to what is left
 #
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_batch_invariance,
-# t_dense_page_loader, t_rope_bf16_write, t_pv_pair_bf16.
+# t_dense_page_loader, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
 # b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3 with the op's loader), b_dense_rows (the same with the row gather),
-# b_pv_pair_P1 / b_pv_pair_F1 / b_pv_pair_more (the default against the "pv_pair" schedule), latency (issue 24's
-# shapes; each JSON keeps the per-kernel CUPTI breakdown, results[].kernels).
+# latency (issue 24's shapes; each JSON keeps the per-kernel CUPTI breakdown, results[].kernels).
 #
 # Then flip what passed: sparse_decode.BF16_VALIDATED_HEADS (+16, 8), dense_decode.PAGE_LOADER_VALIDATED_ON,
 # rope_rmsnorm._BF16_PAGES_VALIDATED_ON, prefill._KERNEL_VALIDATED_ON (only where measured faster than cuDNN),
@@ -43,7 +42,7 @@ t_prefill_kernel() { run t_prefill_kernel 240 $T tests/test_prefill_kernel_gpu.p
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }
 t_dense_page_loader() { run t_dense_page_loader 200 $T tests/test_dense_decode_gpu.py; }
 t_rope_bf16_write() { run t_rope_bf16_write 120 $T tests/test_rope_rmsnorm_kernel_gpu.py -k bf16; }
-t_pv_pair_bf16() { run t_pv_pair_bf16 240 $T tests/test_sparse_decode_gpu.py -k "pv_pair or bf16"; }
+t_bf16() { run t_bf16 240 $T tests/test_sparse_decode_gpu.py -k bf16; }
 b_prefill_deepseek() { run b_prefill_deepseek 300 $B mla_prefill --impl all --sweep --preset deepseek_v32 \
   "${common[@]}"; }
 b_prefill_glm5() { run b_prefill_glm5 200 $B mla_prefill --impl all --preset glm5 "${common[@]}"; }
@@ -78,17 +77,6 @@ b_dense_rows() {   # the same two shapes with the row gather (this call's copy: 
   run b_dense_rows_D3 200 $B dense_mla_decode --impl mosaic --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
   cp /tmp/dense_decode.py.keep mla_pallas/ops/dense_decode.py
 }
-pv_pair() {   # case name, shape
-  local op=$2 shape=$3
-  run "b_pv_pair_$1" 240 $B "$op" --impl mosaic --sweep --sweep-only pv_pair --shape "$shape" "${common[@]}"
-}
-b_pv_pair_P1() { pv_pair P1 sparse_mla_decode B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768; }
-b_pv_pair_F1() { pv_pair F1 sparse_mla_prefill T=4096,H=128,topk=2048,page=64,ctx=8192; }
-b_pv_pair_more() {
-  pv_pair C0 sparse_mla_decode B=8,s_q=2,H=128,topk=2048,page=64,ctx=4096
-  pv_pair P4 sparse_mla_decode B=128,s_q=1,H=64,topk=2048,page=64,ctx=32768
-  pv_pair P5 sparse_mla_decode B=148,s_q=2,H=128,topk=16384,page=64,ctx=32768
-}
 latency() {
   local h bs b sq
   for h in 8 16 128; do
@@ -107,7 +95,7 @@ latency() {
       "${common[@]}"
   done
 }
-tests="t_prefill_kernel,t_batch_invariance,t_dense_page_loader,t_rope_bf16_write,t_pv_pair_bf16"
+tests="t_prefill_kernel,t_batch_invariance,t_dense_page_loader,t_rope_bf16_write,t_bf16"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -140,12 +140,6 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
-    # "pv_pair": one softmax warpgroup, two P·V warpgroups (4 warpgroups in all); slow: the interpreter runs each
-    # warpgroup's program on XLA:CPU's thread pool, one thread per core, so on a 2-core machine two warpgroups
-    # blocked in barrier waits can starve the other two (a hang seen under load on the CI-sized machine, never
-    # a wrong result); passes with --runslow on an idle machine or one with 4+ cores
-    pytest.param(64, (("schedule", "pv_pair"),), marks=pytest.mark.slow),
-    pytest.param(128, (("schedule", "pv_pair"), ("tiles_per_split", 2)), marks=pytest.mark.slow),   # slots reused
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -221,13 +215,6 @@ def test_tuning_errors():
   with pytest.raises(ValueError, match="out_heads"):
     heads_n.build(2, 64, 1, 12, 12, "bfloat16", heads_n.TuningConfig())
   assert heads_m.TuningConfig().smem_budget() == 200192 and heads_n.TuningConfig().smem_budget() == 190976
-  # "pv_pair": the V tile and the P slots, so 2 K buffers and at most 64 tiles of indices
-  assert heads_m.TuningConfig(schedule="pv_pair").smem_budget() == 217600
-  assert heads_m.TuningConfig(schedule="pv_pair", tiles_per_split=64).smem_budget() <= common.SMEM_LIMIT
-  with pytest.raises(ValueError, match="SMEM"):
-    heads_m.TuningConfig(schedule="pv_pair", k_buffers=3)
-  with pytest.raises(ValueError, match="SMEM"):
-    heads_m.TuningConfig(schedule="pv_pair", tiles_per_split=128)
   with pytest.raises(ValueError, match="schedule"):
     heads_m.TuningConfig(schedule="triple")
   with pytest.raises(ValueError, match="run_rows"):
@@ -328,7 +315,6 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "handoff_vt"), (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
     (128, 1, 16384, 2, 2, "handoff_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
-    (128, 2, 2048, 1, 2, "pv_pair"), (64, 1, 2051, 2, 2, "pv_pair"),      # one softmax, two P·V warpgroups
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
 ])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
@@ -364,16 +350,6 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       piece = r"\{alignment = 8 : i64\} : vector<4xbf16>" if splits == 1 else \
           r"\{alignment = 16 : i64\} : vector<4xf32>"
       assert low.count(piece) == 2 * 8 * 2 * 2
-    elif schedule == "pv_pair":
-      # P·V: 4 k16 steps of m64n256k16 per P·V consumer (two code paths), P from its SMEM slot; no Vᵀ words;
-      # registers: the softmax warpgroup and the loader give up registers, the P·V warpgroups take them
-      assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 2 * 4
-      # the V upcast: per P·V consumer 2 chunks of [64, 128], 64 values = 32 e4m3x2 -> f16x2 per thread
-      assert low.count(r"prmt\.b32") == 0 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 2 * 32
-      assert low.count(fr"setmaxnreg\.dec\.sync\.aligned\.u32 {heads_m.FRONT_REGS};") == 1
-      assert low.count(fr"setmaxnreg\.dec\.sync\.aligned\.u32 {common.LOADER_REGS};") == 1
-      assert low.count(fr"setmaxnreg\.inc\.sync\.aligned\.u32 {heads_m.BACK_REGS};") == 2
-      assert heads_m.FRONT_REGS + 2 * heads_m.BACK_REGS + common.LOADER_REGS <= 65536 // 128 // 4 * 4
     else:
       # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
       assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4

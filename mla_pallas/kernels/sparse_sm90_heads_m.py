@@ -24,9 +24,9 @@ Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.op
     Returns o [num_q_tiles, num_splits, 64, 512] out_dtype and lse [num_q_tiles, num_splits, 64] f32 (natural
     log), each split normalised by its own softmax sum (the op merges splits by lse).
 
-Warpgroup roles (3 warpgroups, 4 in "pv_pair"; Lane semantics)
-----------------------------------------------------------------
-* WG2 (WG3 in "pv_pair") — loader (56 registers): TMA of Q (five 128-column boxes) and of the split's indices, then per 64-key tile,
+Warpgroup roles (3 warpgroups, Lane semantics)
+----------------------------------------------
+* WG2 — loader (56 registers): TMA of Q (five 128-column boxes) and of the split's indices, then per 64-key tile,
   once the consumers have released K buffer ``t % k_buffers`` (``k_empty``), the gather of its 64 rows straight
   into the 128-byte-swizzled K tiles by the warpgroup's 128 threads, 20 16-byte ``cp.async`` each
   (``common.gather_tiles``, ``kernels/gather_threads.py``), published on ``k_full`` once landed.
@@ -52,13 +52,6 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
   V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
   paths).
-* "pv_pair" (a sweep candidate; 4 warpgroups): WG0 only computes S, runs the softmax and hands P (f16) and alpha
-  over through the two slots as in "handoff_vt"; it does no P·V, so tile t + 1's QKᵀ and softmax overlap tile
-  t's P·V. WG1 and WG2 only multiply: each upcasts its half of V (two chunks) into the f16 V tile once the K tile
-  has landed, releases the K buffer, waits for slot t % 2 and adds P·V (A = P from the slot, B = its 256 V
-  columns, four m64n256k16) into its O half [64, 256]; both release the slot (``p_empty``: 2 arrivals; ``k_empty``:
-  3). Registers: WG0 104, WG1 / WG2 176, the loader 56 (= 512 per thread slot: the launch gives 128 × 512).
-  SMEM 217 600 bytes at 32-tile splits (V tile and P slots), splits of at most 64 tiles, 2 K buffers.
 
 BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only)
 --------------------------------------------------------------------------------------
@@ -88,12 +81,10 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     total                                                200 192   (limit 232 448: one CTA per SM)
     "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
     1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
-    "pv_pair": + P slots 16 384 + alpha / 1/l rows 1 024 = 217 600; 64-tile splits 225 792
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader: setmaxnreg moves
 registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is the most (a
-64-register loader deadlocked the consumers' increase on the H200). "pv_pair": 104 + 2 · 176 + 56 = 512 of the
-128 × 512 launch allocation.
+64-register loader deadlocked the consumers' increase on the H200).
 """
 from __future__ import annotations
 
@@ -110,10 +101,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mla_pallas.kernels import common, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
-# Registers of "pv_pair"'s four warpgroups (setmaxnreg moves registers inside the launch allocation: 128 per
-# thread x 512 threads; 104 + 2 x 176 + 56 = 512)
-FRONT_REGS = 104   # softmax warpgroup: S 32, P 32, the index columns, softmax state
-BACK_REGS = 176    # each P·V warpgroup: O [64, 256] f32 = 128, the V upcast's chunk 16 + 32
+LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 
 P_BUFFERS = 2        # P / alpha slots of the hand-off
@@ -126,11 +114,10 @@ class TuningConfig(common.SparseSm90Config):
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
   consumers compute the same S and run the same softmax; "handoff_vt" — consumer 0 alone does and hands P (f16)
   and alpha to consumer 1 through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register operand read from the
-  fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile; "pv_pair" — consumer 0 only computes S and
-  P, consumers 1 and 2 only multiply (O = P·V over an f16 V tile, P from its slot). ``tiles_per_split`` up to 128
-  (32 KB of indices) fits "twin" and "handoff_vt", up to 64 "pv_pair"."""
+  fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
+  indices) fits both schedules."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt", "pv_pair")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -156,18 +143,8 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def hand_off(self) -> bool:
-    """P and alpha go from consumer 0 to the P·V consumer(s) through SMEM slots."""
+    """P and alpha go from consumer 0 to consumer 1 through SMEM slots."""
     return self.schedule != "twin"
-
-  @property
-  def consumers(self) -> int:
-    """Consumer warpgroups (0 .. consumers - 1); the loader is warpgroup ``consumers``."""
-    return 3 if self.schedule == "pv_pair" else 2
-
-  @property
-  def pv_consumers(self) -> int:
-    """Warpgroups that multiply P (from an SMEM slot, ``p_empty``'s arrivals) in a hand-off schedule."""
-    return 2 if self.schedule == "pv_pair" else 1
 
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "handoff_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
@@ -258,9 +235,9 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: common.SparseRefs, regs: int = CONSUMER_REGS, action: str = "increase"):
+def _softmax_prologue(tile_q, r: common.SparseRefs):
   """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale)."""
-  plgpu.set_max_registers(regs, action=action)
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
   row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
@@ -391,48 +368,27 @@ def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, ti
   _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
 
 
-def _pv_consumer(cfg: TuningConfig, w: int, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs):
-  """A P·V consumer over the f16 V tile ("pv_pair" warpgroup w + 1, w = 0 / 1; "handoff_vt" in interpret mode,
-  WG1 with w = 1): per tile the upcast of V chunks 2w, 2w + 1, the K buffer's release, then after slot t % 2
-  arrives the rescale by consumer 0's alpha and P·V into output columns 256 w ... 256 w + 255 with P from the
-  slot, and the slot's release; at the end its half of O, scaled by consumer 0's kv_scale / l."""
-  plgpu.set_max_registers(BACK_REGS if cfg.schedule == "pv_pair" else CONSUMER_REGS, action="increase")
+def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs):
+  """"handoff_vt" in interpret mode, WG1: per tile the upcast of V chunks 2-3, the K buffer's release, then after
+  slot t % 2 arrives the rescale by WG0's alpha and P·V into output columns 256-511 with P from the slot, and the
+  slot's release; at the end its half of O, scaled by WG0's kv_scale / l."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
-    common.stage_v16(k_tiles, r.v16, chunks=(2 * w, 2 * w + 1))
+    common.stage_v16(k_tiles, r.v16, chunks=(2, 3))
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
     alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], w, interpret, r)
+    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], 1, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
 
   acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
   plgpu.barrier_wait(r.p_full.at[INV_SLOT])
   inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-  _store_half(acc, inv, w, out_dtype, tile_q, split, r)
-
-
-def _softmax_front(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
-  """"pv_pair", WG0: per tile QKᵀ, the K buffer's release, the online softmax and P (f16) with alpha into slot
-  t % 2 for the two P·V consumers; no P·V of its own, so the next tile's QKᵀ starts as soon as P is out. At the
-  end kv_scale / l for them and the lse."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r, FRONT_REGS, "decrease")
-
-  def step(t, carry):
-    m, l = carry
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    s = _qk_and_upcast(k_tiles, None, r)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
-    return m_new, l
-
-  _, m0, l0 = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
-  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+  _store_half(acc, inv, 1, out_dtype, tile_q, split, r)
 
 
 VT_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))   # "handoff_vt": the Oᵀ M blocks of consumer 0 / 1 (latent 8r + g)
@@ -515,20 +471,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
   split = lax.axis_index("split")
   token = lax.div(tile_q, tiles_per_token)
 
-  @pl.when(wg == cfg.consumers)
+  @pl.when(wg == LOADER)
   def _():
     _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
-  if cfg.schedule == "pv_pair":
-    @pl.when(wg == 0)
-    def _():
-      _softmax_front(cfg, num_slots, tile_q, split, r)
-
-    for w in range(2):
-      @pl.when(wg == w + 1)
-      def _():
-        _pv_consumer(cfg, w, out_dtype, interpret, tile_q, split, r)
-  elif hand_off and not interpret:
+  if hand_off and not interpret:
     @pl.when(wg == 0)
     def _():
       _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
@@ -543,9 +490,9 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
 
     @pl.when(wg == 1)
     def _():
-      _pv_consumer(cfg, 1, out_dtype, True, tile_q, split, r)
+      _pv_consumer_interpret(cfg, out_dtype, tile_q, split, r)
   else:
-    @pl.when(wg < cfg.consumers)
+    @pl.when(wg < LOADER)
     def _():
       _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r)
 
@@ -566,14 +513,13 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       if (interp or hand_off) else []
   head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
-                       plgpu.Barrier(num_arrivals=cfg.pv_consumers,
-                                     num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
+                       plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=cfg.consumers + 1, thread_name="wg",
+      num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE, cfg.layout),                                              # Q
           common.k_scratch(cfg.k_buffers, cfg.layout, common.box_view(cfg, interp)),       # K
@@ -586,7 +532,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout, cfg.run_rows),
                         num_barriers=cfg.k_buffers),                                       # k_full
-          plgpu.Barrier(num_arrivals=cfg.consumers, num_barriers=cfg.k_buffers),           # k_empty
+          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           *hand_off_barriers,
           *common.run_barriers(cfg, interp, cfg.layout),                                   # k_dma, k_rows
       ],

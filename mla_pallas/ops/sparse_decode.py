@@ -304,8 +304,6 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
-    if cfg.kernel.tiles_per_split > 64:   # "pv_pair" holds at most 64 tiles of indices beside its V tile
-      candidates.append((("schedule", "pv_pair"), ("tiles_per_split", 64)))
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
