@@ -3,8 +3,8 @@ against reference.mla_prefill (packed batches with ragged lengths, separate keys
 than the queries, padding tokens, non-finite v, both causal forms), its aligned packing and tile table, the
 config checks, the dispatch, and sm_90a lowering with instruction counts at both models' head dims.
 
-Error model (interpret mode computes the wgmmas exactly): q and k are quantized to e4m3 with one scale per head
-(RMS relative error <= 2^-4 / sqrt(3) each, acting on the logits times their std), P and the output are rounded
+Error model (interpret mode computes the wgmmas exactly): q and k are quantized to e4m3 with one scale per row
+(token and head; RMS relative error <= 2^-4 / sqrt(3) each, acting on the logits times their std), P and the output are rounded
 to bf16: ``testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=False)``
 (its v term over-counts: v stays bf16). lse: the logits move by ~logit_std * sqrt(2) * 2^-4 / sqrt(3) RMS; the
 log-sum-exp, a smooth max, by at most their largest move: asserted <= 6 * logit_std * 2^-4 (3 sigma of the
@@ -81,6 +81,25 @@ def test_kernel_interpret_matches_reference(rng, name, causal):
   _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=name)
   if name == "padding_nonfinite":
     assert np.all(np.asarray(out, np.float32)[list(range(2)) + [15, 16, 17]] == 0)   # padding tokens
+
+
+def test_kernel_interpret_outlier_rows(rng):
+  """One scale per row: a q row and a k row 10^5 times larger than the others (activation outliers) leave every
+  other row's e4m3 error at the model's; one scale per head would push those rows below e4m3's normal range
+  (|x| / scale ~ 0.002: most round to 0) and fail (checked by hand: the lse check fails). The outlier key
+  dominates the rows that see it (p ~ 1 on it), which the reference computes too. The lse of a row that sees
+  logits of std ~10^5 (the outlier query's, and head 0's rows that see the outlier key) gets the same error
+  model at that logit std: <= 6 · 10^5 · 2^-4."""
+  q, k, v, cu, cu_k = _inputs(rng, "two_tiles")
+  q = q.at[7, 1].multiply(1e5)
+  k = k.at[100, 0].multiply(1e5)
+  scale = q.shape[2] ** -0.5
+  out, lse = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=True, impl="mosaic", interpret=True)
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=True)
+  g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
+  big = np.abs(w) > 100
+  assert big.sum() >= 2 and np.all(np.abs(g[big] - w[big]) <= 6 * 1e5 * 2.0 ** -4)
+  _check(out, np.where(big, w, g), r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what="outlier rows")
 
 
 def test_kernel_interpret_model_head_dims_and_determinism(rng):
@@ -172,16 +191,19 @@ def test_dispatch(rng):
 def test_kernel_lowers_for_sm90(dims, causal):
   """Mosaic's layout inference, wgmma and TMA checks at both models' head dims: per key block one fp8 QKᵀ
   (Dqk / 32 wgmma instructions of K = 32) and one bf16 P·V (block_kv / 16 of K = 16), in each of the two key
-  loops (blocks without and with a mask); setmaxnreg up and down."""
+  loops (blocks without and with a mask); setmaxnreg up and down; the per-row scales' shape check."""
   dqk, dv = dims
   S = jax.ShapeDtypeStruct
   tq, tk, h, nt = 304, 512, 4, 5
   avals = (S((tq, h, dqk), kp.FP8), S((tk, h, dqk), kp.FP8), S((tk, h, dv), jnp.bfloat16), S((nt, 8), jnp.int32),
-           S((h,), jnp.float32))
-  cfg = kp.TuningConfig()
+           S((h, tq), jnp.float32), S((h, tk), jnp.float32))
+  cfg = kp.default_config(dqk, dv)
   low = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=cfg, causal=causal, out_rows=300), *avals)
   assert low.count(r"wgmma.mma_async") == 2 * (dqk // 32 + cfg.block_kv // 16)   # the unmasked and masked loops
   assert low.count(r"e4m3") > 0 and low.count("setmaxnreg") == 2
   with pytest.raises(ValueError, match="multiple of 8 rows"):
     kp.prefill_sm90(jnp.zeros((300, h, dqk), kp.FP8), *[jnp.zeros(a.shape, a.dtype) for a in avals[1:]], cfg=cfg,
                     causal=causal, out_rows=300)
+  zeros = [jnp.zeros(a.shape, a.dtype) for a in avals]
+  with pytest.raises(ValueError, match=r"ks must be float32 \[4, 512\]"):
+    kp.prefill_sm90(*zeros[:5], jnp.zeros((h,), jnp.float32), cfg=cfg, causal=causal, out_rows=300)

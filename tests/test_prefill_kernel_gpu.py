@@ -2,7 +2,7 @@
 models' head dims, ragged sequences (1, 37, 600 and 0 tokens), cached context lengths that are not multiples of
 a tile or a page, fewer keys than queries, padding tokens and non-finite v, both causal forms, determinism.
 
-Error model: tests/test_prefill_kernel.py's (q and k in e4m3 with per-head scales, P and the output in bf16) plus
+Error model: tests/test_prefill_kernel.py's (q and k in e4m3 with per-row scales, P and the output in bf16) plus
 Hopper's reduced-precision fp8 accumulation of QKᵀ (``fp8_mma=True``; its P·V term over-counts: P·V is a bf16
 wgmma with f32 accumulation).
 """

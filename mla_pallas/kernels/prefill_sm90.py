@@ -4,14 +4,14 @@ One CTA computes one (query tile, head): a query tile is up to 128 consecutive q
 (two consumer warpgroups of 64 rows), and it attends that sequence's keys in blocks of ``block_kv``:
 
     S  = Q8 · K8ᵀ                 fp8 wgmma (e4m3 x e4m3, K = Dqk, 64-byte swizzle), f32 accumulate
-    S' = S · row_scale[h]         softmax_scale · q_scale[h] · k_scale[h] · log2 e (base-2 logits)
+    S' = S · qs[h, i] · ks[h, j]  qs: softmax_scale · log2 e · q row i's e4m3 scale; ks: key row j's (base-2 logits)
     masked keys: past the sequence's Lk keys, and (causal) key position j > i + diag for query row i
     online softmax (base 2), P rounded to bf16 through an SMEM slot
     O += P · V                    bf16 wgmma (V [block_kv, Dv] MN-major, 128-byte swizzle), f32 accumulate
     out = O / l (0 where l = 0), lse = (m + log2 l) · ln 2 (-inf where l = 0)
 
 Shapes and index conventions (the op builds them, ``ops/prefill.py``):
-  q8 [Tq_al, H, Dqk] float8_e4m3fn, k8 [Tk_al, H, Dqk] float8_e4m3fn (per-head scales folded into row_scale),
+  q8 [Tq_al, H, Dqk] float8_e4m3fn, k8 [Tk_al, H, Dqk] float8_e4m3fn (one e4m3 scale per row and head: qs, ks),
   v [Tk_al, H, Dv] bfloat16 (finite: the op sanitizes non-finite values and poisons the outputs that see them),
   in an *aligned* packing: every sequence starts at a multiple of 8 rows and Tq_al, Tk_al are multiples of 8
   (Mosaic tiles the GMEM side of a TMA into the SMEM tile's 8-row tiling). Dqk and Dv multiples of 64 up to 256
@@ -21,7 +21,8 @@ Shapes and index conventions (the op builds them, ``ops/prefill.py``):
   of 8), nk (its keys), diag (causal: query row i of the tile sees key positions j <= i + diag, i.e.
   FlashAttention's bottom-right rule; ignored otherwise), o0 (the output row of the tile's first query: any row),
   and two unused fields.
-  row_scale [H] float32.
+  qs [H, Tq_al] float32 (q row scale · softmax_scale · log2 e), ks [H, Tk_al] float32 (k row scale); rows past
+  the arrays read as 0 (TMA zero fill), which only the thrown-away rows and masked keys see.
   out_rows: static, rows of the output (the caller's unaligned packing).
 Returns out [out_rows, H, Dv] bfloat16 (rows o0 .. o0 + nq - 1 of each tile; every other row is left unwritten:
 the O tile goes out through an untiled SMEM buffer, so its GMEM rows need no alignment) and lse_pad
@@ -32,16 +33,17 @@ and thrown away. Keys past the sequence's end are read (zero fill past Tk) and m
 v rows are finite, so P = 0 keeps them out of O.
 
 Warpgroups (``num_threads=3``):
-  * WG0, WG1 — consumers (232 registers): their 64 query rows; per key block: wait ``k_full``, the QKᵀ wgmma,
-    release ``k_empty``; the key-bound and causal mask (only on the blocks past the first row's limit: two
-    loops), online softmax, P to their slot ``p_sw[wg]``; wait ``v_full``, the P·V wgmma,
-    release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one TMA for 64 valid rows or one
+  * WG0, WG1 — consumers (232 registers): their 64 query rows and their qs; per key block: wait ``k_full``, the
+    QKᵀ wgmma, the block's ks (one per column), release ``k_empty``; the key-bound and causal mask (only on the
+    blocks past the first row's limit: two loops), online softmax, P to their slot ``p_sw[wg]``; wait
+    ``v_full``, the P·V wgmma, release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one TMA for 64 valid rows or one
     per valid row otherwise (a tile's tail never overwrites the next sequence's rows); lse through ``lse_smem``.
-  * WG2 — loader (40 registers): TMA of each key block's K and V into ``kv_stages`` ring slots, waiting for both
-    consumers to release a slot before refilling it.
+  * WG2 — loader (40 registers): TMA of each key block's K with its ks, and of its V, into ``kv_stages`` ring
+    slots, waiting for both consumers to release a slot before refilling it.
 
 SMEM (bytes; Dqk = dk, Dv = dv, block_kv = b, kv_stages = s): Q 2·64·dk + K s·b·dk + V 2·s·b·dv + P 2·2·64·b +
-O 2·2·64·dv + lse 2·64·4 (:func:`smem_budget`): 128 KB at 192 / 128 (b 64, s 2), 208 KB at 256 / 256.
+O 2·2·64·dv + lse and qs 2·2·64·4 + ks s·b·4 (:func:`smem_budget`): 129 KB at 192 / 128 (b 64, s 2), 202 KB
+(b 128, s 2), 209 KB at 256 / 256 (b 64, s 2).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ ALIGN = 8                     # q0, k0: multiples of 8 rows, Tq_al and Tk_al too
                               # tiles the GMEM side of a TMA like its SMEM side)
 CONSUMER_REGS = 232           # 2 x 128 x 232 + 128 x 40 <= 65536
 LOADER_REGS = 40
-ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per query row
+COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [block_kv]: one value per key
 MAX_HEAD_DIM = 256            # wgmma N <= 256 (Dv); one QKᵀ wgmma of K = Dqk
 
 
@@ -95,7 +98,8 @@ def smem_budget(cfg: TuningConfig, dqk: int, dv: int) -> int:
   b, s = cfg.block_kv, cfg.kv_stages
   return common.smem_bytes(((CONSUMERS, BLOCK_Q, dqk), FP8), ((s, b, dqk), FP8), ((s, b, dv), jnp.bfloat16),
                            ((CONSUMERS, BLOCK_Q, b), jnp.bfloat16), ((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
-                           ((CONSUMERS, BLOCK_Q), jnp.float32))
+                           ((CONSUMERS, BLOCK_Q), jnp.float32), ((CONSUMERS, BLOCK_Q), jnp.float32),
+                           ((s, b), jnp.float32))
 
 
 def default_config(dqk: int, dv: int) -> TuningConfig:
@@ -127,7 +131,8 @@ class _Refs(NamedTuple):
   k_ref: object
   v_ref: object
   tiles_ref: object
-  scale_ref: object
+  qs_ref: object
+  ks_ref: object
   o_ref: object
   lse_ref: object
   q_sw: object
@@ -136,6 +141,8 @@ class _Refs(NamedTuple):
   p_sw: object
   o_lin: object
   lse_smem: object
+  qs_smem: object
+  ks_smem: object
   q_bar: object
   k_full: object
   v_full: object
@@ -144,8 +151,8 @@ class _Refs(NamedTuple):
 
 
 def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Refs):
-  (q_ref, tiles_ref, scale_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem) = (
-      r.q_ref, r.tiles_ref, r.scale_ref, r.o_ref, r.lse_ref, r.q_sw, r.k_sw, r.v_sw, r.p_sw, r.o_lin, r.lse_smem)
+  (q_ref, tiles_ref, o_ref, lse_ref, q_sw, k_sw, v_sw, p_sw, o_lin, lse_smem) = (
+      r.q_ref, r.tiles_ref, r.o_ref, r.lse_ref, r.q_sw, r.k_sw, r.v_sw, r.p_sw, r.o_lin, r.lse_smem)
   q_bar, k_full, v_full, k_empty, v_empty = r.q_bar, r.k_full, r.v_full, r.k_empty, r.v_empty
   b = cfg.block_kv
   dv = v_sw.shape[-1]
@@ -155,8 +162,9 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   row0 = wg * BLOCK_Q
   plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0 + row0, BLOCK_Q), h], q_sw.at[wg], q_bar.at[wg])
+  plgpu.copy_gmem_to_smem(r.qs_ref.at[h, pl.ds(q0 + row0, BLOCK_Q)], r.qs_smem.at[wg], q_bar.at[wg])
   plgpu.barrier_wait(q_bar.at[wg])
-  row_scale = plgpu.layout_cast(jnp.full((BLOCK_Q,), scale_ref[h], jnp.float32), ROW_LAYOUT)
+  row_scale = plgpu.load(r.qs_smem.at[wg], layout=ROW_LAYOUT, optimized=False)
   acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv), jnp.float32), plgpu.Layout.WGMMA)
   m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROW_LAYOUT)
   l = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROW_LAYOUT)
@@ -170,7 +178,9 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
       plgpu.wgmma(acc_ref, q_sw.at[wg], k_sw.at[slot].T)
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, b), jnp.float32))
+    ks = plgpu.load(r.ks_smem.at[slot], layout=COL_LAYOUT, optimized=False)
     plgpu.barrier_arrive(k_empty.at[slot])
+    s = s * lax.broadcast_in_dim(ks, s.shape, [1])
     if masked:
       col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 1, layout=plgpu.Layout.WGMMA) + j * b
       valid = col < nk
@@ -231,6 +241,7 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
     def _():
       plgpu.barrier_wait(k_empty.at[slot])
     plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_sw.at[slot], k_full.at[slot])
+    plgpu.copy_gmem_to_smem(r.ks_ref.at[h, rows], r.ks_smem.at[slot], k_full.at[slot])
 
     @pl.when(j >= stages)
     def _():
@@ -246,13 +257,17 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "causal", "out_rows", "interpret"))
-def prefill_sm90(q8, k8, v, tiles, row_scale, *, cfg: TuningConfig, causal: bool, out_rows: int, interpret=False):
+def prefill_sm90(q8, k8, v, tiles, qs, ks, *, cfg: TuningConfig, causal: bool, out_rows: int, interpret=False):
   """The kernel (module docstring for shapes and conventions). ``interpret``: False, True or
   ``plgpu.InterpretGPUParams``."""
   _, h, dqk = q8.shape
   for name, x in (("q8", q8), ("k8", k8)):
     if x.shape[0] % ALIGN:
       raise ValueError(f"{name} must have a multiple of {ALIGN} rows (aligned packing); got {x.shape[0]}")
+  for name, x, rows in (("qs", qs, q8.shape[0]), ("ks", ks, k8.shape[0])):
+    if x.shape != (h, rows) or x.dtype != jnp.float32:
+      raise ValueError(f"{name} must be float32 [{h}, {rows}] (one scale per head and row); got "
+                       f"{x.dtype.name}{list(x.shape)}")
   dv = v.shape[2]
   n_tiles = tiles.shape[0]
   check_config(cfg, dqk, dv)
@@ -276,9 +291,11 @@ def prefill_sm90(q8, k8, v, tiles, row_scale, *, cfg: TuningConfig, causal: bool
       plgpu.SMEM((s, b, dv), jnp.bfloat16, transforms=common.swizzled(jnp.bfloat16, 128)),
       plgpu.SMEM((CONSUMERS, BLOCK_Q, b), jnp.bfloat16, transforms=common.swizzled(jnp.bfloat16, 128)),
       plgpu.SMEM((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
-      plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.float32),
-      plgpu.Barrier(num_barriers=CONSUMERS),                                    # q_bar
-      plgpu.Barrier(num_barriers=s),                                            # k_full
+      plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.float32),                          # lse_smem
+      plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.float32),                          # qs_smem
+      plgpu.SMEM((s, b), jnp.float32),                                        # ks_smem
+      plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                  # q_bar: q tile and its qs
+      plgpu.Barrier(num_arrivals=2, num_barriers=s),                          # k_full: K block and its ks
       plgpu.Barrier(num_barriers=s),                                            # v_full
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # k_empty
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # v_empty
@@ -294,4 +311,4 @@ def prefill_sm90(q8, k8, v, tiles, row_scale, *, cfg: TuningConfig, causal: bool
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **common.interpret_kwargs(interpret),
-  )(q8, k8, v, tiles, row_scale)
+  )(q8, k8, v, tiles, qs, ks)

@@ -178,8 +178,7 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay,
-                      run_rows=cfg.run_rows, k_dma=r.k_dma, k_rows=r.k_rows, k_boxes=r.k_boxes)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay)
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
@@ -454,9 +453,7 @@ def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
-  refs, k_dma, k_rows = common.split_run_refs(cfg, interpret, refs)
   q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
-  k_sw, k_boxes = k_sw if common.box_view(cfg, interpret) else (k_sw, None)
   hand_off = cfg.hand_off
   v16, rest = (rest[0], rest[1:]) if cfg.v_tile(interpret) else (None, rest)
   p_sw, rest = (rest[0], rest[1:]) if (interpret or hand_off) else (None, rest)
@@ -465,7 +462,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
   q_bar, idx_bar, k_full, k_empty, *rest = rest
   p_full, p_empty = rest if hand_off else (None, None)
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
-            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty, k_dma, k_rows, k_boxes)
+            lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
@@ -522,7 +519,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE, cfg.layout),                                              # Q
-          common.k_scratch(cfg.k_buffers, cfg.layout, common.box_view(cfg, interp)),       # K
+          common.k_scratch(cfg.k_buffers, cfg.layout),                                     # K
           *v_scratch,                                                                      # V f16
           *p_scratch,                                                                      # P slots
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
@@ -530,11 +527,10 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           *head_scratch,                                                                   # alpha, 1/l
           plgpu.Barrier(num_arrivals=cfg.layout.chunks),                                   # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout, cfg.run_rows),
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           *hand_off_barriers,
-          *common.run_barriers(cfg, interp, cfg.layout),                                   # k_dma, k_rows
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),

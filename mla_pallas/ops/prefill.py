@@ -1,7 +1,7 @@
 """Variable-length MLA prefill attention (FlashAttention varlen semantics): ``mla_prefill``.
 
 Semantics are exactly those of :func:`mla_pallas.reference.mla_prefill`. ``impl="mosaic"`` runs the sm_90a kernel
-:mod:`mla_pallas.kernels.prefill_sm90` (FP8 QKᵀ with q and k quantized to e4m3 per head, bf16 P·V; bfloat16 q, k,
+:mod:`mla_pallas.kernels.prefill_sm90` (FP8 QKᵀ with q and k quantized to e4m3 per row, bf16 P·V; bfloat16 q, k,
 v with head dims multiples of 64 up to 256; docs/kernels/prefill_sm90.md) on a Hopper GPU or in interpret mode;
 it passed its GPU tests on the H200, but the op (kernel plus its quantization and packing passes) is slower than
 cuDNN there, so ``impl="auto"`` runs XLA on hardware (``_KERNEL_VALIDATED_ON``; with ``interpret=True`` it runs
@@ -478,16 +478,17 @@ def _aligned_packing(cu, n_rows: int, nseq: int):
   return starts, jnp.where(ok, cu[b] + off, -1), n_al
 
 
-def _fp8_per_head(x, src):
+def _fp8_per_row(x, src):
   """x [T, H, D] gathered into the aligned rows ``src`` (-1: zero row) and quantized to e4m3 with one scale per
-  head (its largest finite |x| over the gathered rows / 448). Returns (x8 [n_al, H, D], scale [H] float32)."""
+  row and head (its largest finite |x| / 448; 1 for a row without any). One read of x: the gather, the row
+  maxima and the conversion are one row-local computation. Returns (x8 [n_al, H, D], scale [H, n_al] float32)."""
   ok = src >= 0
   rows = jnp.take(x, jnp.maximum(src, 0), axis=0).astype(jnp.float32)
   rows = jnp.where(ok[:, None, None], rows, 0.0)
-  amax = jnp.max(jnp.where(jnp.isfinite(rows), jnp.abs(rows), 0.0), axis=(0, 2))
+  amax = jnp.max(jnp.where(jnp.isfinite(rows), jnp.abs(rows), 0.0), axis=2)
   scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
-  x8 = jnp.clip(rows / scale[None, :, None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
-  return x8, scale
+  x8 = jnp.clip(rows / scale[:, :, None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+  return x8, scale.T
 
 
 def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq: int, nseq: int, causal: bool):
@@ -515,7 +516,7 @@ def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq: int, nseq: int, causal: bo
 
 def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seqlens_k=None, interpret=False,
                     cfg=None):
-  """``mla_prefill`` on the Mosaic GPU kernel: q and k quantized to e4m3 per head and laid out in the kernel's
+  """``mla_prefill`` on the Mosaic GPU kernel: q and k quantized to e4m3 per row and laid out in the kernel's
   aligned packing (every sequence at a multiple of 8 rows; one gather fused with the quantization), v sanitized
   into the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the
   module docstring applied (under ``lax.cond``, skipped when every v is finite and every token is in a
@@ -531,14 +532,14 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   cu_k = cu_q if cu_seqlens_k is None else jnp.clip(cu_seqlens_k, 0, tk)
   q_starts, q_src, _ = _aligned_packing(cu_q, tq, nseq)
   k_starts, k_src, _ = _aligned_packing(cu_k, tk, nseq)
-  q8, q_scale = _fp8_per_head(q, q_src)
-  k8, k_scale = _fp8_per_head(k, k_src)
+  q8, q_scale = _fp8_per_row(q, q_src)
+  k8, k_scale = _fp8_per_row(k, k_src)
   k_ok = k_src >= 0
   v_rows = jnp.take(v, jnp.maximum(k_src, 0), axis=0)
   v_al = jnp.where(k_ok[:, None, None] & jnp.isfinite(v_rows), v_rows, jnp.zeros((), v.dtype))
-  row_scale = (jnp.asarray(softmax_scale, jnp.float32) * q_scale * k_scale * LOG2E).astype(jnp.float32)
+  qs = (jnp.asarray(softmax_scale, jnp.float32) * LOG2E * q_scale).astype(jnp.float32)
   tiles, tile_start = _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq, nseq, causal)
-  out, lse_pad = kp.prefill_sm90(q8, k8, v_al, tiles, row_scale, cfg=cfg, causal=causal,
+  out, lse_pad = kp.prefill_sm90(q8, k8, v_al, tiles, qs, k_scale, cfg=cfg, causal=causal,
                                  out_rows=tq, interpret=interpret)
   inside, k_start, k_end = _key_ranges(cu_q, cu_k, tq, tk, causal)
   tok = jnp.arange(tq, dtype=jnp.int32)
