@@ -133,14 +133,51 @@ def test_aligned_packing_and_tiles():
   assert np.all(s[143:] == -1)
   cu_k = jnp.asarray([0, 10, 10, 400], jnp.int32)
   k_starts, _, _ = pf._aligned_packing(cu_k, 400, 3)
-  tiles, tile_start = pf._kernel_tiles(cu, cu_k, starts, k_starts, 141, 3, causal=True)
+  v_starts = jnp.asarray([40, 48, 56], jnp.int32)                # any rows (multiples of 8) of the kernel's v
+  tiles, tile_start = pf._kernel_tiles(cu, cu_k, starts, k_starts, v_starts, 141, 3, causal=True)
   t = np.asarray(tiles)
   np.testing.assert_array_equal(np.asarray(tile_start), [0, 1, 1, 3])
-  # fields q0, nq, k0, nk, diag, o0
-  np.testing.assert_array_equal(t[0, :6], [0, 3, 0, 10, 10 - 3, 2])
-  np.testing.assert_array_equal(t[1, :6], [8, 128, 16, 390, 390 - 135, 5])
-  np.testing.assert_array_equal(t[2, :6], [136, 7, 16, 390, 128 + 390 - 135, 133])
+  # fields q0, nq, k0, nk, diag, o0, v0
+  np.testing.assert_array_equal(t[0, :7], [0, 3, 0, 10, 10 - 3, 2, 40])
+  np.testing.assert_array_equal(t[1, :7], [8, 128, 16, 390, 390 - 135, 5, 56])
+  np.testing.assert_array_equal(t[2, :7], [136, 7, 16, 390, 128 + 390 - 135, 133, 56])
   assert np.all(t[3:, 1] == 0)                                    # empty tiles: nothing stored
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_kernel_interpret_reads_v_in_place(rng, monkeypatch, poison):
+  """Key sequences at rows 0, 24, 64 of Tk = 72 (multiples of 8) and every v finite: the kernel reads v as it
+  is (no packed copy; tile field v0 = the caller's row); bitwise the packed path's result (the same products in
+  the same order) and within the model of the reference. With a NaN in v the call is not clean and takes the
+  packed path and the NaN rule."""
+  t, tk, h, d = 40, 72, 2, 64
+  cu, cu_k = jnp.asarray([0, 9, 40], jnp.int32), jnp.asarray([0, 24, 72], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(t, h, d)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(tk, h, d)), jnp.bfloat16)
+  v = rng.normal(size=(tk, h, d)).astype(np.float32)
+  if poison:
+    v[30, 1, 5] = np.nan
+  v = jnp.asarray(v, jnp.bfloat16)
+  assert pf._v_direct(tk) and not pf._v_direct(tk - 1)
+  assert bool(pf._v_in_place(pf._is_clean(v, cu, cu_k, t), cu_k)) == (not poison)
+  assert not pf._v_in_place(True, jnp.asarray([0, 20, 72], jnp.int32))
+  seen = []
+  real = kp.prefill_sm90
+
+  def spy(q8, k8, v_kernel, *a, **kw):
+    seen.append(v_kernel.shape[0])
+    return real(q8, k8, v_kernel, *a, **kw)
+  monkeypatch.setattr(kp, "prefill_sm90", spy)
+  run = functools.partial(pf._mosaic_prefill, q, k, v, cu, jnp.float32(d ** -0.5), causal=True, cu_seqlens_k=cu_k,
+                          interpret=RACES)
+  out, lse = run()
+  assert sorted(seen) == [tk, pf._aligned_packing(cu_k, tk, 2)[2]]   # both branches of the cond are traced
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=d ** -0.5, causal=True, cu_seqlens_k=cu_k)
+  _check(out, lse, r_out, r_lse, dqk=d, pv_length=tk, what="v in place")
+  monkeypatch.setattr(pf, "_v_direct", lambda tk: False)                # the packed path only
+  out_p, lse_p = run()
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(out_p).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_p))
 
 
 def test_config_checks():

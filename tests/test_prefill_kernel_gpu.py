@@ -1,6 +1,7 @@
 """mla_prefill's Mosaic GPU kernel (kernels/prefill_sm90.py) on an H200 against reference.mla_prefill: both
 models' head dims, ragged sequences (1, 37, 600 and 0 tokens), cached context lengths that are not multiples of
-a tile or a page, fewer keys than queries, padding tokens and non-finite v, both causal forms, determinism.
+a tile or a page, fewer keys than queries, padding tokens and non-finite v, a clean batch whose key sequences
+start at multiples of 8 (v read in place), both causal forms, determinism.
 
 Error model: tests/test_prefill_kernel.py's (q and k in e4m3 with per-row scales, P and the output in bf16) plus
 Hopper's reduced-precision fp8 accumulation of QKᵀ (``fp8_mma=True``; its P·V term over-counts: P·V is a bf16
@@ -23,6 +24,7 @@ CASES = {
     "ragged": ([1, 37, 600, 0], None, 0, 0),
     "context": ([1, 37, 600, 0, 50], [301, 37, 1000, 5, 20], 0, 0),      # context 300, 0, 400, 5; 50 > 20 keys
     "padding": ([64, 200], [700, 333], 3, 9),
+    "aligned": ([256, 40, 300], [256, 48, 560], 0, 0),                  # clean, key starts 0/256/304: v read in place
 }
 
 

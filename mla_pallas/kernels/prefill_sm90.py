@@ -12,7 +12,8 @@ One CTA computes one (query tile, head): a query tile is up to 128 consecutive q
 
 Shapes and index conventions (the op builds them, ``ops/prefill.py``):
   q8 [Tq_al, H, Dqk] float8_e4m3fn, k8 [Tk_al, H, Dqk] float8_e4m3fn (one e4m3 scale per row and head: qs, ks),
-  v [Tk_al, H, Dv] bfloat16 (finite: the op sanitizes non-finite values and poisons the outputs that see them),
+  v [Tv, H, Dv] bfloat16, Tv a multiple of 8 (finite: the op sanitizes non-finite values and poisons the outputs
+  that see them, or passes its v as it is when every element is finite and its sequences start aligned),
   in an *aligned* packing: every sequence starts at a multiple of 8 rows and Tq_al, Tk_al are multiples of 8
   (Mosaic tiles the GMEM side of a TMA into the SMEM tile's 8-row tiling). Dqk and Dv multiples of 64 up to 256
   (DeepSeek-V3.2 192 / 128, GLM-5 256 / 256).
@@ -20,7 +21,8 @@ Shapes and index conventions (the op builds them, ``ops/prefill.py``):
   queries, 0..128; 0: an empty tile, nothing is stored), k0 (first key row of the sequence in k8 / v, a multiple
   of 8), nk (its keys), diag (causal: query row i of the tile sees key positions j <= i + diag, i.e.
   FlashAttention's bottom-right rule; ignored otherwise), o0 (the output row of the tile's first query: any row),
-  and two unused fields.
+  v0 (first key row of the sequence in v, a multiple of 8: k0 when v is packed like k8, or the caller's row when
+  it reads v as it is), and an unused field.
   qs [H, Tq_al] float32 (q row scale · softmax_scale · log2 e), ks [H, Tk_al] float32 (k row scale); rows past
   the arrays read as 0 (TMA zero fill), which only the thrown-away rows and masked keys see.
   out_rows: static, rows of the output (the caller's unaligned packing).
@@ -229,6 +231,7 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
   k_full, v_full, k_empty, v_empty = r.k_full, r.v_full, r.k_empty, r.v_empty
   b, stages = cfg.block_kv, cfg.kv_stages
   nq, k0, nk, diag = tiles_ref[t, 1], pl.multiple_of(tiles_ref[t, 2], ALIGN), tiles_ref[t, 3], tiles_ref[t, 4]
+  v0 = pl.multiple_of(tiles_ref[t, 6], ALIGN)
   steps = _key_steps(nq, nk, diag, b, causal)
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
 
@@ -246,7 +249,7 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
     @pl.when(j >= stages)
     def _():
       plgpu.barrier_wait(v_empty.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_sw.at[slot], v_full.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(v0 + j * b, b), h], v_sw.at[slot], v_full.at[slot])
 
   # Observe the last release of every slot used (the interpreter's barrier rule; harmless on hardware).
   @pl.loop(jnp.maximum(steps - stages, 0), steps)
@@ -261,7 +264,7 @@ def prefill_sm90(q8, k8, v, tiles, qs, ks, *, cfg: TuningConfig, causal: bool, o
   """The kernel (module docstring for shapes and conventions). ``interpret``: False, True or
   ``plgpu.InterpretGPUParams``."""
   _, h, dqk = q8.shape
-  for name, x in (("q8", q8), ("k8", k8)):
+  for name, x in (("q8", q8), ("k8", k8), ("v", v)):
     if x.shape[0] % ALIGN:
       raise ValueError(f"{name} must have a multiple of {ALIGN} rows (aligned packing); got {x.shape[0]}")
   for name, x, rows in (("qs", qs, q8.shape[0]), ("ks", ks, k8.shape[0])):

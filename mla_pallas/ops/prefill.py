@@ -491,9 +491,10 @@ def _fp8_per_row(x, src):
   return x8, scale.T
 
 
-def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq: int, nseq: int, causal: bool):
+def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq: int, nseq: int, causal: bool):
   """The kernel's tile table [n_max, 8] (kernels/prefill_sm90.py) and (tile_start [nseq + 1]): tile i of
-  sequence b covers its queries 128 j .. 128 j + 127, j = i - tile_start[b]."""
+  sequence b covers its queries 128 j .. 128 j + 127, j = i - tile_start[b]; its keys start at row k_starts[b]
+  of k8 and v_starts[b] of the kernel's v."""
   from mla_pallas.kernels import prefill_sm90 as kp
   tile_q = kp.TILE_Q
   len_q = jnp.maximum(cu_q[1:] - cu_q[:-1], 0)
@@ -510,7 +511,7 @@ def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq: int, nseq: int, causal: bo
   z = jnp.zeros_like(i)
   tiles = jnp.stack([jnp.where(live, q_starts[b] + tile_q * j, 0), jnp.where(live, jnp.minimum(tile_q, lq - tile_q * j), 0),
                      jnp.where(live, k_starts[b], 0), jnp.where(live, lk, 0), jnp.where(live, diag, 0),
-                     jnp.where(live, cu_q[b] + tile_q * j, 0), z, z], axis=1)
+                     jnp.where(live, cu_q[b] + tile_q * j, 0), jnp.where(live, v_starts[b], 0), z], axis=1)
   return tiles, tile_start
 
 
@@ -519,8 +520,9 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   """``mla_prefill`` on the Mosaic GPU kernel: q and k quantized to e4m3 per row and laid out in the kernel's
   aligned packing (every sequence at a multiple of 8 rows; one gather fused with the quantization), v sanitized
   into the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the
-  module docstring applied (under ``lax.cond``, skipped when every v is finite and every token is in a
-  sequence). ``cfg``: the kernel's TuningConfig (None: ``default_config`` of the head dims)."""
+  module docstring applied. Under ``lax.cond`` on :func:`_is_clean` (every v finite, every token in a sequence):
+  a clean call skips the rules, and when moreover every key sequence starts at a multiple of 8 rows (and Tk is
+  one: :func:`_v_direct`), the kernel reads v as it is, with no packed copy. ``cfg``: the kernel's TuningConfig (None: ``default_config`` of the head dims)."""
   from mla_pallas.kernels import prefill_sm90 as kp
   cfg = kp.default_config(q.shape[2], v.shape[2]) if cfg is None else cfg
   tq, h, _ = q.shape
@@ -534,13 +536,25 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   k_starts, k_src, _ = _aligned_packing(cu_k, tk, nseq)
   q8, q_scale = _fp8_per_row(q, q_src)
   k8, k_scale = _fp8_per_row(k, k_src)
-  k_ok = k_src >= 0
-  v_rows = jnp.take(v, jnp.maximum(k_src, 0), axis=0)
-  v_al = jnp.where(k_ok[:, None, None] & jnp.isfinite(v_rows), v_rows, jnp.zeros((), v.dtype))
   qs = (jnp.asarray(softmax_scale, jnp.float32) * LOG2E * q_scale).astype(jnp.float32)
-  tiles, tile_start = _kernel_tiles(cu_q, cu_k, q_starts, k_starts, tq, nseq, causal)
-  out, lse_pad = kp.prefill_sm90(q8, k8, v_al, tiles, qs, k_scale, cfg=cfg, causal=causal,
-                                 out_rows=tq, interpret=interpret)
+  clean = _is_clean(v, cu_q, cu_k, tq)
+
+  def attend(v_kernel, v_starts):
+    tiles, tile_start = _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq, nseq, causal)
+    out, lse_pad = kp.prefill_sm90(q8, k8, v_kernel, tiles, qs, k_scale, cfg=cfg, causal=causal, out_rows=tq,
+                                   interpret=interpret)
+    return out, lse_pad, tile_start
+
+  def packed_v(_):        # v sanitized (padding and non-finite elements 0) into k8's packing
+    k_ok = k_src >= 0
+    v_rows = jnp.take(v, jnp.maximum(k_src, 0), axis=0)
+    return attend(jnp.where(k_ok[:, None, None] & jnp.isfinite(v_rows), v_rows, jnp.zeros((), v.dtype)),
+                  k_starts)
+
+  if _v_direct(tk):
+    out, lse_pad, tile_start = lax.cond(_v_in_place(clean, cu_k), lambda _: attend(v, cu_k[:-1]), packed_v, None)
+  else:
+    out, lse_pad, tile_start = packed_v(None)
   inside, k_start, k_end = _key_ranges(cu_q, cu_k, tq, tk, causal)
   tok = jnp.arange(tq, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(cu_q, tok, side="right").astype(jnp.int32) - 1, 0, nseq - 1)
@@ -548,9 +562,21 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   col = jnp.where(inside, (tile_start[seq] + pos // kp.TILE_Q) * kp.TILE_Q + pos % kp.TILE_Q, 0)
   lse = jnp.where(inside[:, None], lse_pad[:, col].T, -jnp.inf)
   # rows of padding tokens were never written: the general branch zeroes them (no keys) with the NaN rule
-  out = lax.cond(_is_clean(v, cu_q, cu_k, tq), lambda o: o,
-                 lambda o: _nonfinite_v_rule(o, v, _keys_in(cu_k, tk), k_start, k_end), out)
+  out = lax.cond(clean, lambda o: o, lambda o: _nonfinite_v_rule(o, v, _keys_in(cu_k, tk), k_start, k_end), out)
   return out, lse
+
+
+def _v_in_place(clean, cu_k):
+  """Traced bool: a clean call (:func:`_is_clean`) whose key sequences all start at multiples of 8 rows."""
+  from mla_pallas.kernels import prefill_sm90 as kp
+  return clean & jnp.all(cu_k[:-1] % kp.ALIGN == 0)
+
+
+def _v_direct(tk: int) -> bool:
+  """Whether the kernel may read v [Tk, H, Dv] in place (when the call is clean and its key sequences start at
+  multiples of 8 rows): Tk a multiple of 8, the row count Mosaic's tiled TMA needs."""
+  from mla_pallas.kernels import prefill_sm90 as kp
+  return tk % kp.ALIGN == 0
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "cfg"))
