@@ -6,14 +6,14 @@
 #                                                                      # running one's timeout to what is left
 #
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_batch_invariance,
-# t_dense_page_loader, t_rope_bf16_write, t_bf16.
+# t_dense, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
-# b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3 with the op's loader), b_dense_rows (the same with the row gather),
-# latency (issue 24's shapes; each JSON keeps the per-kernel CUPTI breakdown, results[].kernels).
+# b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), latency (issue 24's shapes; each JSON keeps the per-kernel
+# CUPTI breakdown, results[].kernels).
 #
-# Then flip what passed: sparse_decode.BF16_VALIDATED_HEADS (+16, 8), dense_decode.PAGE_LOADER_VALIDATED_ON,
-# rope_rmsnorm._BF16_PAGES_VALIDATED_ON, prefill._KERNEL_VALIDATED_ON (only where measured faster than cuDNN),
-# and record the numbers (RESULTS.md, CURRENT.md; predictions in docs/kernels/*.md, "Waiting for the GPU").
+# Then flip what passed: sparse_decode.BF16_VALIDATED_HEADS (+16, 8), rope_rmsnorm._BF16_PAGES_VALIDATED_ON,
+# prefill._KERNEL_VALIDATED_ON (only where measured faster than cuDNN), and record the numbers (RESULTS.md,
+# CURRENT.md; predictions in docs/kernels/*.md, "Waiting for the GPU").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHAT=${1:-tests}
@@ -40,7 +40,7 @@ common=(--no-plot --no-progress --out "$OUT")
 t_prefill_kernel() { run t_prefill_kernel 240 $T tests/test_prefill_kernel_gpu.py tests/test_prefill_gpu.py \
   -k "kernel or separate"; }
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }
-t_dense_page_loader() { run t_dense_page_loader 200 $T tests/test_dense_decode_gpu.py; }
+t_dense() { run t_dense 200 $T tests/test_dense_decode_gpu.py; }
 t_rope_bf16_write() { run t_rope_bf16_write 120 $T tests/test_rope_rmsnorm_kernel_gpu.py -k bf16; }
 t_bf16() { run t_bf16 240 $T tests/test_sparse_decode_gpu.py -k bf16; }
 b_prefill_deepseek() { run b_prefill_deepseek 300 $B mla_prefill --impl all --sweep --preset deepseek_v32 \
@@ -59,23 +59,9 @@ b_invariant() {
       --shape B=8,s_q=1,H=128,topk=2048,page=64,ctx=32768,invariant=$inv "${common[@]}"
   done
 }
-b_dense_D1() {   # D1 and D3 with the op's loader (the page loader where PAGE_LOADER_VALIDATED_ON names sm90)
-  if [[ ${RC[t_dense_page_loader]:-} == 0 ]]; then   # this call's copy only: the page loader passed its tests here
-    sed -i 's/^PAGE_LOADER_VALIDATED_ON: tuple\[str, ...\] = ()/PAGE_LOADER_VALIDATED_ON: tuple[str, ...] = ("sm90",)/' \
-      mla_pallas/ops/dense_decode.py
-  fi
-  grep -n "^PAGE_LOADER_VALIDATED_ON" mla_pallas/ops/dense_decode.py
+b_dense_D1() {   # D1 and D3
   run b_dense_D1 200 $B dense_mla_decode --impl all --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
   run b_dense_D3 200 $B dense_mla_decode --impl all --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
-}
-b_dense_rows() {   # the same two shapes with the row gather (this call's copy: the page loader switched off)
-  cp mla_pallas/ops/dense_decode.py /tmp/dense_decode.py.keep
-  sed -i 's/^PAGE_LOADER_VALIDATED_ON: tuple\[str, ...\] = .*/PAGE_LOADER_VALIDATED_ON: tuple[str, ...] = ()/' \
-    mla_pallas/ops/dense_decode.py
-  grep -n "^PAGE_LOADER_VALIDATED_ON" mla_pallas/ops/dense_decode.py
-  run b_dense_rows_D1 200 $B dense_mla_decode --impl mosaic --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
-  run b_dense_rows_D3 200 $B dense_mla_decode --impl mosaic --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
-  cp /tmp/dense_decode.py.keep mla_pallas/ops/dense_decode.py
 }
 latency() {
   local h bs b sq
@@ -95,7 +81,7 @@ latency() {
       "${common[@]}"
   done
 }
-tests="t_prefill_kernel,t_batch_invariance,t_dense_page_loader,t_rope_bf16_write,t_bf16"
+tests="t_prefill_kernel,t_batch_invariance,t_dense,t_rope_bf16_write,t_bf16"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

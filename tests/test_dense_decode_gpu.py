@@ -9,10 +9,6 @@ ragged lengths including 0 (out 0, lse -inf), 1 and a partial last page, block-t
 sequence's pages set to -1 or to a page id past the cache (never read), causal and non-causal, s_q 1-4, page 64
 and 128. Each case also runs twice: the outputs must be bitwise equal.
 
-The page loader (a tile of whole pages copied by 8-row TMA boxes, any other tile gathered row by row:
-``SparseSm90Config.run_rows``; the op uses it on hardware once ``dense_decode.PAGE_LOADER_VALIDATED_ON`` names the
-family) loads the same bytes as the row gather, so its output is compared bitwise with the row gather's.
-
 Quick selection: ``pytest -q -m "gpu and not slow" tests/test_dense_decode_gpu.py``.
 """
 from __future__ import annotations
@@ -22,8 +18,6 @@ import numpy as np
 import pytest
 
 from mla_pallas import _dispatch, reference, testing
-from mla_pallas.ops import dense_decode as dd
-from mla_pallas.ops import sparse_decode as sd
 from mla_pallas.ops.dense_decode import dense_mla_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -83,27 +77,3 @@ def test_dense_matches_reference(rng, H, s_q, page, causal, lens):
   assert np.array_equal(~np.isfinite(np.asarray(lse)), empty)
   assert np.all(np.asarray(out, np.float32)[empty] == 0)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
-
-
-@pytest.mark.parametrize("H,s_q,page,causal,lens", [CASES[0], CASES[2], CASES[4]])
-def test_page_loader_is_bitwise_the_row_gather(rng, H, s_q, page, causal, lens):
-  """The page loader (whole-page tiles by TMA boxes into the swizzle-only view of the K tiles) against the row
-  gather of the same ids (run_rows = 1): bitwise equal out and lse, for heads on N (H 8) and on M (H 64, 128),
-  page 64 and 128, tails, lengths 0 and 1, -1 / out-of-range table entries."""
-  max_pages = -(-max(lens) // page) + 1
-  q, pages, table, seqlens = _case(rng, lens=lens, s_q=s_q, H=H, page=page, max_pages=max_pages)
-  kw = dict(softmax_scale=D ** -0.5, kv_scale=0.75, causal=causal)
-  idx = dd.dense_indices(table, seqlens, page_size=page, num_pages=pages.shape[0], s_q=s_q, causal=causal)
-
-  def run(run_rows):
-    return sd._sparse_decode_jit(q, pages.reshape(-1, D), idx, jnp.float32(0.75), None, softmax_scale=D ** -0.5,
-                                 impl="mosaic", interpret=False, tuning=(("run_rows", run_rows),), arch="sm90")
-  out, lse = run(min(page, 64))
-  rows_out, rows_lse = run(1)
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(rows_out).view(np.uint16))
-  assert np.array_equal(np.asarray(lse), np.asarray(rows_lse))
-  ref_out, _ = reference.dense_mla_decode(q, pages, table, seqlens, **kw)
-  budget = testing.fp8_error_budget(logit_std=0.75, pv_length=max(lens), fp8_mma=True, quantized_p=False)
-  testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what=f"page loader H={H}")
-  out2, _ = run(min(page, 64))
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"

@@ -217,8 +217,6 @@ def test_tuning_errors():
   assert heads_m.TuningConfig().smem_budget() == 200192 and heads_n.TuningConfig().smem_budget() == 190976
   with pytest.raises(ValueError, match="schedule"):
     heads_m.TuningConfig(schedule="triple")
-  with pytest.raises(ValueError, match="run_rows"):
-    heads_n.TuningConfig(run_rows=8)            # runs: 16, 32 or 64 rows (pages of 16+), or 1 (any ids)
   # "handoff_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
   assert heads_m.TuningConfig(schedule="handoff_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
   assert heads_m.TuningConfig(schedule="handoff_vt", k_buffers=3).smem_budget() == 193024
@@ -367,32 +365,6 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   assert low.count(r"cp\.async\.commit_group") == 1
   assert low.count(fr"cp\.async\.wait_group {lag};") == 1 + (lag == 0)
   assert low.count(r"cp\.async\.wait_group 0;") == 1 + (lag == 0)
-
-
-@pytest.mark.parametrize("design,run_rows,cache", [("m", 64, FP8), ("m", 16, FP8), ("n", 32, FP8),
-                                                  ("m", 64, jnp.bfloat16)])
-def test_page_runs_lower_for_sm90(design, run_rows, cache):
-  """The page loader (run_rows > 1) at sm_90a: per tile 5 (bf16: 9) chunks x 8 TMA boxes of 8 rows into the
-  swizzle-only view of the K tiles (a RefUnion), beside the unchanged row gather (20 / 36 cp.async per thread)
-  for the other tiles; one cp.async group per tile either way (an empty one for a box tile)."""
-  S = jax.ShapeDtypeStruct
-  lay = common.tile_layout(cache)
-  q_cols = lay.chunks * lay.chunk_cols
-  if design == "m":
-    tuning = dict(cache_dtype=jnp.dtype(cache).name) if cache != FP8 else dict(schedule="handoff_vt")
-    base, runs = (heads_m.build(4, 4096, 1, 2, "bfloat16", heads_m.TuningConfig(tiles_per_split=4, run_rows=r,
-                                                                              **tuning)) for r in (1, run_rows))
-    qs = (S((4, 64, q_cols), cache if cache != FP8 else FP8), S((4, 64), jnp.float32))
-  else:
-    base, runs = (heads_n.build(2, 4096, 1, 16, 16, "bfloat16", heads_n.TuningConfig(tiles_per_split=4, k_buffers=4,
-                                                                                    run_rows=r)) for r in (1, run_rows))
-    qs = (S((32, 640), FP8), S((32,), jnp.float32))
-  args = (*qs, S((4096, 576), cache), S((2, 4, 64), jnp.int32), S((1,), jnp.float32))
-  low_base, low = testing.lower_for_cuda(base, *args), testing.lower_for_cuda(runs, *args)
-  tma = r"cp\.async\.bulk\.tensor"
-  assert low.count(tma) - low_base.count(tma) == lay.chunks * common.BOXES
-  assert low.count(r"cp\.async\.cg\.shared\.global \[") == low_base.count(r"cp\.async\.cg\.shared\.global \[")
-  assert low.count(r"cp\.async\.commit_group") == 2 and low_base.count(r"cp\.async\.commit_group") == 1
 
 
 @pytest.mark.parametrize("H,s_q,topk,tl", [(32, 2, 77, False), (64, 1, 200, True), (128, 2, 130, False)])

@@ -161,22 +161,14 @@ class SparseSm90Config(TuningConfigBase):
     plan sets it).
   k_buffers: gathered K tiles in flight (the loader runs k_buffers - 1 tiles ahead of the consumers); one of the
     design's ``K_BUFFERS``.
-  run_rows: 1 — the ids are anything (each row gathered on its own); R in RUN_ROWS (16, 32, 64) — the caller
-    guarantees that the ids come in runs of R consecutive slots, each starting at a multiple of 8, whose valid ids
-    are a prefix of the run (dense decode: one page, or a 64-row part of one, per run), so a tile whose runs are
-    all whole is copied by TMA boxes of 8 rows (:func:`gather_tiles`).
   """
   K_BUFFERS: ClassVar[tuple[int, ...]] = ()
-  RUN_ROWS: ClassVar[tuple[int, ...]] = (1, 16, 32, 64)
   tiles_per_split: int = 32
   k_buffers: int = 2
-  run_rows: int = 1
 
   def validate(self):
     if self.k_buffers not in self.K_BUFFERS:
       raise ValueError(f"{type(self).__name__}.k_buffers must be one of {self.K_BUFFERS}; got {self.k_buffers}")
-    if self.run_rows not in self.RUN_ROWS:
-      raise ValueError(f"{type(self).__name__}.run_rows must be one of {self.RUN_ROWS}; got {self.run_rows}")
     self.check_split()
     self.check_smem(self.smem_budget())
 
@@ -214,9 +206,6 @@ class SparseRefs:
   k_empty: object
   p_full: object
   p_empty: object
-  k_dma: object = None       # run_rows > 1: the TMA boxes of a whole tile landed (per K buffer)
-  k_rows: object = None      # run_rows > 1, interpret mode: the per-row copies of a tile landed (per K buffer)
-  k_boxes: object = None     # run_rows > 1, hardware: the swizzle-only view of k_sw (TMA box destinations)
 
 
 def scale_columns(accs, values):
@@ -267,60 +256,21 @@ def q_scratch(rows: int, layout: TileLayout = FP8_TILES):
                     transforms=swizzled(layout.dtype, SW_CHUNK))
 
 
-def k_scratch(k_buffers: int, layout: TileLayout = FP8_TILES, box_view: bool = False):
+def k_scratch(k_buffers: int, layout: TileLayout = FP8_TILES):
   """The gathered K tiles [k_buffers, chunks, 64, chunk_cols] (fp8: [k_buffers, 5, 64, 128]), 128-byte swizzled
-  (wgmma operands; see :func:`gather_tiles`). ``box_view`` (hardware with runs): a ``RefUnion`` with a
-  swizzle-only view [k_buffers, chunks, 8, 8, chunk_cols] of the same bytes, the destination of the TMA boxes (the
-  TMA unit swizzles by destination address, so an 8-row box lands where the tiled view expects it; Mosaic tiles
-  the GMEM side of a copy into a tiled ref, which a 576-wide cache does not allow). The union is the pattern the
-  per-row TMA gather ran on the H200 (v5-v8, commit f50642d); interpret mode keeps union members apart, so there
-  the tiled view only."""
-  tiled = plgpu.SMEM((k_buffers, layout.chunks, TILE, layout.chunk_cols), layout.dtype,
-                     transforms=swizzled(layout.dtype, SW_CHUNK))
-  if not box_view:
-    return tiled
-  rows = plgpu.SMEM((k_buffers, layout.chunks, TILE // 8, 8, layout.chunk_cols), layout.dtype,
-                    transforms=(plgpu.SwizzleTransform(SW_CHUNK),))
-  return plgpu.RefUnion(tiled, rows)
+  (wgmma operands; see :func:`gather_tiles`)."""
+  return plgpu.SMEM((k_buffers, layout.chunks, TILE, layout.chunk_cols), layout.dtype,
+                    transforms=swizzled(layout.dtype, SW_CHUNK))
 
 
-def box_view(cfg: SparseSm90Config, interpret: bool) -> bool:
-  """Whether the kernel's K scratch carries the swizzle-only box view (:func:`k_scratch`)."""
-  return cfg.run_rows > 1 and not interpret
-
-
-def k_full_arrivals(interpret: bool, layout: TileLayout = FP8_TILES, run_rows: int = 1) -> int:
-  """Arrivals per tile on ``k_full`` for :func:`gather_tiles`: one of the loader warpgroup on hardware (and with
-  runs), one per row copy in interpret mode."""
-  return layout.chunks * TILE if interpret and run_rows == 1 else 1
-
-
-BOXES = TILE // 8      # 8-row TMA boxes per K chunk of a whole tile (runs)
-
-
-def run_barriers(cfg: SparseSm90Config, interpret: bool, layout: TileLayout = FP8_TILES) -> list:
-  """The gather's extra barriers with runs (``cfg.run_rows`` > 1; the last scratch entries of a kernel):
-  ``k_dma`` (a whole tile's TMA boxes) and, in interpret mode, ``k_rows`` (a tile's per-row copies)."""
-  if cfg.run_rows == 1:
-    return []
-  out = [plgpu.Barrier(num_arrivals=layout.chunks * BOXES, num_barriers=cfg.k_buffers)]
-  if interpret:
-    out.append(plgpu.Barrier(num_arrivals=layout.chunks * TILE, num_barriers=cfg.k_buffers))
-  return out
-
-
-def split_run_refs(cfg: SparseSm90Config, interpret: bool, refs):
-  """(refs without the :func:`run_barriers` entries at their end, k_dma, k_rows)."""
-  n = len(run_barriers(cfg, interpret))
-  if n == 0:
-    return refs, None, None
-  extra = tuple(refs[len(refs) - n:]) + (None,)
-  return refs[:len(refs) - n], extra[0], extra[1]
+def k_full_arrivals(interpret: bool, layout: TileLayout = FP8_TILES) -> int:
+  """Arrivals per tile on ``k_full`` for :func:`gather_tiles`: one of the loader warpgroup on hardware, one per
+  row copy in interpret mode."""
+  return layout.chunks * TILE if interpret else 1
 
 
 def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int, k_buffers: int,
-                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES,
-                 run_rows: int = 1, k_dma=None, k_rows=None, k_boxes=None):
+                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
   (``k_empty``), the rows ``idx_smem[t]`` of ``kv_gmem`` [num_slots, 576] land in the 128-byte-swizzled K tile
   (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575) and ``k_full`` is signalled. An id outside
@@ -337,16 +287,6 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
   Interpret mode (no ``inline_mgpu``) copies each row instead: five 128-byte copies into one-row slices of
   ``k_sw``, issued per warp, each arriving on ``k_full`` (5 · 64 arrivals); an invalid id copies row
   ``num_slots``, wholly past the end of ``kv_gmem``, which the copy zero-fills.
-
-  Runs (``run_rows`` R > 1; the caller's contract in :class:`SparseSm90Config`): a tile whose runs are all whole
-  (the last id of each run valid, so by the contract every id is) is copied as ``chunks`` x 8 TMA boxes of 8 rows
-  (from slot ``idx[t, kR] + 8j`` on; on hardware into ``k_boxes``, the swizzle-only view of :func:`k_scratch`),
-  completing on ``k_dma``; any other tile (a sequence's tail, an invalid
-  page, split padding) takes the row path above, which zero-fills its invalid rows. The loader waits for the
-  tile either way and publishes it on ``k_full`` with one arrival (interpret mode: the row copies complete on
-  ``k_rows``). Each tile commits one ``cp.async`` group (an empty one for a TMA tile), so the ``k_buffers - 2``
-  tiles left in flight are counted as before. A box that a broken contract would start near the end of the
-  cache is zero-filled past it by the TMA unit: nothing outside the cache is read.
   """
   def tiles(gather):     # per tile t: wait for its buffer, before_gather(t), gather(t, buffer)
     @pl.loop(0, n_tiles)
@@ -359,78 +299,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
       before_gather(t)
       gather(t, kb)
 
-  def whole(t):          # runs: every run of tile t whole (its last id valid)
-    ok = None
-    for k in range(TILE // run_rows):
-      last = idx_smem[t, k * run_rows + run_rows - 1]
-      ok = valid_keys(last, num_slots) if ok is None else ok & valid_keys(last, num_slots)
-    return ok
-
-  def copy_runs(t, kb, barrier):    # runs: a whole tile as chunks x 8 TMA boxes of 8 rows
-    for g in range(BOXES):
-      k, j = divmod(8 * g, run_rows)
-      rows = kv_gmem.at[pl.ds(idx_smem[t, k * run_rows] + j, 8)]
-      for c in range(layout.chunks):
-        dst = k_sw.at[kb, c, pl.ds(8 * g, 8)] if k_boxes is None else k_boxes.at[kb, c, g]
-        plgpu.copy_gmem_to_smem(rows.at[:, pl.ds(layout.cols[c], layout.chunk_cols)], dst, barrier)
-
-  def gather_rows(t, kb, barrier):     # interpret mode's row path: one copy per row and chunk
-    def issue_row(r):
-      row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
-      for c in range(layout.chunks):
-        src = row.at[:, pl.ds(layout.cols[c], layout.chunk_cols)]
-        plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], barrier.at[kb])
-    for_rows_per_warp(TILE, issue_row)
-
-  if run_rows > 1 and not interpret:
-    from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
-
-    lag = max(k_buffers - 2, 0)
-
-    def publish(t):      # tile t landed (its boxes, or its cp.async group already waited for): k_full
-      kb = lax.rem(t, k_buffers) if not isinstance(t, int) else t % k_buffers
-
-      @pl.when(whole(t))
-      def _():
-        plgpu.barrier_wait(k_dma.at[kb])
-      plgpu.barrier_arrive(k_full.at[kb])
-
-    def gather_runs(t, kb):
-      boxes = whole(t)
-
-      @pl.when(boxes)
-      def _():
-        copy_runs(t, kb, k_dma.at[kb])
-        gather_threads.commit_empty_group()
-
-      @pl.when(jnp.logical_not(boxes))
-      def _():
-        gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots, layout=layout)
-      gather_threads.wait_tiles(lag)
-
-      @pl.when(t >= lag)
-      def _():
-        publish(t - lag)
-    tiles(gather_runs)
-    gather_threads.wait_tiles(0)
-    for tile in range(max(n_tiles - lag, 0), n_tiles):
-      publish(tile)
-  elif run_rows > 1:
-    def gather_runs_interpret(t, kb):
-      boxes = whole(t)
-
-      @pl.when(boxes)
-      def _():
-        copy_runs(t, kb, k_dma.at[kb])
-        plgpu.barrier_wait(k_dma.at[kb])
-
-      @pl.when(jnp.logical_not(boxes))
-      def _():
-        gather_rows(t, kb, k_rows)
-        plgpu.barrier_wait(k_rows.at[kb])
-      plgpu.barrier_arrive(k_full.at[kb])
-    tiles(gather_runs_interpret)
-  elif not interpret:
+  if not interpret:
     from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
 
     lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
@@ -447,7 +316,14 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
     for tile in range(max(n_tiles - lag, 0), n_tiles):
       plgpu.barrier_arrive(k_full.at[tile % k_buffers])
   else:
-    tiles(lambda t, kb: gather_rows(t, kb, k_full))
+    def gather_rows(t, kb):
+      def issue_row(r):
+        row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
+        for c in range(layout.chunks):
+          src = row.at[:, pl.ds(layout.cols[c], layout.chunk_cols)]
+          plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
+      for_rows_per_warp(TILE, issue_row)
+    tiles(gather_rows)
   drain(k_empty, n_tiles, k_buffers)
 
 

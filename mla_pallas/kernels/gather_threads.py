@@ -91,16 +91,6 @@ def gather_tile(kv_gmem, k_tile_ref, idx_smem, t, *, num_slots: int,
   f(kv_gmem, k_tile_ref, idx_smem, scalar_array(t))
 
 
-def commit_empty_group() -> None:
-  """Pallas level: an empty ``cp.async`` group (a tile the TMA unit copies instead), so that every tile commits
-  one group and :func:`wait_tiles` counts tiles."""
-  @plgpu.inline_mgpu()
-  def f(ctx):
-    del ctx
-    asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", side_effects=True)
-  f()
-
-
 def wait_tiles(in_flight: int) -> None:
   """Pallas level: each loader thread waits until at most ``in_flight`` of its newest tile groups are pending,
   then fences its completed writes for the async proxy (wgmma)."""

@@ -128,8 +128,7 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
     def _():
       plgpu.barrier_wait(r.idx_bar)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices,
-                      run_rows=cfg.run_rows, k_dma=r.k_dma, k_rows=r.k_rows, k_boxes=r.k_boxes)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices)
 
 
 def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: common.SparseRefs):
@@ -250,11 +249,8 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.Sparse
 
 def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem,
           lse_gmem, q_sw, k_sw, *rest):
-  rest, k_dma, k_rows = common.split_run_refs(cfg, interpret, rest)
-  k_sw, k_boxes = k_sw if common.box_view(cfg, interpret) else (k_sw, None)
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest,
-                        k_dma=k_dma, k_rows=k_rows, k_boxes=k_boxes)
+  r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == LOADER)
@@ -300,7 +296,7 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
       num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(HEADS_N),                                                       # Q
-          common.k_scratch(cfg.k_buffers, box_view=common.box_view(cfg, interp)),          # K
+          common.k_scratch(cfg.k_buffers),                                                 # K
           *v_scratch,                                                                      # V f16 (interpret)
           plgpu.SMEM((2, TILE, HEADS_N), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_N)),   # Pᵀ
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
@@ -308,12 +304,11 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
           plgpu.SMEM((INV_ROW + 1, HEAD_ROW), jnp.float32),                                # head_smem
           plgpu.Barrier(num_arrivals=SW_CHUNKS + 1),                                       # q_bar (Q + scales)
           plgpu.Barrier(),                                                                 # idx_bar
-          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, run_rows=cfg.run_rows),
+          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           plgpu.Barrier(num_barriers=3),                                                   # p_full
           plgpu.Barrier(num_barriers=2),                                                   # p_empty
-          *common.run_barriers(cfg, interp),                                               # k_dma, k_rows
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),

@@ -3,14 +3,12 @@
 Semantics are those of :func:`mla_pallas.reference.dense_mla_decode`; the implementations differ only in where
 FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 
-* ``impl="mosaic"``: the sparse top-k kernel runs it with a page loader. The block table and the cache
+* ``impl="mosaic"``: there is no dense kernel; the sparse top-k kernel runs it. The block table and the cache
   lengths are turned into per-token flat slot ids ``indices [B, s_q, P * page_size]`` (position ``p`` of sequence
   ``b`` -> ``block_table[b, p // page_size] * page_size + p % page_size``; ``-1`` for positions past the
   sequence, past the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to the
-  sparse op's kernel (:mod:`mla_pallas.ops.sparse_decode`), with the page loader where :func:`kernel_tuning`
-  allows it (``run_rows = min(page_size, 64)``: on sm_90 a 64-key tile of whole pages is copied by TMA boxes of
-  8 rows, and only a tile with masked positions, a sequence's tail or an invalid page, is gathered row by row,
-  its masked rows zero-filled). Q is quantized to e4m3 per
+  sparse op's kernel (:mod:`mla_pallas.ops.sparse_decode`, its default config), which gathers the rows of every
+  64-key tile like any top-k. Q is quantized to e4m3 per
   (token, head) row and QKᵀ runs on FP8 tensor cores; on sm_90 P·V is f16 (P kept in f16, the e4m3 V upcast
   exactly), f32 accumulation throughout (the sparse op's docstring has the sm_100 variant). The key
   count is the whole block table (``P * page_size``), whatever the lengths are: size the block table to the
@@ -197,22 +195,6 @@ def _indices_jit(block_table, cache_seqlens, *, page_size, num_pages, s_q, causa
                        causal=causal)
 
 
-# Kernel families on whose hardware the page loader (run_rows > 1) ran and matched the row gather bitwise
-# (tests/test_dense_decode_gpu.py::test_page_loader_is_bitwise_the_row_gather); elsewhere only interpret mode
-# uses it and the hardware keeps the validated row gather.
-PAGE_LOADER_VALIDATED_ON: tuple[str, ...] = ()
-
-
-def kernel_tuning(page_size: int, arch: str, interpret: bool = False) -> tuple:
-  """The sparse kernel's tuning for dense ids: on sm_90 the ids come in page runs (:func:`dense_indices`: a page
-  is consecutive slots and the attended positions of a page are a prefix of it), so the loader can copy a tile of
-  whole runs with TMA boxes (``SparseSm90Config.run_rows`` = min(page_size, 64)) — in interpret mode, and on
-  hardware once validated there (:data:`PAGE_LOADER_VALIDATED_ON`); the sm_100 kernel gathers rows."""
-  if arch == "sm90" and (interpret or arch in PAGE_LOADER_VALIDATED_ON):
-    return (("run_rows", min(page_size, 64)),)
-  return ()
-
-
 def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8):
   sparse_check = _sparse._kernel_supported(q_shape, num_slots, interpret, cache_dtype)
 
@@ -275,11 +257,9 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     num_pages, page_size, _ = kv_cache.shape
     indices = _indices_jit(block_table, cache_seqlens, page_size=int(page_size), num_pages=int(num_pages),
                            s_q=int(q.shape[1]), causal=causal)
-    arch = _dispatch.mosaic_arch(interpret)
     return _sparse._sparse_decode_jit(q, kv_cache.reshape(-1, D_QK), indices, kv_scale_arr, None,
                                       softmax_scale=float(softmax_scale), impl="mosaic", interpret=interpret,
-                                      tuning=kernel_tuning(int(page_size), arch, bool(interpret)), arch=arch,
-                                      batch_invariant=batch_invariant)
+                                      arch=_dispatch.mosaic_arch(interpret), batch_invariant=batch_invariant)
   return _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
                   causal=causal, batch_invariant=batch_invariant)
 
