@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Everything written on the CPU and not yet run on a GPU (issues 20-24), as named groups for device calls:
+# What waits for a GPU (issues 20-24), as named groups for device calls (state after the seventeenth session):
 #
-#   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | latency
-#   DEADLINE=540 bash benchmarks/pending_gpu.sh t_bf16,b_invariant   # start no group after 540 s, and cut the
-#                                                                      # running one's timeout to what is left
+#   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | next
+#   DEADLINE=540 bash benchmarks/pending_gpu.sh next   # start no group after 540 s, and cut the running one's
+#                                                      # timeout to what is left
 #
-# Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_batch_invariance,
-# t_dense, t_rope_bf16_write, t_bf16.
+# next (the order for the next device call): t_prefill_kernel (v2: per-row e4m3 scales, v read in place),
+#   b_prefill_deepseek, b_prefill_glm5, t_prefill_separate (6 of the cuDNN context-split cases never reached),
+#   latency_b8 (issue 24's B8 dense and decode-step rows).
+# Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_prefill_separate,
+#   t_batch_invariance, t_dense, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
-# b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), latency (issue 24's shapes; each JSON keeps the per-kernel
-# CUPTI breakdown, results[].kernels).
+#   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), latency / latency_b8 (issue 24's shapes; each JSON
+#   keeps the per-kernel CUPTI breakdown, results[].kernels).
 #
-# Then flip what passed: sparse_decode.BF16_VALIDATED_HEADS (+16, 8), rope_rmsnorm._BF16_PAGES_VALIDATED_ON,
-# prefill._KERNEL_VALIDATED_ON (only where measured faster than cuDNN), and record the numbers (RESULTS.md,
-# CURRENT.md; predictions in docs/kernels/*.md, "Waiting for the GPU").
+# Then: prefill._KERNEL_VALIDATED_ON = ("sm90",) only if the op measured faster than cuDNN at both presets, and
+# record the numbers (RESULTS.md, CURRENT.md; the predictions are in docs/kernels/prefill_sm90.md).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHAT=${1:-tests}
@@ -37,8 +39,8 @@ run() {   # name, timeout seconds, command...
 T="$PY -m pytest -q -m gpu -p no:cacheprovider -s"
 B="$PY -m mla_pallas.cli bench"
 common=(--no-plot --no-progress --out "$OUT")
-t_prefill_kernel() { run t_prefill_kernel 240 $T tests/test_prefill_kernel_gpu.py tests/test_prefill_gpu.py \
-  -k "kernel or separate"; }
+t_prefill_kernel() { run t_prefill_kernel 300 $T tests/test_prefill_kernel_gpu.py; }
+t_prefill_separate() { run t_prefill_separate 240 $T tests/test_prefill_gpu.py -k separate; }
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }
 t_dense() { run t_dense 200 $T tests/test_dense_decode_gpu.py; }
 t_rope_bf16_write() { run t_rope_bf16_write 120 $T tests/test_rope_rmsnorm_kernel_gpu.py -k bf16; }
@@ -72,20 +74,28 @@ latency() {
         --shape B=$b,s_q=$sq,H=$h,topk=2048,page=64,ctx=32768 "${common[@]}"
     done
   done
-  for b in 1 8; do
-    run "dense_B${b}_H16" 120 $B dense_mla_decode --impl xla,mosaic --shape B=$b,s_q=1,H=16,ctx=8192,page=64 \
-      "${common[@]}"
-    run "step_deepseek_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1 "${common[@]}"
-    run "step_glm5_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=glm5,B=$b,s_q=1,tp=8 "${common[@]}"
-    run "step_deepseek_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1,tp=8 \
-      "${common[@]}"
-  done
+  latency_steps 1
+  latency_steps 8
 }
-tests="t_prefill_kernel,t_batch_invariance,t_dense,t_rope_bf16_write,t_bf16"
+latency_b8() { latency_steps 8; }
+latency_steps() {   # B: dense decode and the decode steps
+  local b=$1
+  run "dense_B${b}_H16" 120 $B dense_mla_decode --impl xla,mosaic --shape B=$b,s_q=1,H=16,ctx=8192,page=64 \
+    "${common[@]}"
+  run "step_deepseek_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1 "${common[@]}"
+  run "step_glm5_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=glm5,B=$b,s_q=1,tp=8 "${common[@]}"
+  run "step_deepseek_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1,tp=8 \
+    "${common[@]}"
+}
+tests="t_prefill_kernel,t_prefill_separate,t_batch_invariance,t_dense,t_rope_bf16_write,t_bf16"
+next="t_prefill_kernel,b_prefill_deepseek,b_prefill_glm5,t_prefill_separate,latency_b8"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
-  case $g in tests) groups+=(${tests//,/ });; bench) groups+=(${bench//,/ });; *) groups+=("$g");; esac
+  case $g in
+    tests) groups+=(${tests//,/ });; bench) groups+=(${bench//,/ });; next) groups+=(${next//,/ });;
+    *) groups+=("$g");;
+  esac
 done
 for g in "${groups[@]}"; do
   if ! declare -F "$g" >/dev/null; then echo "unknown group $g" >&2; exit 2; fi
