@@ -526,6 +526,26 @@ def test_prefill_decode_graph_picks_branch(rng, fp8):
 # interpret mode: the attention kernel inside the graph
 # ----------------------------------------------------------------------------------------------------------
 
+def test_kernel_layout_weights_change_no_bits(rng):
+  """MLAWeightsFP8 with w_uk_t / w_uv_t (to_fp8 adds them: the FP8 matmul kernel's [H, N, K] layout, no per-call
+  weight transpose) gives bitwise the outputs and pages of the same weights without them (XLA path; the kernel's
+  "hnk" layout against "hkn" is tests/test_bmm_fp8_kernel.py's); wrong kernel layouts raise before tracing."""
+  import dataclasses
+  cfg = CFGS["glm5"]
+  w = _weights(rng, cfg, True)
+  assert w.w_uk_t.shape == (cfg.num_heads, 512, cfg.qk_nope_head_dim) and w.w_uv_t.dtype == FP8
+  plain = dataclasses.replace(w, w_uk_t=None, w_uv_t=None)
+  pages, kv_scale, case, kw = _decode_case(rng, cfg, sparse=True, B=1, s_q=2)
+  runs = [graph.mla_decode_branch_fp8(x, jnp.array(pages, copy=True), kv_scale, **case, cfg=cfg, **kw, impl="xla")
+          for x in (w, plain)]
+  (out, new), (out_p, new_p) = runs
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(out_p).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(new).view(np.uint8), np.asarray(new_p).view(np.uint8))
+  bad = dataclasses.replace(w, w_uv_t=w.w_uk_t)
+  with pytest.raises(ValueError, match=r"weights.w_uv_t .*with_kernel_layouts"):
+    graph.mla_decode_branch_fp8(bad, pages, kv_scale, **case, cfg=cfg, **kw)
+
+
 def test_decode_graph_runs_attention_kernel_in_interpret_mode(rng):
   cfg = CFGS["glm5"]
   w = _weights(rng, cfg, True)
