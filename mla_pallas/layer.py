@@ -20,7 +20,10 @@ head count is read from the weights, so a shard's slice of the layer runs unchan
 and the output projection's partial sums (over the shard's heads) are combined with ``psum`` over ``tp_axis``.
 
 ``.to_fp8()`` converts every weight matrix to float8_e4m3fn with 128x128 block scales
-(:func:`mla_pallas.convert_bf16_to_fp8_e4m3fn`; the ``*_scale`` fields, ``fp8=True``). Every matmul of an FP8
+(:func:`mla_pallas.convert_bf16_to_fp8_e4m3fn`; the ``*_scale`` fields, ``fp8=True``) and stores it K-major
+(``kernel_layout=True``: each matrix above transposed in its last two axes, ``[.., N, K]``, the FP8 matmul
+kernel's layout, so no call transposes a weight; the scales keep their ``[.., ceil(K/128), ceil(N/128)]`` shape;
+:meth:`MLAAttention.matrix` gives any matrix in the table's layout). Every matmul of an FP8
 layer goes through ``quantize_and_bmm_fp8`` (per-token dynamic activation quantization; the 2-D projections as a
 1-head BMM, the per-head ones with the activation broadcast over heads); a bf16 layer uses bf16 einsums with f32
 accumulation. The attention part is :mod:`mla_pallas.graph` (the FP8 or BF16 graph by the flag); its softmax scale
@@ -152,6 +155,7 @@ class MLAAttention:
   w_o_scale: jax.Array | None = None
   cfg: MLAConfig = dataclasses.field(default=None, metadata=dict(static=True))
   fp8: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  kernel_layout: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   # ---- construction ------------------------------------------------------------------------------------
 
@@ -192,7 +196,8 @@ class MLAAttention:
         cfg=cfg, fp8=False)
 
   def to_fp8(self) -> "MLAAttention":
-    """Every weight matrix to float8_e4m3fn + 128x128 block scales (``fp8=True``); norms are kept."""
+    """Every weight matrix to float8_e4m3fn + 128x128 block scales (``fp8=True``), stored K-major
+    (``kernel_layout=True``, module doc); norms are kept."""
     if self.fp8:
       return self
     kw = {}
@@ -201,8 +206,21 @@ class MLAAttention:
       if w is None:
         continue
       w8, s = convert_bf16_to_fp8_e4m3fn(w)
-      kw[name], kw[name + "_scale"] = w8, s
-    return dataclasses.replace(self, fp8=True, **kw)
+      kw[name], kw[name + "_scale"] = jnp.swapaxes(w8, -1, -2), s
+    return dataclasses.replace(self, fp8=True, kernel_layout=True, **kw)
+
+  def matrix(self, name: str):
+    """Weight matrix ``name`` in the layout of the module doc's table (``[.., K, N]``), whatever it is stored as."""
+    w = getattr(self, name)
+    return jnp.swapaxes(w, -1, -2) if self.kernel_layout and w is not None else w
+
+  def _fp8_bmm(self, a, name: str, impl, interpret, two_d: bool = False):
+    """``quantize_and_bmm_fp8(a, matrix(name), scale)`` without transposing a K-major weight per call."""
+    w, s = getattr(self, name), getattr(self, name + "_scale")
+    if two_d:
+      w, s = w[None], s[None]
+    layout = "hnk" if self.kernel_layout else "hkn"
+    return quantize_and_bmm_fp8(a, w, s, weight_layout=layout, impl=impl, interpret=interpret)
 
   def dequantized(self, dtype=jnp.bfloat16) -> "MLAAttention":
     """The bf16 layer of an FP8 layer (weights ``w8 * scale``); a bf16 layer is returned as is."""
@@ -211,12 +229,12 @@ class MLAAttention:
     from mla_pallas import quant
     kw = {}
     for name in _MATRICES:
-      w = getattr(self, name)
+      w = self.matrix(name)
       if w is None:
         continue
       kw[name] = quant.dequantize_blocks_fp8(w, getattr(self, name + "_scale"), dtype=dtype)
       kw[name + "_scale"] = None
-    return dataclasses.replace(self, fp8=False, **kw)
+    return dataclasses.replace(self, fp8=False, kernel_layout=False, **kw)
 
   def rope_tables(self, max_pos: int):
     """``cfg.rope_tables(max_pos)``: the rope tables ``(cos, sin)`` float32 ``[max_pos, 32]`` of this layer's
@@ -225,8 +243,10 @@ class MLAAttention:
 
   def graph_weights(self):
     """The attention graph's weights (:class:`~mla_pallas.graph.MLAWeightsFP8` or ``MLAWeightsBF16``)."""
-    if self.fp8:
-      return graph.MLAWeightsFP8(self.w_uk, self.w_uk_scale, self.w_uv, self.w_uv_scale, self.kv_a_norm)
+    if self.fp8:   # the [K, N] forms are transposes the branches do not read when the kernel layouts are given
+      t = self.kernel_layout
+      return graph.MLAWeightsFP8(self.matrix("w_uk"), self.w_uk_scale, self.matrix("w_uv"), self.w_uv_scale,
+                                 self.kv_a_norm, w_uk_t=self.w_uk if t else None, w_uv_t=self.w_uv if t else None)
     return graph.MLAWeightsBF16(self.w_uk, self.w_uv, self.kv_a_norm)
 
   def tp_specs(self, axis: str = "tp") -> "MLAAttention":
@@ -251,11 +271,9 @@ class MLAAttention:
 
   def _linear(self, x, name, impl, interpret):
     """x [T, K] @ w [K, N] -> [T, N] bf16."""
-    w = getattr(self, name)
     if self.fp8:
-      return quantize_and_bmm_fp8(x[:, None], w[None], getattr(self, name + "_scale")[None], impl=impl,
-                                  interpret=interpret)[:, 0]
-    return _mm_cpu_safe("tk,kn->tn", x, w).astype(jnp.bfloat16)
+      return self._fp8_bmm(x[:, None], name, impl, interpret, two_d=True)[:, 0]
+    return _mm_cpu_safe("tk,kn->tn", x, getattr(self, name)).astype(jnp.bfloat16)
 
   def _project(self, x, impl, interpret):
     """x [T, hidden] -> (q_nope [T,H,nope], q_rope [T,H,64], kv [T,576]) bf16."""
@@ -268,8 +286,7 @@ class MLAAttention:
     else:
       q_in = x.astype(jnp.bfloat16)
     if self.fp8:
-      q = quantize_and_bmm_fp8(jnp.broadcast_to(q_in[:, None], (t, h, q_in.shape[-1])), self.w_q_b,
-                               self.w_q_b_scale, impl=impl, interpret=interpret)
+      q = self._fp8_bmm(jnp.broadcast_to(q_in[:, None], (t, h, q_in.shape[-1])), "w_q_b", impl, interpret)
     else:
       q = _mm_cpu_safe("tk,hkn->thn", q_in, self.w_q_b).astype(jnp.bfloat16)
     kv = self._linear(x, "w_kv_a", impl, interpret)
@@ -279,7 +296,7 @@ class MLAAttention:
   def _out_proj(self, o, impl, interpret, tp_axis):
     """o [T, H, v] -> y [T, hidden] bf16 (f32 sum over heads, psum over tp_axis)."""
     if self.fp8:
-      y = quantize_and_bmm_fp8(o, self.w_o, self.w_o_scale, impl=impl, interpret=interpret)  # [T, H, hidden]
+      y = self._fp8_bmm(o, "w_o", impl, interpret)  # [T, H, hidden]
       y = jnp.sum(y.astype(jnp.float32), axis=1)
     else:
       y = _mm_cpu_safe("thv,hvd->td", o, self.w_o)
@@ -400,7 +417,7 @@ def _proj_impl(impl):
 # ----------------------------------------------------------------------------------------------------------
 
 def _ref_linear(layer, x, name):
-  w = getattr(layer, name)
+  w = layer.matrix(name)
   x = x.astype(jnp.float32)
   if layer.fp8:
     return reference.quantize_and_bmm_fp8(x[:, None], w[None], getattr(layer, name + "_scale")[None])[:, 0] \
@@ -416,8 +433,8 @@ def _ref_project(layer, x):
   else:
     q_in = x.astype(jnp.float32)
   if layer.fp8:
-    q = reference.quantize_and_bmm_fp8(jnp.broadcast_to(q_in[:, None], (t, h, q_in.shape[-1])), layer.w_q_b,
-                                       layer.w_q_b_scale).astype(jnp.float32)
+    q = reference.quantize_and_bmm_fp8(jnp.broadcast_to(q_in[:, None], (t, h, q_in.shape[-1])),
+                                       layer.matrix("w_q_b"), layer.w_q_b_scale).astype(jnp.float32)
   else:
     q = jnp.einsum("tk,hkn->thn", q_in, layer.w_q_b.astype(jnp.float32), precision=_HI)
   kv = _ref_linear(layer, x, "w_kv_a")
@@ -427,7 +444,8 @@ def _ref_project(layer, x):
 
 def _ref_out(layer, o):
   if layer.fp8:
-    y = reference.quantize_and_bmm_fp8(o.astype(jnp.float32), layer.w_o, layer.w_o_scale).astype(jnp.float32)
+    y = reference.quantize_and_bmm_fp8(o.astype(jnp.float32), layer.matrix("w_o"),
+                                       layer.w_o_scale).astype(jnp.float32)
     return jnp.sum(y, axis=1)
   return jnp.einsum("thv,hvd->td", o.astype(jnp.float32), layer.w_o.astype(jnp.float32), precision=_HI)
 

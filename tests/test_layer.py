@@ -16,6 +16,8 @@ Tolerances (see also tests/test_graph.py):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import jax
@@ -58,8 +60,12 @@ def test_init_shapes_and_fp8_round_trip(key, preset):
   assert lay.w_o.shape == (h, v, 256) and lay.num_heads == h and not lay.fp8
   l8 = lay.to_fp8()
   assert l8.fp8 and l8.w_uk.dtype == quant.FP8 and l8.w_uk_scale.shape == (h, -(-nope // 128), 4)
+  # stored K-major (the FP8 matmul kernel's layout); matrix() gives the table's layout
+  assert l8.kernel_layout and l8.w_uk.shape == (h, 512, nope) and l8.matrix("w_uk").shape == (h, nope, 512)
+  assert l8.w_q_a.shape == (128, 256) and l8.matrix("w_q_a").shape == (256, 128) and lay.matrix("w_q_a") is lay.w_q_a
   assert l8.to_fp8() is l8
   back = l8.dequantized()
+  assert not back.kernel_layout
   for name in ("w_q_a", "w_q_b", "w_kv_a", "w_uk", "w_uv", "w_o"):
     a = np.asarray(getattr(lay, name), np.float64)
     b = np.asarray(getattr(back, name), np.float64)
@@ -80,6 +86,26 @@ def _prefill_inputs(key, cfg, lens):
   pos = jnp.asarray(np.concatenate([np.arange(n) for n in lens]), jnp.int32)
   x = jax.random.normal(key, (int(sum(lens)), cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
   return x, pos, cu
+
+
+def test_kernel_layout_changes_no_bits(key):
+  """The FP8 layer stored K-major (to_fp8's default: no weight transposed per call) computes bitwise what the same
+  FP8 weights stored [.., K, N] compute (weight_layout "hkn", one transpose per matmul), prefill and decode."""
+  cfg = CFGS["glm5"]
+  k0, k1, k2, k3 = jax.random.split(key, 4)
+  l8 = L.MLAAttention.init(k0, cfg).to_fp8()
+  kn = dataclasses.replace(l8, kernel_layout=False,
+                           **{n: l8.matrix(n) for n in ("w_q_a", "w_q_b", "w_kv_a", "w_uk", "w_uv", "w_o")})
+  x, pos, cu = _prefill_inputs(k1, cfg, [5, 11])
+  xd = jax.random.normal(k2, (2, 1, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+  outs = []
+  for lay in (l8, kn):
+    cache = L.PagedCache.create(cfg, 2, 64, shuffle_key=k3)
+    y, cache = lay.prefill(x, pos, cache, cu)
+    yd, cache = lay.decode(xd, cache.seq_lens[:, None], cache)
+    outs.append((y, yd, cache.pages))
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 @pytest.mark.parametrize("preset,fp8", [("glm5", True), ("deepseek_v32", False), ("deepseek_v32", True)])
