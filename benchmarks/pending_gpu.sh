@@ -6,12 +6,13 @@
 #                                                      # timeout to what is left
 #
 # next (the order for the next device call): t_prefill_kernel (v2: per-row e4m3 scales, v read in place),
-#   b_prefill_deepseek, b_prefill_glm5, t_prefill_separate (6 of the cuDNN context-split cases never reached),
-#   latency_b8 (issue 24's B8 dense and decode-step rows).
+#   b_prefill_deepseek, b_prefill_glm5, latency_b8 (issue 24's B8 dense and decode-step rows: the decode step
+#   now without per-call weight transposes), b_layer (mla_layer_decode), t_prefill_separate (6 of the cuDNN
+#   context-split cases never reached).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_prefill_separate,
 #   t_batch_invariance, t_dense, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
-#   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), latency / latency_b8 (issue 24's shapes; each JSON
+#   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 (issue 24's shapes; each JSON
 #   keeps the per-kernel CUPTI breakdown, results[].kernels).
 #
 # Then: prefill._KERNEL_VALIDATED_ON = ("sm90",) only if the op measured faster than cuDNN at both presets, and
@@ -87,8 +88,15 @@ latency_steps() {   # B: dense decode and the decode steps
   run "step_deepseek_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1,tp=8 \
     "${common[@]}"
 }
+b_layer() {   # one FP8 layer's decode (K-major weights since the seventeenth session; never timed before)
+  local b
+  for b in 1 8; do
+    run "layer_deepseek_B${b}" 150 $B mla_layer_decode --impl xla,mosaic --shape model=deepseek_v32,B=$b "${common[@]}"
+    run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,mosaic --shape model=glm5,B=$b,tp=8 "${common[@]}"
+  done
+}
 tests="t_prefill_kernel,t_prefill_separate,t_batch_invariance,t_dense,t_rope_bf16_write,t_bf16"
-next="t_prefill_kernel,b_prefill_deepseek,b_prefill_glm5,t_prefill_separate,latency_b8"
+next="t_prefill_kernel,b_prefill_deepseek,b_prefill_glm5,latency_b8,b_layer,t_prefill_separate"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -92,7 +92,7 @@ def run(op: str, impls: Sequence[str] = ("xla", "mosaic"), shape: dict[str, Any]
   Args:
     op: a key of :func:`specs` ("sparse_mla_decode", "sparse_mla_prefill", "dense_mla_decode", "mla_prefill",
       "quantize_and_bmm_fp8", "fused_rope_rmsnorm_quantization", "rope_rmsnorm", "mla_decode_step",
-      "mla_prefill_step").
+      "mla_prefill_step", "mla_layer_decode").
     impls, shape, preset, kw (iters, warmup, n_inputs, check, seed, progress, interpret, timer): see
       :func:`~mla_pallas.bench_engine.run_spec`.
     sweep: replace the "mosaic" row by one row per candidate of :func:`sweep_candidates` (appended when

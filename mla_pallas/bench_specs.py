@@ -980,6 +980,87 @@ register(BenchSpec(
 ))
 
 
+# ---- mla_layer_decode: one FP8 MLAAttention layer's decode (projections included) ------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _layer_inputs_jit(shape_items, key):
+  from mla_pallas import layer as L
+  s = dict(shape_items)
+  cfg = _step_cfg(s)
+  b, s_q, page, ctx = s["B"], s["s_q"], s["page"], s["ctx"]
+  pps = _pages_per_seq(s)
+  ks = jax.random.split(key, 5)
+  lay = L.MLAAttention.init(ks[0], cfg).to_fp8()       # K-major FP8 weights, as a served model holds them
+  block_table = jax.random.permutation(ks[1], b * pps).astype(jnp.int32).reshape(b, pps)
+  cache = L.PagedCache(_random_cache(ks[2], b * pps, page), jnp.asarray(s["kv_scale"], jnp.float32), block_table,
+                       jnp.full((b,), ctx - s_q, jnp.int32))
+  x = jax.random.normal(ks[3], (b, s_q, cfg.hidden_size), jnp.bfloat16)
+  positions = cache.seq_lens[:, None] + jnp.arange(s_q, dtype=jnp.int32)
+  indices = _random_slots(ks[4], block_table, (b, s_q), ctx, s["topk"], page)
+  return lay, x, positions, cache, indices
+
+
+def _layer_call(decode, s, **kw):
+  def f(lay, x, positions, cache, indices):
+    return decode(lay, x, positions, cache, indices=indices, **kw)
+  return f
+
+
+def _layer_op(impl, s, interpret):
+  if impl not in IMPLS:
+    raise ValueError(f"mla_layer_decode has no impl {impl!r}")
+  from mla_pallas import layer as L
+  return _layer_call(L.MLAAttention.decode, s, impl=impl, interpret=interpret)
+
+
+def _layer_reference(s):
+  from mla_pallas import layer as L
+  return _layer_call(L.reference_decode, s)
+
+
+def _layer_weight_bytes(s):
+  cfg = _step_cfg(s)
+  h, hid, q_in = cfg.num_heads, cfg.hidden_size, cfg.q_lora_rank or cfg.hidden_size
+  lora = hid * cfg.q_lora_rank if cfg.q_lora_rank else 0
+  return float(lora + h * q_in * (cfg.qk_nope_head_dim + 64) + hid * D_QK + _step_weight_bytes(s)
+               + h * cfg.v_head_dim * hid)
+
+
+def _layer_flops(s):
+  return _step_flops(s) + 2.0 * s["B"] * s["s_q"] * _layer_weight_bytes(s)   # one fp8 byte = one MAC per token
+
+
+register(BenchSpec(
+    name="mla_layer_decode",
+    keys=_STEP_KEYS,
+    cpu_defaults=dict(model="glm5", B=2, s_q=1, H=8, tp=1, topk=32, page=16, ctx=64, kv_scale=1.0),
+    gpu_defaults=dict(model="deepseek_v32", B=1, s_q=1, H=0, tp=1, topk=0, page=0, ctx=32768, kv_scale=1.0),
+    preset=lambda name: {"model": name, "H": 0, "topk": 0, "page": 0},
+    validate=_step_validate,
+    make_inputs=lambda s, key: _layer_inputs_jit(tuple(sorted(s.items())), key),
+    op_kwargs=lambda s: {},
+    flops=_layer_flops,
+    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * D_QK),
+    set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK + _layer_weight_bytes(s)),
+    touched_bytes=lambda s: float(min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * D_QK
+                                  + _layer_weight_bytes(s)),
+    tolerance=_step_tolerance,
+    outputs=("out",),                  # the new cache (output 1) is not compared
+    make_op=_layer_op,
+    make_reference=_layer_reference,
+    extra_impls=("auto",),
+    state=(3, 1),
+    conventions={
+        "flops": "mla_decode_step's + 2 per token and fp8 weight byte of the projections",
+        "scope": "mla_pallas.MLAAttention.decode of an FP8 layer (to_fp8: K-major weights) with sparse top-k "
+                 "indices: the projections (W_q_a, W_q_b, W_kv_a, W_o), the fused cache write, the absorbed BMMs "
+                 "and sparse attention; H / tp heads of the model's hidden size. Cache donated; impl as the "
+                 "layer's impl argument (the projections take the BMM's entry).",
+    },
+    module="mla_pallas.layer",
+))
+
+
 # ---- mla_prefill_step: the dense prefill branch of one MLA layer, optionally over cached context -------------
 
 _PSTEP_KEYS = {

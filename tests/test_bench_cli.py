@@ -589,6 +589,20 @@ def test_mla_prefill_step_bench_spec():
     assert any("cached context" in op for op in ops) == (ctx > 0), ops
 
 
+def test_mla_layer_decode_bench_spec():
+  """One FP8 layer's decode (projections included) as a bench: K-major weights as to_fp8 stores them, the cache
+  donated and fed back, checked against the layer's float32 reference; the GPU default is DeepSeek-V3.2 B1."""
+  spec = bench.get_spec("mla_layer_decode")
+  assert spec.shape({}, preset="deepseek_v32", gpu=True)["H"] == 128
+  shape = dict(model="glm5", B=2, s_q=2, H=8, topk=24, page=16, ctx=64)
+  (res,) = bench.run("mla_layer_decode", ("xla",), shape, iters=2, n_inputs=1, progress=False)
+  assert res.ok and res.check_ok, (res.status, res.check)
+  lay = bench.get_spec("mla_layer_decode").make_inputs(spec.shape(shape), jax.random.key(0))[0]
+  assert lay.fp8 and lay.kernel_layout
+  with pytest.raises(ValueError, match="tp"):
+    spec.shape(dict(shape, tp=3))
+
+
 def test_mla_prefill_sweep_runs_the_kernel_candidates_in_interpret_mode():
   from mla_pallas.ops import prefill as pf
   cands = pf.sweep_configs(192, 128)
