@@ -21,6 +21,7 @@ entry point that takes ``tuning=`` (``ops/sparse_decode._sparse_decode_jit``, ``
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -945,7 +946,7 @@ def _step_tolerance(s):
                                   pv_length=s["topk"], fp8_mma=_on_gpu())
 
 
-register(BenchSpec(
+_DECODE_STEP = register(BenchSpec(
     name="mla_decode_step",
     keys=_STEP_KEYS,
     cpu_defaults=dict(model="deepseek_v32", B=2, s_q=1, H=16, tp=1, topk=64, page=64, ctx=256, kv_scale=1.0),
@@ -1030,32 +1031,28 @@ def _layer_flops(s):
   return _step_flops(s) + 2.0 * s["B"] * s["s_q"] * _layer_weight_bytes(s)   # one fp8 byte = one MAC per token
 
 
-register(BenchSpec(
+# the step's keys, presets, checks, tolerance and graph report; its own inputs, op, reference and byte counts
+register(dataclasses.replace(
+    _DECODE_STEP,
     name="mla_layer_decode",
-    keys=_STEP_KEYS,
     cpu_defaults=dict(model="glm5", B=2, s_q=1, H=8, tp=1, topk=32, page=16, ctx=64, kv_scale=1.0),
     gpu_defaults=dict(model="deepseek_v32", B=1, s_q=1, H=0, tp=1, topk=0, page=0, ctx=32768, kv_scale=1.0),
-    preset=lambda name: {"model": name, "H": 0, "topk": 0, "page": 0},
-    validate=_step_validate,
     make_inputs=lambda s, key: _layer_inputs_jit(tuple(sorted(s.items())), key),
-    op_kwargs=lambda s: {},
     flops=_layer_flops,
-    gathered_bytes=lambda s: float(s["B"] * s["s_q"] * s["topk"] * D_QK),
     set_bytes=lambda s: float(s["B"] * _pages_per_seq(s) * s["page"] * D_QK + _layer_weight_bytes(s)),
     touched_bytes=lambda s: float(min(s["B"] * s["s_q"] * s["topk"], s["B"] * s["ctx"]) * D_QK
                                   + _layer_weight_bytes(s)),
-    tolerance=_step_tolerance,
-    outputs=("out",),                  # the new cache (output 1) is not compared
     make_op=_layer_op,
     make_reference=_layer_reference,
-    extra_impls=("auto",),
     state=(3, 1),
     conventions={
         "flops": "mla_decode_step's + 2 per token and fp8 weight byte of the projections",
+        "gathered_bytes": _DECODE_STEP.conventions["gathered_bytes"],
         "scope": "mla_pallas.MLAAttention.decode of an FP8 layer (to_fp8: K-major weights) with sparse top-k "
                  "indices: the projections (W_q_a, W_q_b, W_kv_a, W_o), the fused cache write, the absorbed BMMs "
                  "and sparse attention; H / tp heads of the model's hidden size. Cache donated; impl as the "
-                 "layer's impl argument (the projections take the BMM's entry).",
+                 "layer's impl argument (the projections take the BMM's entry); results[].info.steps = "
+                 "graph_report() of its attention graph.",
     },
     module="mla_pallas.layer",
 ))
