@@ -4,8 +4,8 @@ than the queries, padding tokens, non-finite v, both causal forms), its aligned 
 config checks, the dispatch, and sm_90a lowering with instruction counts at both models' head dims.
 
 Error model (interpret mode computes the wgmmas exactly): q and k are quantized to e4m3 with one scale per row
-(token and head; RMS relative error <= 2^-4 / sqrt(3) each, acting on the logits times their std), P and the output are rounded
-to bf16: ``testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=False)``
+(token and head; RMS relative error <= 2^-4 / sqrt(3) each, acting on the logits times their std), P and the
+output are rounded to bf16: ``testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=False)``
 (its v term over-counts: v stays bf16). lse: the logits move by ~logit_std * sqrt(2) * 2^-4 / sqrt(3) RMS; the
 log-sum-exp, a smooth max, by at most their largest move: asserted <= 6 * logit_std * 2^-4 (3 sigma of the
 largest of a few hundred logits).

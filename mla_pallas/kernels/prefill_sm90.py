@@ -38,8 +38,9 @@ Warpgroups (``num_threads=3``):
   * WG0, WG1 — consumers (232 registers): their 64 query rows and their qs; per key block: wait ``k_full``, the
     QKᵀ wgmma, the block's ks (one per column), release ``k_empty``; the key-bound and causal mask (only on the
     blocks past the first row's limit: two loops), online softmax, P to their slot ``p_sw[wg]``; wait
-    ``v_full``, the P·V wgmma, release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one TMA for 64 valid rows or one
-    per valid row otherwise (a tile's tail never overwrites the next sequence's rows); lse through ``lse_smem``.
+    ``v_full``, the P·V wgmma, release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one
+    TMA for 64 valid rows or one per valid row otherwise (a tile's tail never overwrites the next sequence's
+    rows); lse through ``lse_smem``.
   * WG2 — loader (40 registers): TMA of each key block's K with its ks, and of its V, into ``kv_stages`` ring
     slots, waiting for both consumers to release a slot before refilling it.
 

@@ -509,7 +509,8 @@ def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq: int, nseq: int, 
   lq, lk = len_q[b], len_k[b]
   diag = tile_q * j + lk - lq if causal else jnp.zeros_like(j)
   z = jnp.zeros_like(i)
-  tiles = jnp.stack([jnp.where(live, q_starts[b] + tile_q * j, 0), jnp.where(live, jnp.minimum(tile_q, lq - tile_q * j), 0),
+  tiles = jnp.stack([jnp.where(live, q_starts[b] + tile_q * j, 0),
+                     jnp.where(live, jnp.minimum(tile_q, lq - tile_q * j), 0),
                      jnp.where(live, k_starts[b], 0), jnp.where(live, lk, 0), jnp.where(live, diag, 0),
                      jnp.where(live, cu_q[b] + tile_q * j, 0), jnp.where(live, v_starts[b], 0), z], axis=1)
   return tiles, tile_start
@@ -522,7 +523,8 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   into the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the
   module docstring applied. Under ``lax.cond`` on :func:`_is_clean` (every v finite, every token in a sequence):
   a clean call skips the rules, and when moreover every key sequence starts at a multiple of 8 rows (and Tk is
-  one: :func:`_v_direct`), the kernel reads v as it is, with no packed copy. ``cfg``: the kernel's TuningConfig (None: ``default_config`` of the head dims)."""
+  one: :func:`_v_direct`), the kernel reads v as it is, with no packed copy. ``cfg``: the kernel's TuningConfig
+  (None: ``default_config`` of the head dims)."""
   from mla_pallas.kernels import prefill_sm90 as kp
   cfg = kp.default_config(q.shape[2], v.shape[2]) if cfg is None else cfg
   tq, h, _ = q.shape
