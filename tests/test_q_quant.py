@@ -11,6 +11,7 @@ import pytest
 
 from mla_pallas import quant, testing
 from mla_pallas.kernels import common, q_quant
+from mla_pallas.ops import sparse_decode as sd
 
 from _sparse_inputs import make_case, run_kernel
 
@@ -66,8 +67,9 @@ def test_lowers_for_sm90(dtype):
 
 @pytest.mark.parametrize("H", [64, 128])
 def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
-  """sparse_mla_decode's default pre-pass (this kernel) feeds the attention kernel the same Q bytes and scales as
+  """sparse_mla_decode's pre-pass kernel (its default from 2048 q rows) feeds the attention kernel the same Q bytes and scales as
   the XLA pre-pass: the op's outputs are bitwise equal with the kernel replaced by the XLA ops."""
+  monkeypatch.setattr(sd, "PREPASS_KERNEL_MIN_ROWS", 0)     # the kernel from the first row (default: 2048 rows)
   case = make_case(rng, B=2, s_q=1, H=H, topk=200, page_size=16, num_pages=64)
   out = run_kernel(case, interpret=True)
   calls = []
@@ -89,3 +91,25 @@ def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
 def test_bitwise_gpu(rng, T, H):
   q = _inputs(rng, T, H, jnp.bfloat16)
   _assert_bitwise(q_quant.quantize_q(q, 0.5, 576 ** -0.5), jax.jit(_xla, static_argnums=2)(q, 0.5, 576 ** -0.5))
+
+
+@pytest.mark.parametrize("T,H", [(8, 8), (4, 16)])
+def test_heads_on_n_view_bitwise_interpret(rng, T, H):
+  """The heads-on-N layout ([T · H, 640] rows, [T · H] scales) from the kernel over q seen as 64-row blocks of its
+  T · H rows is bitwise the XLA pre-pass's (sparse_decode._q_quant_kernel_q against _xla_kernel_q)."""
+
+  q = _inputs(rng, T, H, jnp.bfloat16)
+  testing.reset_interpreter()
+  got = sd._q_quant_kernel_q(q, "sm90_heads_n", 576 ** -0.5, 0.5, RACES)
+  assert not testing.races_found()
+  want = sd._xla_kernel_q(q, "sm90_heads_n", "sm90", 1, 576 ** -0.5, 0.5)
+  assert got[0].shape == (T * H, common.Q_SW_COLS) and got[1].shape == (T * H,)
+  _assert_bitwise(got, want)
+
+
+def test_heads_on_n_view_needs_whole_blocks():
+
+  with pytest.raises(ValueError, match="64-row blocks"):
+    sd._q_quant_kernel_q(jnp.zeros((3, 8, 576), jnp.bfloat16), "sm90_heads_n", 0.1, 1.0, False)
+  with pytest.raises(ValueError, match="64-row blocks"):
+    sd._q_quant_kernel_q(jnp.zeros((2, 32, 576), jnp.bfloat16), "sm90_heads_m", 0.1, 1.0, False)

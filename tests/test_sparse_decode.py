@@ -140,6 +140,9 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
+    # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
+    (8, (("tiles_per_split", 1),)),
+    (128, (("tiles_per_split", 1),)),
 ])
 def test_kernel_tuning_interpret(rng, H, tuning):
   """The sweep's non-default configs compute the same function (races checked)."""
@@ -184,7 +187,8 @@ def test_default_config_rules():
     assert cfg.design == "sm90_heads_m"
     assert cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule="handoff_vt")
   assert sd.default_config(64, 64, 2048).kernel == heads_m.TuningConfig(tiles_per_split=16, k_buffers=2)
-  assert sd.default_config(64, 1, 512).num_splits == 2 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 4
+  # one token, 8 tiles: heads on M splits down to 2 tiles (HEADS_M_MIN_SPLIT_TILES)
+  assert sd.default_config(64, 1, 512).num_splits == 4 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 2
   assert sd.default_config(8, 4, 2048, arch="sm100").design == "sm100"
   with pytest.raises(NotImplementedError, match="sm80"):
     sd.default_config(8, 4, 2048, arch="sm80")
@@ -240,6 +244,19 @@ def test_registers_fit_the_launch_allocation():
 def test_plan_minimises_waves(tokens, tiles_per_token, topk, plan):
   """The split plan counts waves x (tiles + the CTA's fixed cost) on 132 SMs, one CTA per SM."""
   assert sd._plan(tokens, tiles_per_token, topk, num_sms=132) == plan
+
+
+def test_plan_min_split_by_design():
+  """Heads on M splits down to 2-tile splits (B1 H128: 16 splits of 2), heads on N down to 4 (B8 H8: 8 of 4)."""
+  assert sd.default_config(128, 1, 2048).num_splits == 16 and sd.default_config(128, 1, 2048).kernel.tiles_per_split == 2
+  assert sd.default_config(8, 8, 2048).num_splits == 8 and sd.default_config(8, 8, 2048).kernel.tiles_per_split == 4
+  assert sd._plan(1, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (16, 2)
+  assert sd._plan(8, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (8, 4)   # 256 CTAs: two waves
+
+
+def test_prepass_kernel_from_2048_rows():
+  assert not sd._prepass_kernel("sm90_heads_m", 8, 128) and sd._prepass_kernel("sm90_heads_m", 16, 128)
+  assert not sd._prepass_kernel("sm90_heads_n", 512, 8) and not sd._prepass_kernel("sm90_heads_m", 64, 32)
 
 
 def test_plan_splits_small_batches():
@@ -314,6 +331,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (128, 2, 2048, 1, 2, "handoff_vt"), (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
     (128, 1, 16384, 2, 2, "handoff_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
+    (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
 def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   """Every Python-side Mosaic GPU pass (layouts, FP8 wgmma K-major rule, swizzles, TMA, the thread gather and

@@ -157,7 +157,8 @@ HEADS_ON_N_MAX = 16     # sm_90: kernels/sparse_sm90_heads_n.py up to this many 
 MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index SMEM; longer splits not measured)
 HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
 BF16_MAX_SPLIT_TILES = 16   # bf16 cache: bf16 Q (72 KB) and two bf16 K tiles (144 KB) leave room for 4 KB of indices
-MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys
+MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys (heads on N, sm_100) ...
+HEADS_M_MIN_SPLIT_TILES = 2   # ... or 128 keys (heads on M: B1 H128 top-k 2048 26.1 -> 21.7 us with 2-tile splits)
 CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
 
@@ -210,22 +211,30 @@ def _max_split_tiles(design: str) -> int:
   return HEADS_M_MAX_SPLIT_TILES if design == "sm90_heads_m" else MAX_SPLIT_TILES
 
 
+def _min_split_tiles(design: str) -> int:
+  """The shortest split the plan makes for a design (fp8 cache, sweep of 2026-12-02 with the latency shapes,
+  docs/kernels/sparse_decode_sm90.md "Split plan"): heads on M HEADS_M_MIN_SPLIT_TILES (B1 H128 top-k 2048: 4-tile
+  splits 26.1 us, 2-tile 21.7, 1-tile 23.1), the others MIN_SPLIT_TILES (heads on N B8 H8 / H16: 4-tile 17.3 /
+  18.3 us, 2-tile 17.2 / 18.9, 1-tile 23.1 / 26.5)."""
+  return HEADS_M_MIN_SPLIT_TILES if design == "sm90_heads_m" else MIN_SPLIT_TILES
+
+
 def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132,
-          max_split_tiles: int = MAX_SPLIT_TILES):
+          max_split_tiles: int = MAX_SPLIT_TILES, min_split_tiles: int = MIN_SPLIT_TILES):
   """Choose (num_splits, tiles_per_split): the least time in waves x (tiles per CTA + CTA_OVERHEAD_TILES).
 
   One CTA fits per SM (SMEM), so a grid of ``ctas · splits`` CTAs runs in ceil(ctas · splits / num_sms) waves,
   each CTA taking ``tiles_per_split`` tile times plus its fixed cost (CTA_OVERHEAD_TILES, fitted to the sweep of
   2026-12-02: one wave of 32 / 16 / 8 tiles against two of 16 / 8 / 4 at P4 / P3 / C0 gave 2.7-5.9 tiles).
   Splits range from the fewest that keep a split <= ``max_split_tiles`` tiles to the most that keep it >=
-  MIN_SPLIT_TILES; ties go to fewer splits (less partial output to merge). Doubling the splits until the CTAs
+  ``min_split_tiles``; ties go to fewer splits (less partial output to merge). Doubling the splits until the CTAs
   reach ``num_sms`` (the plan before) turned grids just short of the SM count into two waves of half-length CTAs
   (docs/kernels/sparse_decode_sm90.md, "Split plan").
   """
   k_tiles = max(1, -(-topk // TILE))
   ctas = batch_tokens * tiles_per_token
   fewest = max(1, -(-k_tiles // max_split_tiles))
-  most = max(fewest, k_tiles // MIN_SPLIT_TILES)
+  most = max(fewest, k_tiles // min_split_tiles)
   cost = lambda n: (-(-ctas * n // num_sms)) * (-(-k_tiles // n) + CTA_OVERHEAD_TILES)
   splits = min(range(fewest, most + 1), key=lambda n: (cost(n), n))
   return splits, -(-k_tiles // splits)
@@ -250,7 +259,8 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     splits = -(-max(1, -(-topk // TILE)) // tps)
   else:
     splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
-                        BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design))
+                        BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design),
+                        MIN_SPLIT_TILES if bf16 else _min_split_tiles(design))
   if bf16:
     tuning = dict(cache_dtype="bfloat16")
   else:
@@ -293,8 +303,9 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
                   cache_dtype: str = "float8_e4m3fn") -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled tuning overrides for benchmark sweeps (each a valid ``tuning=`` of :func:`_sparse_decode_jit`),
   first ``"default": ()``: the other K-buffer counts (sm_90) or gather ring depths (sm_100), the heads-on-M
-  design's other schedules (``schedule``), and split lengths of 8-128 tiles where they differ
-  from the default plan."""
+  design's other schedules (``schedule``), and split lengths of 8-128 tiles where they differ from the default
+  plan; where the default grid leaves SMs idle (small batches), also the splits shorter than MIN_SPLIT_TILES
+  (1, 2 tiles: more CTAs, more partials to merge)."""
   cfg = default_config(h, batch_tokens, topk, arch, cache_dtype)
   out = {"default": ()}
   field = "stages" if cfg.design == "sm100" else "k_buffers"
@@ -306,7 +317,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
-  candidates += [(("tiles_per_split", t),) for t in (8, 16, 32, 64, 128)
+  short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
+  candidates += [(("tiles_per_split", t),) for t in short + (8, 16, 32, 64, 128)
                  if t != cfg.kernel.tiles_per_split and t < 2 * k_tiles]
   seen = {cfg}
   for tuning in candidates:
@@ -377,10 +389,9 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
   """Q [T, H, 576] as the design's kernel reads it, with its per-row logit scales (q_scale · softmax_scale ·
   kv_scale · log2 e): heads on N flat and unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64,
   ...], H < 64 zero-padded); on sm_90 each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent
-  448-511 in the 128-byte tail chunk). Heads on M with H a multiple of 64: kernels/q_quant.py, one launch that
-  reads q once (the same bytes and scales as the XLA ops below; P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027,
-  C0 43.2 / 43.5: docs/kernels/sparse_decode_sm90.md); otherwise fused XLA ops. A bfloat16 cache's kernel takes
-  q in bf16 as it is (64-row tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
+  448-511 in the 128-byte tail chunk). Where :func:`_prepass_kernel` says so, kernels/q_quant.py makes it in one
+  launch that reads q once (the same bytes and scales); otherwise :func:`_xla_kernel_q`. A bfloat16 cache's kernel
+  takes q in bf16 as it is (64-row tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
   n_tok, h, _ = q.shape
   if getattr(cfg.kernel, "bf16", False):   # bf16 cache: q in bf16 as it is, one logit scale for every row
     q16 = q.astype(jnp.bfloat16)
@@ -389,15 +400,47 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
     tiles = n_tok * tiles_per_token
     scale = jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32) * jnp.float32(LOG2E)
     return q16.reshape(tiles, TILE, D_QK), jnp.full((tiles, TILE), scale, jnp.float32)
-  if cfg.design == "sm90_heads_m" and h % TILE == 0:
-    from mla_pallas.kernels import q_quant
+  if arch == "sm90" and _prepass_kernel(cfg.design, n_tok, h):
+    return _q_quant_kernel_q(q, cfg.design, softmax_scale, kv_scale, interpret)
+  return _xla_kernel_q(q, cfg.design, arch, tiles_per_token, softmax_scale, kv_scale)
+
+
+PREPASS_KERNEL_MIN_ROWS = 2048   # q rows (T · H) from which the Q pre-pass kernel beats the XLA ops
+
+
+def _prepass_kernel(design: str, n_tok: int, h: int) -> bool:
+  """Whether the sm_90 Q pre-pass runs kernels/q_quant.py (it takes 64-row blocks of q rows): heads on M with H a
+  multiple of 64 and at least PREPASS_KERNEL_MIN_ROWS rows. The kernel costs ~5 us however few rows it has, the
+  XLA ops ~3.5 us plus ~1 ns a row (benchmarks/q_prepass_gpu.py: T1 H128 5.3 vs 3.5 us, T8 5.5 vs 4.5, T16 5.9 vs
+  5.0, T256 28.5 vs 36.9; in the op P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027, C0 (2048 rows) 43.2 / 43.5:
+  docs/kernels/sparse_decode_sm90.md). Heads on N could take it where T · H is a multiple of 64
+  (:func:`_q_quant_kernel_q`); at its shapes (T · H <= 256 rows) it measured slower (5.1-5.3 vs 3.4-3.7 us)."""
+  return design == "sm90_heads_m" and h % TILE == 0 and n_tok * h >= PREPASS_KERNEL_MIN_ROWS
+
+
+def _q_quant_kernel_q(q, design: str, softmax_scale, kv_scale, interpret):
+  """:func:`_xla_kernel_q`'s result by kernels/q_quant.py: q [T, H, 576] seen as 64-row blocks of its T · H rows
+  (a free reshape: each row is quantized on its own), so heads on M needs H % 64 == 0 and heads on N
+  T · H % 64 == 0 (ValueError otherwise)."""
+  from mla_pallas.kernels import q_quant
+  n_tok, h, _ = q.shape
+  if (n_tok * h) % TILE or (design != "sm90_heads_n" and h % TILE):
+    raise ValueError(f"q_quant takes 64-row blocks of q rows: {design} with T={n_tok}, H={h} has none")
+  if design != "sm90_heads_n":
     return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
+  q8, rs = q_quant.quantize_q(q.reshape(n_tok * h // TILE, TILE, D_QK), kv_scale, softmax_scale, interpret)
+  return q8.reshape(n_tok * h, q8.shape[-1]), rs.reshape(n_tok * h)
+
+
+def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
+  """:func:`_kernel_q`'s FP8 result by fused XLA ops (quant.quantize_rows_fp8, the zero columns, the scale)."""
+  n_tok, h, _ = q.shape
   q8, q_scale = quant.quantize_rows_fp8(q)
   row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
   if arch == "sm90":
     zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
     q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
-  if cfg.design == "sm90_heads_n":   # the kernel reads 16 rows from row token · H
+  if design == "sm90_heads_n":   # the kernel reads 16 rows from row token · H
     return q8.reshape(n_tok * h, q8.shape[-1]), row_scale.reshape(n_tok * h)
   if h < TILE:
     q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))

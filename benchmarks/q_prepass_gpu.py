@@ -1,0 +1,49 @@
+"""The sparse sm_90 kernels' Q pre-pass on the H200, by itself: the fused XLA ops (ops.sparse_decode._xla_kernel_q)
+against kernels/q_quant.py (ops.sparse_decode._q_quant_kernel_q; heads on N through the [T · H / 64, 64, 576] view),
+CUPTI device time per call over 4 rotated input sets, after a bitwise check of the two results. Question it
+answers: does the one-launch kernel beat XLA's fusions at the latency shapes (issue 24), where the heads-on-N
+designs still run the XLA ops, and what does it cost at T = 1 (DeepSeek's decode step spends ~5.4 us there)?
+
+Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/q_prepass_gpu.py [--iters 50]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_pallas import bench_timing
+from mla_pallas.ops import sparse_decode as sd
+
+# (T query tokens, H heads, design)
+SHAPES = [(8, 8, "sm90_heads_n"), (8, 16, "sm90_heads_n"), (32, 8, "sm90_heads_n"), (24, 8, "sm90_heads_n"),
+          (1, 128, "sm90_heads_m"), (8, 128, "sm90_heads_m"), (16, 128, "sm90_heads_m"), (256, 128, "sm90_heads_m")]
+SCALE = 576 ** -0.5
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--iters", type=int, default=50)
+  args = ap.parse_args()
+  print(f"{'T':>4} {'H':>4} {'design':<13} {'xla us':>8} {'kernel us':>9}  xla kernels")
+  for t, h, design in SHAPES:
+    tiles = 1 if design == "sm90_heads_n" else h // 64
+    xla = jax.jit(lambda q, d=design, n=tiles: sd._xla_kernel_q(q, d, "sm90", n, SCALE, jnp.float32(0.5)))
+    kern = jax.jit(lambda q, d=design: sd._q_quant_kernel_q(q, d, SCALE, jnp.float32(0.5), False))
+    sets = [(jax.random.normal(jax.random.key(i), (t, h, 576), jnp.bfloat16) * 3,) for i in range(4)]
+    a, b = xla(*sets[0]), kern(*sets[0])
+    same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(a, b))
+    times = {}
+    for name, fn in (("xla", xla), ("kernel", kern)):
+      samples, kernels = bench_timing.time_cupti(fn, sets, iters=args.iters, warmup=3)
+      times[name] = (statistics.median(samples), kernels)
+    ks = ", ".join(f"{k[:28]} {v:.2f}" for k, v in times["xla"][1].items())
+    print(f"{t:>4} {h:>4} {design:<13} {times['xla'][0]:8.2f} {times['kernel'][0]:9.2f}  {ks}"
+          + ("" if same else "   NOT BITWISE EQUAL"), flush=True)
+
+
+if __name__ == "__main__":
+  main()
