@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# What waits for a GPU (issues 20-24), as named groups for device calls (state after the seventeenth session):
+# What waits for a GPU (issues 20-24), as named groups for device calls (state after the eighteenth session):
 #
 #   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | next
 #   DEADLINE=540 bash benchmarks/pending_gpu.sh next   # start no group after 540 s, and cut the running one's
 #                                                      # timeout to what is left
 #
-# next (the order for the next device call): t_prefill_kernel (v2: per-row e4m3 scales, v read in place),
-#   b_prefill_deepseek, b_prefill_glm5, latency_b8 (issue 24's B8 dense and decode-step rows: the decode step
-#   now without per-call weight transposes), b_layer (mla_layer_decode), t_prefill_separate (6 of the cuDNN
-#   context-split cases never reached).
-# Tests (each under a timeout; rc 124 = deadlock or too slow): t_prefill_kernel, t_prefill_separate,
-#   t_batch_invariance, t_dense, t_rope_bf16_write, t_bf16.
-# Benches (CUPTI, beside XLA / cuDNN): b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
-#   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 (issue 24's shapes; each JSON
-#   keeps the per-kernel CUPTI breakdown, results[].kernels).
-#
-# Then: prefill._KERNEL_VALIDATED_ON = ("sm90",) only if the op measured faster than cuDNN at both presets, and
-# record the numbers (RESULTS.md, CURRENT.md; the predictions are in docs/kernels/prefill_sm90.md).
+# next (the order for the next device call): t_sparse (the fp8-cache kernels now write bf16 split partials: the
+#   GPU grid has never run that store with splits > 1), ab_merge (benchmarks/sparse_merge_ab_gpu.py: the new
+#   merge against the old in one process; keep the new one only if no shape got slower), t_dense,
+#   t_batch_invariance, latency (issue 24's shapes with the eighteenth session's split plan, Q pre-pass rule and
+#   merge; each JSON keeps the per-kernel breakdown).
+# Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance,
+#   t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
+# Benches (CUPTI, beside XLA / cuDNN): ab_merge, q_prepass (benchmarks/q_prepass_gpu.py), b_prefill_deepseek,
+#   b_prefill_glm5, b_prefill_ctx, b_prefill_step, b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3),
+#   b_layer, latency / latency_b8 (issue 24's shapes).
+# Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHAT=${1:-tests}
@@ -40,6 +39,9 @@ run() {   # name, timeout seconds, command...
 T="$PY -m pytest -q -m gpu -p no:cacheprovider -s"
 B="$PY -m mla_pallas.cli bench"
 common=(--no-plot --no-progress --out "$OUT")
+t_sparse() { run t_sparse 300 $T tests/test_sparse_decode_gpu.py; }
+ab_merge() { run ab_merge 300 $PY benchmarks/sparse_merge_ab_gpu.py; }
+q_prepass() { run q_prepass 120 $PY benchmarks/q_prepass_gpu.py; }
 t_prefill_kernel() { run t_prefill_kernel 300 $T tests/test_prefill_kernel_gpu.py; }
 t_prefill_separate() { run t_prefill_separate 240 $T tests/test_prefill_gpu.py -k separate; }
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }
@@ -88,15 +90,15 @@ latency_steps() {   # B: dense decode and the decode steps
   run "step_deepseek_tp8_B${b}" 120 $B mla_decode_step --impl all --shape model=deepseek_v32,B=$b,s_q=1,tp=8 \
     "${common[@]}"
 }
-b_layer() {   # one FP8 layer's decode (K-major weights since the seventeenth session; never timed before)
+b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at model size: K = 7168 projections)
   local b
   for b in 1 8; do
-    run "layer_deepseek_B${b}" 150 $B mla_layer_decode --impl xla,mosaic --shape model=deepseek_v32,B=$b "${common[@]}"
-    run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,mosaic --shape model=glm5,B=$b,tp=8 "${common[@]}"
+    run "layer_deepseek_B${b}" 150 $B mla_layer_decode --impl xla,auto --shape model=deepseek_v32,B=$b "${common[@]}"
+    run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,auto --shape model=glm5,B=$b,tp=8 "${common[@]}"
   done
 }
-tests="t_prefill_kernel,t_prefill_separate,t_batch_invariance,t_dense,t_rope_bf16_write,t_bf16"
-next="t_prefill_kernel,b_prefill_deepseek,b_prefill_glm5,latency_b8,b_layer,t_prefill_separate"
+tests="t_sparse,t_dense,t_batch_invariance,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
+next="t_sparse,ab_merge,t_dense,t_batch_invariance,latency"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

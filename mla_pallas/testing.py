@@ -222,7 +222,8 @@ def _wgmma_rel_error(k: int) -> float:
 
 def fp8_error_terms(*, quantized_q: bool = True, quantized_kv: bool = False, quantized_p: bool = True,
                     fp8_mma: bool = True, d_qk: int = 576, pv_length: int = 2048,
-                    logit_std: float = 1.0, bf16_output: bool = True) -> dict[str, float]:
+                    logit_std: float = 1.0, bf16_output: bool = True,
+                    split_partials_bf16: bool = False) -> dict[str, float]:
   """The RMS relative-error contributions of :func:`fp8_error_budget`, by source (see there for the model).
 
   Returns a dict name -> RMS relative error of the attention output; zero terms are included for clarity.
@@ -241,6 +242,8 @@ def fp8_error_terms(*, quantized_q: bool = True, quantized_kv: bool = False, qua
       "pv_mma": _wgmma_rel_error(pv_length) if fp8_mma else 0.0,
       # got and want are both rounded to bf16: difference of two independent roundings.
       "out_bf16": math.sqrt(2.0) * BF16_UNIT_ROUNDOFF / math.sqrt(3.0) if bf16_output else 0.0,
+      # the kernel's split partials rounded to bf16 before the merge (a third rounding of the same size)
+      "partials_bf16": BF16_UNIT_ROUNDOFF / math.sqrt(3.0) if split_partials_bf16 else 0.0,
   }
 
 
@@ -253,7 +256,8 @@ BF16_ATTENTION_REL_L2 = 3.0 * 2.0 ** -8
 
 def fp8_error_budget(*, quantized_q: bool = True, quantized_kv: bool = False, quantized_p: bool = True,
                      fp8_mma: bool = True, d_qk: int = 576, pv_length: int = 2048,
-                     logit_std: float = 1.0, bf16_output: bool = True, safety: float = 3.0) -> float:
+                     logit_std: float = 1.0, bf16_output: bool = True, split_partials_bf16: bool = False,
+                     safety: float = 3.0) -> float:
   r"""Rel-L2 tolerance of an FP8 attention output against the float32 reference on the same (dequantized) inputs.
 
   Returns ``safety * sqrt(sum_i t_i^2)`` with the RMS terms ``t_i`` of :func:`fp8_error_terms`.
@@ -283,7 +287,10 @@ def fp8_error_budget(*, quantized_q: bool = True, quantized_kv: bool = False, qu
     ``logit_std``), the PV product (K = ``pv_length``: keys accumulated in one fp8 wgmma chain; the whole top-k
     unless the kernel promotes to separate f32 accumulators per tile) on the output. Terms ``qk_mma`` and
     ``pv_mma``. Interpret mode computes these products exactly; the term is then a (small) overestimate.
-  * both outputs are rounded to bf16: sqrt(2) * 2^-8 / sqrt(3) (term ``out_bf16``).
+  * both outputs are rounded to bf16: sqrt(2) * 2^-8 / sqrt(3) (term ``out_bf16``); the sparse and dense decode
+    kernels over an fp8 cache also round each split's partial output to bf16 before the merge:
+    2^-8 / sqrt(3) more (term ``partials_bf16``, ``split_partials_bf16=True``; counted whether or not the call
+    splits).
 
   **Assumptions and safety.** The model is first order and assumes generic inputs: q and latent rows with
   N(0, 1)-like entries, logits of standard deviation ``logit_std`` (1.0 for N(0, 1) data with
@@ -311,7 +318,7 @@ def fp8_error_budget(*, quantized_q: bool = True, quantized_kv: bool = False, qu
     raise ValueError(f"safety must be positive; got {safety}")
   terms = fp8_error_terms(quantized_q=quantized_q, quantized_kv=quantized_kv, quantized_p=quantized_p,
                           fp8_mma=fp8_mma, d_qk=d_qk, pv_length=pv_length, logit_std=logit_std,
-                          bf16_output=bf16_output)
+                          bf16_output=bf16_output, split_partials_bf16=split_partials_bf16)
   return safety * math.sqrt(sum(t * t for t in terms.values()))
 
 

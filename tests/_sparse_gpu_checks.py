@@ -48,8 +48,9 @@ def run(case, impl, tuning=()):
 
 
 def _budget(case, pv_length, quantized_p):
-  return testing.fp8_error_budget(logit_std=logit_std(case), pv_length=pv_length, fp8_mma=True,
-                                  quantized_p=quantized_p)
+  return testing.fp8_error_budget(
+      split_partials_bf16=True, logit_std=logit_std(case), pv_length=pv_length, fp8_mma=True,
+      quantized_p=quantized_p)
 
 
 def check_kernel_matches_reference(rng, H, s_q, *, quantized_p, tuning=()):

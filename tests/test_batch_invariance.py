@@ -92,20 +92,20 @@ def test_default_plan_depends_on_the_batch_and_invariant_plan_does_not():
   assert {(c.num_splits, c.kernel.tiles_per_split) for c in inv.values()} == {(2, sd.INVARIANT_SPLIT_TILES)}
 
 
-def test_unrolled_combine_matches_combine_and_ignores_empty_splits(rng):
+def test_combine_ignores_empty_splits_bitwise(rng):
+  """The merge's fixed chain: one more empty split (lse -inf, o 0) at the end gives the same bits (a wider table
+  in a batch); bf16 partials (the fp8-cache kernels' output) merge the same way. Its values against a logsumexp
+  reference: tests/test_sparse_decode.py::test_combine_splits_matches_logsumexp."""
   o = jnp.asarray(rng.normal(size=(3, 4, 64, 512)), jnp.float32)
   lse = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32).at[1, 2].set(-jnp.inf)
   o = o.at[1, 2].set(0.0)
-  a, la = sd.combine_splits_unrolled(o, lse)
-  b, lb = sd.combine_splits(o, lse)
-  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-6, atol=1e-6)
-  # one more empty split (lse -inf, o 0) at the end: the same bits
-  o2 = jnp.concatenate([o, jnp.zeros((3, 1, 64, 512), jnp.float32)], axis=1)
-  l2 = jnp.concatenate([lse, jnp.full((3, 1, 64), -jnp.inf, jnp.float32)], axis=1)
-  a2, la2 = sd.combine_splits_unrolled(o2, l2)
-  np.testing.assert_array_equal(_bits(a2), _bits(a))
-  np.testing.assert_array_equal(_bits(la2), _bits(la))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    a, la = sd.combine_splits(o.astype(dtype), lse)
+    o2 = jnp.concatenate([o, jnp.zeros((3, 1, 64, 512), jnp.float32)], axis=1).astype(dtype)
+    l2 = jnp.concatenate([lse, jnp.full((3, 1, 64), -jnp.inf, jnp.float32)], axis=1)
+    a2, la2 = sd.combine_splits(o2, l2)
+    np.testing.assert_array_equal(_bits(a2), _bits(a))
+    np.testing.assert_array_equal(_bits(la2), _bits(la))
 
 
 def test_batch_invariant_must_be_a_bool(rng):

@@ -86,7 +86,8 @@ def _check_pages(new, want, old, slots):
 
 
 def _attention_budget(pv_length, cfg):
-  return testing.fp8_error_budget(logit_std=_logit_std(cfg), pv_length=pv_length, fp8_mma=False)
+  return testing.fp8_error_budget(
+      split_partials_bf16=True, logit_std=_logit_std(cfg), pv_length=pv_length, fp8_mma=False)
 
 
 def _bf16_budget(cfg, rounded=3):

@@ -41,7 +41,7 @@ def _logit_std(cfg):
 
 
 def _same_weights_budget(cfg, ctx):
-  return testing.fp8_error_budget(logit_std=_logit_std(cfg), pv_length=ctx, fp8_mma=False)
+  return testing.fp8_error_budget(split_partials_bf16=True, logit_std=_logit_std(cfg), pv_length=ctx, fp8_mma=False)
 
 
 def _fp8_vs_bf16_budget(cfg):

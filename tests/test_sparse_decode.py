@@ -31,7 +31,7 @@ def _budget(case, fp8_mma, quantized_p=True):
   # Q rounded to e4m3 in both implementations, P in the XLA path (the sm_90 kernels keep P in f16:
   # quantized_p=False); fp8_mma=False in interpret mode (exact f32 products) and for XLA on the CPU (fp8
   # operands are upcast).
-  return testing.fp8_error_budget(logit_std=logit_std(case), pv_length=case.indices.shape[-1],
+  return testing.fp8_error_budget(split_partials_bf16=True, logit_std=logit_std(case), pv_length=case.indices.shape[-1],
                                   fp8_mma=fp8_mma, quantized_p=quantized_p)
 
 
@@ -122,13 +122,14 @@ def test_kernel_interpret_matches_reference(rng, B, s_q, H, topk, page, tl):
   # f16: the two differ by the P term of the error model (plus both bf16 output roundings).
   xla_out, _ = _run(case, "xla")
   testing.assert_close_fp8(out, xla_out, what="kernel vs XLA path", rel_l2=testing.fp8_error_budget(
-      quantized_q=False, quantized_p=True, fp8_mma=False, pv_length=topk))
+      split_partials_bf16=True, quantized_q=False, quantized_p=True, fp8_mma=False, pv_length=topk))
 
 
 def _interpret_budget(case):
   # P kept in f16 by both sm_90 designs (rounding 2^-11): no P term in the error model; exact products.
-  return testing.fp8_error_budget(logit_std=logit_std(case), pv_length=case.indices.shape[-1], fp8_mma=False,
-                                  quantized_p=False)
+  return testing.fp8_error_budget(
+      split_partials_bf16=True, logit_std=logit_std(case), pv_length=case.indices.shape[-1], fp8_mma=False,
+      quantized_p=False)
 
 
 @pytest.mark.parametrize("H,tuning", [
@@ -341,7 +342,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   S = jax.ShapeDtypeStruct
   idx = S((n_tok, splits * tps, 64), jnp.int32)
   kv = S((4096, 576), FP8)
-  out_dtype = "bfloat16" if splits == 1 else "float32"
+  out_dtype = sd._partials_dtype(splits, bf16_cache=False)     # bf16, split or not (the op's choice)
   if H > sd.HEADS_ON_N_MAX:
     tiles_per_token = max(1, H // 64)
     cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, schedule=schedule)
@@ -363,9 +364,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       assert low.count(r"ld\.shared\.b32 ") == 2 * 32 + 4        # + the thread gather's 4 row-id loads
       assert low.count(r"prmt\.b32") == 2 * 32 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 64
       # O: per consumer 8 head groups x 2 heads x 2 halves, 4 consecutive latent columns each
-      piece = r"\{alignment = 8 : i64\} : vector<4xbf16>" if splits == 1 else \
-          r"\{alignment = 16 : i64\} : vector<4xf32>"
-      assert low.count(piece) == 2 * 8 * 2 * 2
+      assert low.count(r"\{alignment = 8 : i64\} : vector<4xbf16>") == 2 * 8 * 2 * 2
     else:
       # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
       assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4

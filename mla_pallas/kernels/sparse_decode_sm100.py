@@ -23,8 +23,8 @@ Inputs are prepared by ``mla_pallas.ops.sparse_decode`` (the same fused XLA pre-
 per row, indices sanitised (every invalid entry replaced by ``num_slots``, top-k padded to the split grid with the
 same marker) and passed as uint32 (gather4 takes unsigned indices). A row id of ``num_slots`` lies wholly past
 the end of the cache, so its TMA box is zero-filled by the hardware: the kernel never reads out of bounds, and the
-softmax masks those columns to −inf. Outputs (o bf16, or f32 when split; lse f32) have the sm_90 kernel's shapes,
-so ``combine_splits`` and the op wrapper are shared.
+softmax masks those columns to −inf. Outputs (o in the op's dtype, bf16 for this fp8
+cache also when split; lse f32) have the sm_90 kernel's shapes, so ``combine_splits`` and the op wrapper are shared.
 
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------

@@ -354,9 +354,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
-  # split partials in f32, merged by combine_splits (batch_invariant: always, so that a row's last rounding is the
-  # same whether its top-k width gives it one split or several)
-  out_dtype = "bfloat16" if splits == 1 and not batch_invariant else "float32"
+  out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)))
   q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
                             interpret)
   if heads_on_n:        # O [.., out_heads, 512]
@@ -374,10 +372,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   else:                 # 128-byte boxes of the 2-D cache
     o, lse = kern(q8, row_scale, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
-  if batch_invariant:
-    o, lse = combine_splits_unrolled(o, lse)
-  elif splits > 1:
-    o, lse = combine_splits(o, lse)
+  if splits > 1 or batch_invariant:   # batch_invariant: always, so that a row's last rounding is the same
+    o, lse = combine_splits(o, lse)   # whether its top-k width gives it one split or several
   else:
     o, lse = o[:, 0], lse[:, 0]
   o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
@@ -448,24 +444,26 @@ def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale
   return q8.reshape(n_tok * tiles_per_token, TILE, q8.shape[-1]), row_scale.reshape(n_tok * tiles_per_token, TILE)
 
 
+def _partials_dtype(splits: int, bf16_cache: bool) -> str:
+  """The attention kernel's output dtype: bfloat16, except split partials over a bfloat16 cache (float32).
+
+  With an fp8 cache each split's normalised partial O is rounded to bf16 before the merge: one more rounding of
+  ~2^-9 relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``out_bf16``), for
+  half the bytes the kernel writes and :func:`combine_splits` reads (B1 H128, top-k 2048: 16 splits, 4.2 -> 2.1
+  MB; the merge of small batches moves mostly these bytes). BF16 attention (a bfloat16 cache) keeps f32 partials,
+  as FlashMLA does, so that its error stays at bf16 rounding of P and the output."""
+  return "float32" if splits > 1 and bf16_cache else "bfloat16"
+
+
 def combine_splits(o, lse):
-  """Merge split-KV partial results. o [..., splits, R, 512] (each normalised), lse [..., splits, R] natural log.
+  """Merge split-KV partial results: o [..., splits, R, 512] (each normalised; bf16 or f32), lse [..., splits, R]
+  natural log. Returns (o [..., R, 512] f32, lse [..., R]).
 
-  Returns (o [..., R, 512] f32, lse [..., R]). Splits with lse = −inf (nothing valid) get weight 0; if every
-  split is empty the result is o = 0, lse = −inf.
-  """
-  m = jnp.max(lse, axis=-2, keepdims=True)
-  m_use = jnp.where(m == -jnp.inf, 0.0, m)
-  w = jnp.exp(lse - m_use)                                       # [..., splits, R]
-  tot = jnp.sum(w, axis=-2)
-  o = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=-3) / jnp.where(tot == 0, 1.0, tot)[..., None]
-  return o, jnp.log(tot) + m_use[..., 0, :]
-
-
-def combine_splits_unrolled(o, lse):
-  """:func:`combine_splits` as a fixed chain of elementwise ops over the splits in order (split 0 first), so that
-  a row's bits do not depend on how XLA would tile a reduction for the array's shape; empty splits (lse = −inf,
-  o = 0) add exact zeros, so a row with extra empty splits gets the same bits (batch-invariant mode)."""
+  A fixed chain of elementwise ops over the splits in order (split 0 first) rather than reductions over the split
+  axis: the bits of a row do not depend on how XLA would tile a reduction for the array's shape (batch-invariant
+  mode), and XLA fuses the chain into two launches (o, lse) where the reductions took three. Splits with
+  lse = −inf (nothing valid) get weight 0 and add exact zeros, so a row with extra empty splits gets the same bits;
+  if every split is empty the result is o = 0, lse = −inf."""
   n = lse.shape[-2]
   m = lse[..., 0, :]
   for i in range(1, n):
@@ -534,7 +532,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
     batch_invariant: python bool. True: the bits of a row's out and lse depend only on its own q, indices and
       topk_length (and the cache), not on the batch size or the other rows: the kernel splits every row's top-k
       into splits of INVARIANT_SPLIT_TILES · 64 keys whatever the batch (instead of the plan that fills the SMs)
-      and merges them in a fixed order (:func:`combine_splits_unrolled`); the XLA path runs one sequence at a
+      and merges them in a fixed order (:func:`combine_splits`); the XLA path runs one sequence at a
       time (``lax.map``). Costs: fewer CTAs at small batch, more splits at top-k > 1024.
 
   Returns:
