@@ -7,14 +7,15 @@
 #
 # next (the order for the next device call): t_sparse (the fp8-cache kernels now write bf16 split partials: the
 #   GPU grid has never run that store with splits > 1), ab_merge (benchmarks/sparse_merge_ab_gpu.py: the new
-#   merge against the old in one process; keep the new one only if no shape got slower), t_dense,
+#   merge against the old in one process; keep the new one only if no shape got slower), sweep_small (1-4-tile
+#   splits at B8 H8 / H16 and B1 H128 under the new merge: HEADS_M_MIN_SPLIT_TILES / MIN_SPLIT_TILES), t_dense,
 #   t_batch_invariance, latency (issue 24's shapes with the eighteenth session's split plan, Q pre-pass rule and
 #   merge; each JSON keeps the per-kernel breakdown).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance,
 #   t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
-# Benches (CUPTI, beside XLA / cuDNN): ab_merge, q_prepass (benchmarks/q_prepass_gpu.py), b_prefill_deepseek,
-#   b_prefill_glm5, b_prefill_ctx, b_prefill_step, b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3),
-#   b_layer, latency / latency_b8 (issue 24's shapes).
+# Benches (CUPTI, beside XLA / cuDNN): ab_merge, sweep_small, q_prepass (benchmarks/q_prepass_gpu.py),
+#   b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step, b_prefill_step_ctx, b_invariant,
+#   b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 (issue 24's shapes).
 # Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -42,6 +43,15 @@ common=(--no-plot --no-progress --out "$OUT")
 t_sparse() { run t_sparse 300 $T tests/test_sparse_decode_gpu.py; }
 ab_merge() { run ab_merge 300 $PY benchmarks/sparse_merge_ab_gpu.py; }
 q_prepass() { run q_prepass 120 $PY benchmarks/q_prepass_gpu.py; }
+sweep_small() {   # split lengths at small batches with the new merge (heads on N kept 4-tile splits under the old one)
+  local bh b h
+  for bh in "8 8" "8 16" "1 128"; do
+    read -r b h <<<"$bh"
+    run "sweep_B${b}_H${h}" 100 $B sparse_mla_decode --impl mosaic --sweep \
+      --sweep-only tiles_per_split=1,tiles_per_split=2,tiles_per_split=4 \
+      --shape B=$b,s_q=1,H=$h,topk=2048,page=64,ctx=32768 "${common[@]}"
+  done
+}
 t_prefill_kernel() { run t_prefill_kernel 300 $T tests/test_prefill_kernel_gpu.py; }
 t_prefill_separate() { run t_prefill_separate 240 $T tests/test_prefill_gpu.py -k separate; }
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }
@@ -98,7 +108,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_sparse,ab_merge,t_dense,t_batch_invariance,latency"
+next="t_sparse,ab_merge,sweep_small,t_dense,t_batch_invariance,latency"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
