@@ -448,7 +448,7 @@ def _partials_dtype(splits: int, bf16_cache: bool) -> str:
   """The attention kernel's output dtype: bfloat16, except split partials over a bfloat16 cache (float32).
 
   With an fp8 cache each split's normalised partial O is rounded to bf16 before the merge: one more rounding of
-  ~2^-9 relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``out_bf16``), for
+  ~2^-9 relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``partials_bf16``), for
   half the bytes the kernel writes and :func:`combine_splits` reads (B1 H128, top-k 2048: 16 splits, 4.2 -> 2.1
   MB; the merge of small batches moves mostly these bytes). BF16 attention (a bfloat16 cache) keeps f32 partials,
   as FlashMLA does, so that its error stays at bf16 rounding of P and the output."""
@@ -461,7 +461,8 @@ def combine_splits(o, lse):
 
   A fixed chain of elementwise ops over the splits in order (split 0 first) rather than reductions over the split
   axis: the bits of a row do not depend on how XLA would tile a reduction for the array's shape (batch-invariant
-  mode), and XLA fuses the chain into two launches (o, lse) where the reductions took three. Splits with
+  mode), and XLA fused the chain into two launches (o, lse) where the reductions took three (H200 profiles at B8
+  H128: docs/kernels/sparse_decode_sm90.md, "Small batches"). Splits with
   lse = −inf (nothing valid) get weight 0 and add exact zeros, so a row with extra empty splits gets the same bits;
   if every split is empty the result is o = 0, lse = −inf."""
   n = lse.shape[-2]
