@@ -1,5 +1,5 @@
 """kernels/q_quant.py: the sparse heads-on-M kernels' Q pre-pass in one kernel, bitwise against the XLA pre-pass
-(quant.quantize_rows_fp8, the zero columns, the folded scale) in interpret mode with race detection, lowered for
+(quant.quantize_rows_fp8, the zero columns, the row scale max(|q| · k)) in interpret mode with race detection, lowered for
 sm_90a, and natively on a GPU; at the op level (where it is the default pre-pass for H a multiple of 64) the kernel gives bitwise the outputs of
 the XLA pre-pass."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_pallas import quant, testing
+from mla_pallas import testing
 from mla_pallas.kernels import common, q_quant
 from mla_pallas.ops import sparse_decode as sd
 
@@ -19,11 +19,8 @@ RACES = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
 
 
 def _xla(q, kv_scale, softmax_scale):
-  q8, scale = quant.quantize_rows_fp8(q)
-  rs = scale * (softmax_scale * jnp.float32(kv_scale) * common.LOG2E)
-  zeros = jnp.zeros(q8.shape[:-1] + (common.Q_SW_COLS - common.D_QK,), q8.dtype)
-  q8 = jnp.concatenate([q8[..., :common.D_V], zeros, q8[..., common.D_V:]], -1)
-  return q8.reshape(-1, 64, common.Q_SW_COLS), rs.reshape(-1, 64)
+  """The op's XLA pre-pass for heads on M (64-row tiles): quantize_rows_fp8, the zero columns, max(|q| · k)."""
+  return sd._xla_kernel_q(q, "sm90_heads_m", "sm90", q.shape[1] // 64, softmax_scale, jnp.float32(kv_scale))
 
 
 def _inputs(rng, T, H, dtype):

@@ -6,10 +6,10 @@ Per query row (one head of one token), in the float32 arithmetic of :func:`mla_p
     amax      = max |q[row, :576]|
     scale     = amax · f32(1/448)   (1 for an all-zero row)
     q8[row]   = e4m3(clip(q · (1 / scale), ±448))  as latent (512) | 64 zeros | rope (64)   (640 bytes)
-    rs[row]   = scale · ((softmax_scale · kv_scale) · log2 e)
+    rs[row]   = amax · k,  k = f32(1/448) · ((softmax_scale · kv_scale) · log2 e)   (:func:`row_scales`)
 
-so the bytes and scales equal the XLA pre-pass's (``_mosaic_sparse_decode``: ``quantize_rows_fp8``, the
-concatenation with zeros, the scale product), which XLA runs as three fusions and two reads of q.
+so the bytes and scales equal the XLA pre-pass's (``ops.sparse_decode._xla_kernel_q``: ``quantize_rows_fp8``,
+the concatenation with zeros, and rs as max |q| · k, a second reduction XLA can fuse with the first).
 
 Shapes: q [num_tokens, H, 576] bf16 or f32 with H a multiple of 64; scal [1] f32 = kv_scale. Returns q8
 [num_tokens · H / 64, 64, 640] fp8 and rs [num_tokens · H / 64, 64] f32 (tile t = heads 64 (t % (H / 64)) ... of
@@ -57,10 +57,11 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
              for i in range(per)]
     return parts[0] if per == 1 else jnp.concatenate(parts, axis=1)
 
-  scale, inv = tile_scales(chunk)
-  store_boxes(chunk, inv, q8_smem)
-  kv_scale = scal_gmem[0]
-  rs_smem[...] = row_scales(scale, softmax_scale, kv_scale)
+  amax = tile_amax(chunk)
+  scale = amax * _INV_FP8_MAX
+  scale = jnp.where(scale == 0.0, 1.0, scale)
+  store_boxes(chunk, 1.0 / scale, q8_smem)
+  rs_smem[...] = row_scales(amax, softmax_scale, scal_gmem[0])
   plgpu.commit_smem()
   for b in range(common.SW_CHUNKS):
     plgpu.copy_smem_to_gmem(q8_smem.at[b], q8_gmem.at[t, :, pl.ds(b * common.SW_CHUNK, common.SW_CHUNK)])
@@ -68,16 +69,14 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
   plgpu.wait_smem_to_gmem(0)
 
 
-def tile_scales(chunk):
-  """(scale, 1 / scale), each [64] f32 in the row layout, of one 64-row tile of q: ``chunk(c)`` returns q's
-  columns [64 c, 64 c + 64) as f32 [64, 64] (WGMMA layout), c = 0..8. Arithmetic of quant.quantize_rows_fp8."""
+def tile_amax(chunk):
+  """max |q| of each row, [64] f32 in the row layout, of one 64-row tile of q: ``chunk(c)`` returns q's columns
+  [64 c, 64 c + 64) as f32 [64, 64] (WGMMA layout), c = 0..8."""
   amax = None
   for c in range(common.D_QK // CHUNK):
     m = jnp.abs(chunk(c)).max(axis=1)
     amax = m if amax is None else jnp.maximum(amax, m)
-  scale = amax * _INV_FP8_MAX
-  scale = jnp.where(scale == 0.0, 1.0, scale)
-  return scale, 1.0 / scale
+  return amax
 
 
 def store_boxes(chunk, inv, q8_ref, boxes=range(common.SW_CHUNKS)):
@@ -94,10 +93,13 @@ def store_boxes(chunk, inv, q8_ref, boxes=range(common.SW_CHUNKS)):
     q8_ref.at[b][...] = jnp.concatenate([lo, hi], axis=1)
 
 
-def row_scales(scale, softmax_scale: float, kv_scale):
-  """The attention kernels' per-row logit scale: q's scale · ((softmax_scale · kv_scale) · log2 e), in this order
-  (the XLA pre-pass's, so that every path gives the same bits)."""
-  return scale * ((jnp.float32(softmax_scale) * kv_scale) * jnp.float32(common.LOG2E))
+def row_scales(amax, softmax_scale: float, kv_scale):
+  """The attention kernels' per-row logit scale from a row's max |q|: amax · k with k = f32(1/448) · ((softmax_scale
+  · kv_scale) · log2 e), in this order (the XLA pre-pass computes max(|q| · k) over the row, the same bits since
+  rounding is monotonic). It equals q's scale · (softmax_scale · kv_scale · log2 e) up to one rounding; an all-zero
+  row gets 0 instead (its logits are 0 either way)."""
+  k = jnp.float32(_INV_FP8_MAX) * ((jnp.float32(softmax_scale) * kv_scale) * jnp.float32(common.LOG2E))
+  return amax * k
 
 
 def _chunk_cols(dtype_name: str) -> int:

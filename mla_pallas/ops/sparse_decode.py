@@ -383,7 +383,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
 
 def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
   """Q [T, H, 576] as the design's kernel reads it, with its per-row logit scales (q_scale · softmax_scale ·
-  kv_scale · log2 e): heads on N flat and unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64,
+  kv_scale · log2 e, made as max |q| · f32(1/448) · ... : kernels/q_quant.row_scales): heads on N flat and unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64,
   ...], H < 64 zero-padded); on sm_90 each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent
   448-511 in the 128-byte tail chunk). Where :func:`_prepass_kernel` says so, kernels/q_quant.py makes it in one
   launch that reads q once (the same bytes and scales); otherwise :func:`_xla_kernel_q`. A bfloat16 cache's kernel
@@ -429,10 +429,14 @@ def _q_quant_kernel_q(q, design: str, softmax_scale, kv_scale, interpret):
 
 
 def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
-  """:func:`_kernel_q`'s FP8 result by fused XLA ops (quant.quantize_rows_fp8, the zero columns, the scale)."""
+  """:func:`_kernel_q`'s FP8 result by fused XLA ops: quant.quantize_rows_fp8, the zero columns, and the row scale
+  as max(|q| · k) over the row (kernels/q_quant.row_scales' amax · k: the same bits, rounding being monotonic), a
+  second reduction of q beside the amax, which XLA can run in the same fusion instead of a separate product."""
   n_tok, h, _ = q.shape
-  q8, q_scale = quant.quantize_rows_fp8(q)
-  row_scale = q_scale * (softmax_scale * kv_scale * LOG2E)
+  q8, _ = quant.quantize_rows_fp8(q)
+  k = jnp.float32(quant._INV_FP8_MAX) * ((jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32))
+                                        * jnp.float32(LOG2E))
+  row_scale = jnp.max(jnp.abs(q.astype(jnp.float32)) * k, axis=-1)
   if arch == "sm90":
     zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
     q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
