@@ -13,7 +13,7 @@
 #   merge; each JSON keeps the per-kernel breakdown).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance,
 #   t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
-# Benches (CUPTI, beside XLA / cuDNN): ab_merge, sweep_small, q_prepass (benchmarks/q_prepass_gpu.py),
+# Benches (CUPTI, beside XLA / cuDNN): ab_merge, sweep_small, sweep_bmm_b1, q_prepass (benchmarks/q_prepass_gpu.py),
 #   b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step, b_prefill_step_ctx, b_invariant,
 #   b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 (issue 24's shapes).
 # Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows.
@@ -43,6 +43,12 @@ common=(--no-plot --no-progress --out "$OUT")
 t_sparse() { run t_sparse 300 $T tests/test_sparse_decode_gpu.py; }
 ab_merge() { run ab_merge 300 $PY benchmarks/sparse_merge_ab_gpu.py; }
 q_prepass() { run q_prepass 120 $PY benchmarks/q_prepass_gpu.py; }
+sweep_bmm_b1() {   # the decode step's two BMMs at B1 with weights cold in HBM (5.3 us each in the step; 4.1 / 3.8 us
+                   # was measured with 2 input sets, i.e. from L2): is another tile or ring depth faster cold?
+  run sweep_bmm_uk 150 $B quantize_and_bmm_fp8 --impl xla,mosaic --sweep --preset deepseek_v32 --shape T=1 \
+    "${common[@]}"
+  run sweep_bmm_uv 150 $B quantize_and_bmm_fp8 --impl xla,mosaic --sweep --shape T=1,H=128,K=512,N=128 "${common[@]}"
+}
 sweep_small() {   # split lengths at small batches with the new merge (heads on N kept 4-tile splits under the old one)
   local bh b h
   for bh in "8 8" "8 16" "1 128"; do
