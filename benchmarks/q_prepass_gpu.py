@@ -1,5 +1,5 @@
 """The sparse sm_90 kernels' Q pre-pass on the H200, by itself: the fused XLA ops (ops.sparse_decode._xla_kernel_q)
-against kernels/q_quant.py (ops.sparse_decode._q_quant_kernel_q; heads on N through the [T · H / 64, 64, 576] view),
+against kernels/q_quant.py (heads on N through the [T · H / 64, 64, 576] view of q: each row is quantized alone),
 CUPTI device time per call over 4 rotated input sets, after a bitwise check of the two results. Question it
 answers: does the one-launch kernel beat XLA's fusions at the latency shapes (issue 24), where the heads-on-N
 designs still run the XLA ops, and what does it cost at T = 1 (DeepSeek's decode step spends ~5.4 us there)?
@@ -16,12 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_pallas import bench_timing
+from mla_pallas.kernels import q_quant
 from mla_pallas.ops import sparse_decode as sd
 
 # (T query tokens, H heads, design)
 SHAPES = [(8, 8, "sm90_heads_n"), (8, 16, "sm90_heads_n"), (32, 8, "sm90_heads_n"), (24, 8, "sm90_heads_n"),
           (1, 128, "sm90_heads_m"), (8, 128, "sm90_heads_m"), (16, 128, "sm90_heads_m"), (256, 128, "sm90_heads_m")]
 SCALE = 576 ** -0.5
+
+
+def _kernel(q, design):
+  """q_quant's result in the design's layout (heads on N: the kernel over 64-row blocks of the T · H rows)."""
+  t, h, _ = q.shape
+  if design == "sm90_heads_m":
+    return q_quant.quantize_q(q, jnp.float32(0.5), SCALE)
+  q8, rs = q_quant.quantize_q(q.reshape(t * h // 64, 64, 576), jnp.float32(0.5), SCALE)
+  return q8.reshape(t * h, -1), rs.reshape(t * h)
 
 
 def main():
@@ -32,7 +42,7 @@ def main():
   for t, h, design in SHAPES:
     tiles = 1 if design == "sm90_heads_n" else h // 64
     xla = jax.jit(lambda q, d=design, n=tiles: sd._xla_kernel_q(q, d, "sm90", n, SCALE, jnp.float32(0.5)))
-    kern = jax.jit(lambda q, d=design: sd._q_quant_kernel_q(q, d, SCALE, jnp.float32(0.5), False))
+    kern = jax.jit(lambda q, d=design: _kernel(q, d))
     sets = [(jax.random.normal(jax.random.key(i), (t, h, 576), jnp.bfloat16) * 3,) for i in range(4)]
     a, b = xla(*sets[0]), kern(*sets[0])
     same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(a, b))

@@ -93,20 +93,13 @@ def test_bitwise_gpu(rng, T, H):
 @pytest.mark.parametrize("T,H", [(8, 8), (4, 16)])
 def test_heads_on_n_view_bitwise_interpret(rng, T, H):
   """The heads-on-N layout ([T · H, 640] rows, [T · H] scales) from the kernel over q seen as 64-row blocks of its
-  T · H rows is bitwise the XLA pre-pass's (sparse_decode._q_quant_kernel_q against _xla_kernel_q)."""
-
+  T · H rows (benchmarks/q_prepass_gpu.py's candidate, measured slower than the XLA ops at these sizes) is bitwise
+  the XLA pre-pass's (sparse_decode._xla_kernel_q)."""
   q = _inputs(rng, T, H, jnp.bfloat16)
   testing.reset_interpreter()
-  got = sd._q_quant_kernel_q(q, "sm90_heads_n", 576 ** -0.5, 0.5, RACES)
+  q8, rs = q_quant.quantize_q(q.reshape(T * H // 64, 64, 576), 0.5, 576 ** -0.5, interpret=RACES)
   assert not testing.races_found()
+  got = q8.reshape(T * H, -1), rs.reshape(T * H)
   want = sd._xla_kernel_q(q, "sm90_heads_n", "sm90", 1, 576 ** -0.5, 0.5)
   assert got[0].shape == (T * H, common.Q_SW_COLS) and got[1].shape == (T * H,)
   _assert_bitwise(got, want)
-
-
-def test_heads_on_n_view_needs_whole_blocks():
-
-  with pytest.raises(ValueError, match="64-row blocks"):
-    sd._q_quant_kernel_q(jnp.zeros((3, 8, 576), jnp.bfloat16), "sm90_heads_n", 0.1, 1.0, False)
-  with pytest.raises(ValueError, match="64-row blocks"):
-    sd._q_quant_kernel_q(jnp.zeros((2, 32, 576), jnp.bfloat16), "sm90_heads_m", 0.1, 1.0, False)

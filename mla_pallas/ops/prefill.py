@@ -480,8 +480,9 @@ def _aligned_packing(cu, n_rows: int, nseq: int):
 
 def _fp8_per_row(x, src):
   """x [T, H, D] gathered into the aligned rows ``src`` (-1: zero row) and quantized to e4m3 with one scale per
-  row and head (its largest finite |x| / 448; 1 for a row without any). One read of x: the gather, the row
-  maxima and the conversion are one row-local computation. Returns (x8 [n_al, H, D], scale [H, n_al] float32)."""
+  row and head (its largest finite |x| / 448; 1 for a row without any): row-local, but XLA runs the row maxima
+  and the conversion as two passes over x (H200: 300 + 447 µs at 2 × 4096 tokens, DeepSeek dims). Returns
+  (x8 [n_al, H, D], scale [H, n_al] float32)."""
   ok = src >= 0
   rows = jnp.take(x, jnp.maximum(src, 0), axis=0).astype(jnp.float32)
   rows = jnp.where(ok[:, None, None], rows, 0.0)

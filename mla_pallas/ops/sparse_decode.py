@@ -383,11 +383,12 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
 
 def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
   """Q [T, H, 576] as the design's kernel reads it, with its per-row logit scales (q_scale · softmax_scale ·
-  kv_scale · log2 e, made as max |q| · f32(1/448) · ... : kernels/q_quant.row_scales): heads on N flat and unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64,
-  ...], H < 64 zero-padded); on sm_90 each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent
-  448-511 in the 128-byte tail chunk). Where :func:`_prepass_kernel` says so, kernels/q_quant.py makes it in one
-  launch that reads q once (the same bytes and scales); otherwise :func:`_xla_kernel_q`. A bfloat16 cache's kernel
-  takes q in bf16 as it is (64-row tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
+  kv_scale · log2 e, made as max |q| · f32(1/448) · ...: kernels/q_quant.row_scales): heads on N flat and
+  unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64, ...], H < 64 zero-padded); on sm_90
+  each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent 448-511 in the 128-byte tail chunk).
+  Where :func:`_prepass_kernel` says so, kernels/q_quant.py makes it in one launch that reads q once (the same
+  bytes and scales); otherwise :func:`_xla_kernel_q`. A bfloat16 cache's kernel takes q in bf16 as it is (64-row
+  tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
   n_tok, h, _ = q.shape
   if getattr(cfg.kernel, "bf16", False):   # bf16 cache: q in bf16 as it is, one logit scale for every row
     q16 = q.astype(jnp.bfloat16)
@@ -397,7 +398,8 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
     scale = jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32) * jnp.float32(LOG2E)
     return q16.reshape(tiles, TILE, D_QK), jnp.full((tiles, TILE), scale, jnp.float32)
   if arch == "sm90" and _prepass_kernel(cfg.design, n_tok, h):
-    return _q_quant_kernel_q(q, cfg.design, softmax_scale, kv_scale, interpret)
+    from mla_pallas.kernels import q_quant
+    return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
   return _xla_kernel_q(q, cfg.design, arch, tiles_per_token, softmax_scale, kv_scale)
 
 
@@ -409,23 +411,9 @@ def _prepass_kernel(design: str, n_tok: int, h: int) -> bool:
   multiple of 64 and at least PREPASS_KERNEL_MIN_ROWS rows. The kernel costs ~5 us however few rows it has, the
   XLA ops ~3.5 us plus ~1 ns a row (benchmarks/q_prepass_gpu.py: T1 H128 5.3 vs 3.5 us, T8 5.5 vs 4.5, T16 5.9 vs
   5.0, T256 28.5 vs 36.9; in the op P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027, C0 (2048 rows) 43.2 / 43.5:
-  docs/kernels/sparse_decode_sm90.md). Heads on N could take it where T · H is a multiple of 64
-  (:func:`_q_quant_kernel_q`); at its shapes (T · H <= 256 rows) it measured slower (5.1-5.3 vs 3.4-3.7 us)."""
+  docs/kernels/sparse_decode_sm90.md). Heads on N could take it through a [T · H / 64, 64, 576] view of q where
+  T · H is a multiple of 64; at its shapes (T · H <= 256 rows) that measured slower (5.1-5.3 vs 3.4-3.7 us)."""
   return design == "sm90_heads_m" and h % TILE == 0 and n_tok * h >= PREPASS_KERNEL_MIN_ROWS
-
-
-def _q_quant_kernel_q(q, design: str, softmax_scale, kv_scale, interpret):
-  """:func:`_xla_kernel_q`'s result by kernels/q_quant.py: q [T, H, 576] seen as 64-row blocks of its T · H rows
-  (a free reshape: each row is quantized on its own), so heads on M needs H % 64 == 0 and heads on N
-  T · H % 64 == 0 (ValueError otherwise)."""
-  from mla_pallas.kernels import q_quant
-  n_tok, h, _ = q.shape
-  if (n_tok * h) % TILE or (design != "sm90_heads_n" and h % TILE):
-    raise ValueError(f"q_quant takes 64-row blocks of q rows: {design} with T={n_tok}, H={h} has none")
-  if design != "sm90_heads_n":
-    return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
-  q8, rs = q_quant.quantize_q(q.reshape(n_tok * h // TILE, TILE, D_QK), kv_scale, softmax_scale, interpret)
-  return q8.reshape(n_tok * h, q8.shape[-1]), rs.reshape(n_tok * h)
 
 
 def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
