@@ -58,6 +58,16 @@ sweep_small() {   # split lengths at small batches with the new merge (heads on 
       --shape B=$b,s_q=1,H=$h,topk=2048,page=64,ctx=32768 "${common[@]}"
   done
 }
+t_qk() {   # the heads-on-N kernel quantizing q itself (raw PTX in WG0): bitwise the pre-pass, and the reference grid
+  run t_qk 300 $T tests/test_sparse_decode_gpu.py -k "q_in_kernel or kernel_matches_reference or split_kv or designs_agree"
+}
+ab_q() {   # q_in_kernel (default) against the XLA Q pre-pass, heads on N, one process per shape
+  local s
+  for s in B=8,s_q=1,H=8 B=8,s_q=1,H=16 B=8,s_q=4,H=8 B=4,s_q=6,H=16 B=1,s_q=1,H=8 B=128,s_q=4,H=8; do
+    run "ab_q_${s//[=,]/_}" 100 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel=False \
+      --shape $s,topk=2048,page=64,ctx=32768 "${common[@]}"
+  done
+}
 t_prefill_kernel() { run t_prefill_kernel 300 $T tests/test_prefill_kernel_gpu.py; }
 t_prefill_separate() { run t_prefill_separate 240 $T tests/test_prefill_gpu.py -k separate; }
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }

@@ -176,6 +176,24 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
+@pytest.mark.parametrize("H,s_q,q_dtype,kv_scale", [(8, 2, jnp.bfloat16, 1.0), (16, 1, jnp.float32, 0.5),
+                                                     (12, 1, jnp.bfloat16, 0.5)])
+def test_heads_on_n_q_in_kernel_is_bitwise_the_prepass(rng, H, s_q, q_dtype, kv_scale):
+  """WG0's quantization of the token's q rows (q_quant.quantize_head_rows; interpret mode: its Pallas stand-in)
+  gives the XLA pre-pass's fp8 bytes and row scales (races checked), so out and lse are bitwise those of
+  ``q_in_kernel=False``; one head's row is all zeros (scale 1, row scale 0) and one is scaled up 300x."""
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=kv_scale)
+  q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
+  case = dataclasses.replace(case, q=q)
+  testing.reset_interpreter()
+  out, lse = run_kernel(case, interpret=RACES)
+  assert not testing.races_found()
+  base, base_lse = run_kernel(case, interpret=True, tuning=(("q_in_kernel", False),))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
+  _check_against_reference(case, out, lse, _interpret_budget(case))
+
+
 def test_default_config_rules():
   """The one shape -> kernel map: sm_90 H <= 16 on the heads-on-N design (4 K buffers), more heads on the
   heads-on-M design (2 K buffers), sm_100 its own kernel; the split plan inside."""
@@ -351,9 +369,10 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     qs_aval = S((n_tok * tiles_per_token, 64), jnp.float32)
   else:
     cfg = heads_n.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers)
-    kern = heads_n.build(n_tok, 4096, splits, -(-H // 8) * 8, H, out_dtype, cfg)
-    q_aval, qs_aval = S((n_tok * H, common.Q_SW_COLS), FP8), S((n_tok * H,), jnp.float32)
-  low = testing.lower_for_cuda(kern, q_aval, qs_aval, kv, idx, S((1,), jnp.float32), arch=(9, 0))
+    kern = heads_n.build(n_tok, 4096, splits, -(-H // 8) * 8, H, out_dtype, cfg, softmax_scale=576 ** -0.5)
+    q_aval, qs_aval = S((n_tok * H, common.D_QK), jnp.bfloat16), None    # bf16 q, quantized by WG0
+  q_args = (q_aval,) if qs_aval is None else (q_aval, qs_aval)
+  low = testing.lower_for_cuda(kern, *q_args, kv, idx, S((1,), jnp.float32), arch=(9, 0))
   # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
@@ -374,7 +393,14 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     assert low.count(r"ld\.shared\.v2\.b32") == 32 and low.count(r"prmt\.b32") == 64
     # O: per 8 stored heads, 2 heads x 2 halves of 8 consecutive latent columns per thread, one vector store each
     assert low.count(r"\{alignment = 16 : i64\} : vector<8x") == 4 * (-(-H // 8) * 8) // 8
-  assert low.count(r"cp\.async\.bulk\.tensor") > 0         # Q (and indices) by TMA
+    # Q quantized by WG0 (q_quant.quantize_head_rows): 4 rows per warp, each a 16-byte store of latent and one
+    # of the tail chunk, a 5-step butterfly for the row max, lane 0's store of it
+    assert low.count(r"st\.shared\.v4\.b32") == 4 * 2 and low.count(r"st\.shared\.f32") == 4
+    # (24 more butterflies are the softmax's reductions, as with the XLA pre-pass)
+    assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 24 + 4 * 5
+    assert low.count(r"cp\.async\.bulk\.tensor") == 1    # the indices only (Q and its scales: none)
+  if H > sd.HEADS_ON_N_MAX:
+    assert low.count(r"cp\.async\.bulk\.tensor") > 0     # Q, its row scales and the indices
   # K gather by the loader's threads: 4 passes x 5 chunks of 16-byte cp.async per thread and tile, one group per
   # tile; a wait leaving k_buffers - 2 tiles in flight in the loop and a final wait for all
   lag = max(k_buffers - 2, 0)

@@ -26,14 +26,28 @@ sm_90 lowering on the CPU (tests/test_bmm_fp8_kernel.py) and bitwise against the
 from __future__ import annotations
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, math as math_dialect, scf, vector
+from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels.common import FP8, swizzled
-from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT, asm, byte_ptr, c32, convert_vectors, i32, scalar_array
-from mla_pallas.kernels.raw_mgpu import scalar_value
-from mla_pallas.kernels.raw_mgpu import thread_in_warpgroup
+from mla_pallas.kernels.raw_mgpu import (
+  SCALAR_LAYOUT,
+  abs_max,
+  c32,
+  fp8_words,
+  i32,
+  load_f32,
+  scalar_array,
+  scalar_value,
+  st_shared_f32,
+  st_shared_v4,
+  swizzle,
+  thread_in_warpgroup,
+  warp_max,
+  when,
+  wide,
+)
 from mla_pallas.quant import _INV_FP8_MAX
 
 LANE_VALUES = 16     # values of a row per lane: two 16-byte bf16 loads, one 16-byte fp8 store
@@ -45,57 +59,33 @@ CHUNK = 64           # fp8 bytes per swizzled tile row (one 64-wide K chunk)
 def _row_body(a_base, a8_base, sc_base, heads: int, k: int, row, m0, h, lane):
   """Quantize tile row ``row`` (token m0 + row, head h) as described in the module docstring (one warp)."""
   f32 = ir.F32Type.get()
-  bf16 = ir.BF16Type.get()
-  v8b = ir.VectorType.get((8,), bf16)
-  v8f = ir.VectorType.get((8,), f32)
   lanes = k // LANE_VALUES
   active = arith.cmpi(arith.CmpIPredicate.ult, lane, c32(lanes)) if lanes < 32 else None
   my_lane = arith.select(active, lane, c32(0)) if active is not None else lane   # idle lanes read lane 0's
   tok = arith.addi(m0, row)
   elem = arith.addi(arith.muli(arith.addi(arith.muli(tok, c32(heads)), h), c32(k)),
                     arith.muli(my_lane, c32(LANE_VALUES)))
-  off = arith.muli(elem, c32(2))
-  xs = [arith.extf(v8f, llvm.load(v8b, byte_ptr(a_base, arith.addi(off, c32(16 * j))), alignment=16))
-        for j in range(2)]
-  amax = None
-  for x in xs:
-    m = vector.reduction(f32, vector.CombiningKind.MAXIMUMF, math_dialect.absf(x))
-    amax = m if amax is None else arith.maximumf(amax, m)
+  xs = load_f32(a_base, wide(arith.muli(elem, c32(2))), ir.BF16Type.get(), LANE_VALUES)
+  amax = abs_max(xs)
   if active is not None:
     amax = arith.select(active, amax, arith.constant(f32, 0.0))
-  for d in (16, 8, 4, 2, 1):
-    amax = arith.maximumf(amax, mgpu_utils.shfl_bfly(amax, d))
+  amax = warp_max(amax)
   scale = arith.mulf(amax, arith.constant(f32, float(_INV_FP8_MAX)))
   is_zero = arith.cmpf(arith.CmpFPredicate.OEQ, scale, arith.constant(f32, 0.0))
   scale = arith.select(is_zero, arith.constant(f32, 1.0), scale)
-  inv = arith.divf(arith.constant(f32, 1.0), scale)
-  inv_v = vector.broadcast(v8f, inv)
-  q = convert_vectors([arith.mulf(x, inv_v) for x in xs], ir.Float8E4M3FNType.get())
-  words = [vector.bitcast(ir.VectorType.get((2,), i32()), reg) for reg in q]   # 2 x 8 bytes
-  w = [vector.extract(v, [], [j]) for v in words for j in range(2)]
+  w = fp8_words(xs, arith.divf(arith.constant(f32, 1.0), scale))
 
   def store():
     chunk = arith.divui(lane, c32(4))
     granule = arith.remui(lane, c32(4))
     addr = arith.addi(a8_base, arith.addi(arith.muli(chunk, c32(CHUNK * CHUNK)),
                                           arith.addi(arith.muli(row, c32(CHUNK)), arith.muli(granule, c32(16)))))
-    bits = arith.andi(arith.shrui(addr, c32(7)), c32(3))          # 64-byte swizzle: bits 4-5 ^= bits 7-8
-    addr = arith.xori(addr, arith.shli(bits, c32(4)))
-    asm(ir.Type.parse("!llvm.void"), [addr, *w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-        side_effects=True)
-
-    lane0 = arith.cmpi(arith.CmpIPredicate.eq, lane, c32(0))
-    if_ = scf.IfOp(lane0)
-    with ir.InsertionPoint(if_.then_block):
-      sc_addr = arith.addi(sc_base, arith.muli(row, c32(4)))
-      asm(ir.Type.parse("!llvm.void"), [sc_addr, scale], "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
-      scf.yield_([])
+    st_shared_v4(swizzle(addr, CHUNK), w)
+    when(arith.cmpi(arith.CmpIPredicate.eq, lane, c32(0)),
+         lambda: st_shared_f32(arith.addi(sc_base, arith.muli(row, c32(4))), scale))
 
   if active is not None:
-    if_ = scf.IfOp(active)
-    with ir.InsertionPoint(if_.then_block):
-      store()
-      scf.yield_([])
+    when(active, store)
   else:
     store()
 
@@ -116,10 +106,8 @@ def quantize_rows_raw(a, a8, scales, m0, h, rows: int):
     if 4 * (j + 1) <= rows:
       _row_body(a_base, a8_base, sc_base, heads, k, row, m0, h, lane)
     else:   # only some warps have a row in this round (warp-uniform branch)
-      if_ = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, row, c32(rows)))
-      with ir.InsertionPoint(if_.then_block):
-        _row_body(a_base, a8_base, sc_base, heads, k, row, m0, h, lane)
-        scf.yield_([])
+      when(arith.cmpi(arith.CmpIPredicate.ult, row, c32(rows)),
+           lambda row=row: _row_body(a_base, a8_base, sc_base, heads, k, row, m0, h, lane))
 
 
 def quantize_rows(a_ref, a8_ref, scales_ref, m0, h, rows: int):

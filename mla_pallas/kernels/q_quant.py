@@ -26,13 +26,17 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
+from mla_pallas.kernels import raw_mgpu as raw
+from mla_pallas.quant import _INV_FP8_MAX, FP8_MAX
 
 ROWS = common.TILE
 CHUNK = 64                 # columns per register pass
@@ -137,3 +141,97 @@ def quantize_q(q, kv_scale, softmax_scale: float, interpret=False):
     raise ValueError(f"q must have shape [T, H, {common.D_QK}]; got {tuple(q.shape)}")
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   return build(num_tokens, heads, jnp.dtype(q.dtype).name, float(softmax_scale), interpret)(q, scal)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In-kernel form for the heads-on-N attention kernel (kernels/sparse_sm90_heads_n.py): one token's H <= 16 rows,
+# quantized by the warpgroup that runs the QKᵀ, straight from GMEM into its swizzled Q tile.
+
+HEAD_ROWS = 16             # rows of the heads-on-N Q tile (the MMAs' N)
+LANE_VALUES = 16           # values per lane and row: latent [16 l, 16 l + 16) on every lane
+
+
+def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int) -> None:
+  """Raw Mosaic GPU body (one warpgroup): rows ``row0 .. row0 + rows`` of ``q`` (GMEM memref [R, 576] bf16 or
+  f32) quantized per row as in the module docstring into the Q tile ``q8`` (SMEM memref [5, 16, 128] fp8,
+  Tiling(8, 128) + 128-byte swizzle: latent | 64 zeros | rope) and each row's max |q| into ``amax_out[r]``
+  (SMEM memref of >= 16 f32); tile rows ``rows .. 15`` get zeros (and amax 0). ``row0``: i32 value; ``rows``
+  static in [1, 16].
+
+  Warp w takes tile rows w, w + 4, w + 8, w + 12; lane l loads latent values [16 l, 16 l + 16) and lanes 4-7
+  also rope values [16 (l - 4), 16 (l - 4) + 16); the row max is a butterfly over the warp. Stores: latent as
+  16 fp8 bytes at chunk l // 8, granule l % 8; in the tail chunk, lanes 0-3 write the zero granules 0-3 and
+  lanes 4-7 the rope granules 4-7; lane 0 the row's amax. The caller fences (``plgpu.commit_smem``: the
+  async-proxy fence and a warpgroup barrier) before the wgmmas and register loads read them."""
+  f32 = ir.F32Type.get()
+  dtype = ir.MemRefType(q.type).element_type
+  item = 2 if str(dtype) == "bf16" else 4
+  row_bytes = common.D_QK * item
+  _, warp, lane = raw.thread_in_warpgroup()
+  q_base = mgpu_utils.memref_ptr(q)
+  q8_base = llvm.ptrtoint(raw.i32(), mgpu_utils.memref_ptr(q8))
+  amax_base = llvm.ptrtoint(raw.i32(), mgpu_utils.memref_ptr(amax_out))
+  zero_f = arith.constant(f32, 0.0)
+  zeros8 = vector.broadcast(ir.VectorType.get((8,), f32), zero_f)
+  rope_lane = arith.andi(arith.cmpi(arith.CmpIPredicate.uge, lane, raw.c32(4)),
+                         arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8)))
+  rope_part = arith.select(rope_lane, arith.subi(lane, raw.c32(4)), raw.c32(0))
+  tail_lane = arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8))
+  for j in range(HEAD_ROWS // 4):
+    r = arith.addi(warp, raw.c32(4 * j))
+    real = arith.cmpi(arith.CmpIPredicate.ult, r, raw.c32(rows))
+    src = raw.wide(arith.addi(row0, arith.select(real, r, raw.c32(0))))     # padding rows read row 0, then zero
+    row_off = arith.muli(src, raw.c64(row_bytes))
+    latent = raw.load_f32(q_base, arith.addi(row_off, raw.wide(arith.muli(lane, raw.c32(LANE_VALUES * item)))),
+                          dtype, LANE_VALUES)
+    rope = raw.load_f32(q_base, arith.addi(row_off, raw.wide(arith.muli(
+        arith.addi(rope_part, raw.c32(common.D_V // LANE_VALUES)), raw.c32(LANE_VALUES * item)))),
+        dtype, LANE_VALUES)
+    latent = [arith.select(real, x, zeros8) for x in latent]
+    rope = [arith.select(arith.andi(real, rope_lane), x, zeros8) for x in rope]
+    amax = raw.warp_max(arith.maximumf(raw.abs_max(latent), raw.abs_max(rope)))
+    scale = arith.mulf(amax, arith.constant(f32, float(_INV_FP8_MAX)))
+    scale = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, scale, zero_f), arith.constant(f32, 1.0), scale)
+    inv = arith.divf(arith.constant(f32, 1.0), scale)
+    row_addr = arith.addi(q8_base, arith.muli(r, raw.c32(common.SW_CHUNK)))
+    chunk_bytes = HEAD_ROWS * common.SW_CHUNK
+    lat_addr = arith.addi(row_addr, arith.addi(arith.muli(arith.divui(lane, raw.c32(8)), raw.c32(chunk_bytes)),
+                                               arith.muli(arith.remui(lane, raw.c32(8)), raw.c32(16))))
+    raw.st_shared_v4(raw.swizzle(lat_addr, common.SW_CHUNK), raw.fp8_words(latent, inv))
+    tail_words = raw.fp8_words(rope, inv)       # zeros on lanes 0-3 (their rope values were zeroed)
+    tail_addr = arith.addi(row_addr, arith.addi(raw.c32((common.SW_CHUNKS - 1) * chunk_bytes),
+                                                arith.muli(lane, raw.c32(16))))
+    raw.when(tail_lane, lambda a=tail_addr, w=tail_words: raw.st_shared_v4(raw.swizzle(a, common.SW_CHUNK), w))
+    raw.when(arith.cmpi(arith.CmpIPredicate.eq, lane, raw.c32(0)),
+             lambda r=r, a=amax: raw.st_shared_f32(arith.addi(amax_base, arith.muli(r, raw.c32(4))), a))
+
+
+def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int) -> None:
+  """Pallas-level :func:`quantize_head_rows_raw` (run by one warpgroup; not in interpret mode): ``q_ref`` GMEM
+  [R, 576] bf16 / f32, ``q8_ref`` SMEM [5, 16, 128] fp8 (``common.q_scratch(16)``), ``amax_ref`` SMEM [>= 16] f32;
+  ``row0`` an int32 scalar (traced), ``rows`` static."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
+                                plgpu.RefType(), raw.SCALAR_LAYOUT))
+  def f(ctx, q, q8, amax, row0_fa):
+    del ctx
+    quantize_head_rows_raw(q, q8, amax, raw.scalar_value(row0_fa), rows)
+  f(q_ref, q8_ref, amax_ref, raw.scalar_array(row0))
+
+
+def quantize_head_rows_interpret(q_ref, q8_ref, amax_ref, row0, rows: int) -> None:
+  """:func:`quantize_head_rows` for interpret mode (no ``inline_mgpu`` there): the same values by Pallas array
+  ops (interpret mode checks no layouts)."""
+  x = q_ref[pl.ds(row0, rows), :].astype(jnp.float32)
+  amax = jnp.abs(x).max(axis=1)
+  scale = amax * _INV_FP8_MAX
+  scale = jnp.where(scale == 0.0, 1.0, scale)
+  q8 = jnp.clip(x * (1.0 / scale)[:, None], -FP8_MAX, FP8_MAX).astype(common.FP8)
+  pad = HEAD_ROWS - rows
+  q8 = jnp.concatenate([q8[:, :common.D_V], jnp.zeros((rows, common.Q_SW_COLS - common.D_QK), common.FP8),
+                        q8[:, common.D_V:]], axis=1)
+  if pad:
+    q8 = jnp.concatenate([q8, jnp.zeros((pad, common.Q_SW_COLS), common.FP8)], axis=0)
+    amax = jnp.concatenate([amax, jnp.zeros((pad,), jnp.float32)])
+  for c in range(common.SW_CHUNKS):
+    q8_ref.at[c][...] = q8[:, c * common.SW_CHUNK:(c + 1) * common.SW_CHUNK]
+  amax_ref[pl.ds(0, HEAD_ROWS)] = amax

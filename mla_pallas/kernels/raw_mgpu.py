@@ -8,10 +8,11 @@ warpgroup. Used by :mod:`mla_pallas.kernels.rope_direct`, :mod:`mla_pallas.kerne
 """
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, scf, vector
+from jax._src.lib.mlir.dialects import math as math_dialect
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -84,3 +85,72 @@ def convert_vectors(vectors, dtype: ir.Type):
   fa = mgpu_fa.FragmentedArray(_registers=regs, _layout=mgpu_fa.WGStridedFragLayout((len(regs) * 8 * THREADS,), 8),
                                _is_signed=None)
   return list(fa.astype(dtype).registers.flat)
+
+
+def load_f32(base, byte_offset, dtype: ir.Type, values: int):
+  """``values`` (a multiple of 8) consecutive bf16 or f32 values at ``base`` (an llvm pointer) + ``byte_offset``
+  (an i64 value; 16-byte aligned), as vector<8 x f32> values (16-byte loads, bf16 widened exactly)."""
+  f32 = ir.F32Type.get()
+  item = 2 if isinstance(dtype, ir.BF16Type) or str(dtype) == "bf16" else 4
+  out = []
+  for j in range(values // 8):
+    v = llvm.load(ir.VectorType.get((8,), dtype), byte_ptr64(base, arith.addi(byte_offset, c64(8 * item * j))),
+                  alignment=16)
+    out.append(v if item == 4 else arith.extf(ir.VectorType.get((8,), f32), v))
+  return out
+
+
+def abs_max(vectors):
+  """max |x| over vector<8 x f32> values (an f32 value)."""
+  f32 = ir.F32Type.get()
+  out = None
+  for x in vectors:
+    m = vector.reduction(f32, vector.CombiningKind.MAXIMUMF, math_dialect.absf(x))
+    out = m if out is None else arith.maximumf(out, m)
+  return out
+
+
+def warp_max(x):
+  """The f32 value ``x`` maxed over the 32 lanes of the warp (a butterfly; max is exact, so every lane gets the
+  same bits)."""
+  for d in (16, 8, 4, 2, 1):
+    x = arith.maximumf(x, mgpu_utils.shfl_bfly(x, d))
+  return x
+
+
+def fp8_words(vectors, inv):
+  """vector<8 x f32> values times the f32 value ``inv``, converted to e4m3 (round to nearest even, saturating: the
+  clip of quant.quantize_fp8), as i32 words (two per vector)."""
+  v8f = ir.VectorType.get((8,), ir.F32Type.get())
+  inv_v = vector.broadcast(v8f, inv)
+  q = convert_vectors([arith.mulf(x, inv_v) for x in vectors], ir.Float8E4M3FNType.get())
+  words = [vector.bitcast(ir.VectorType.get((2,), i32()), reg) for reg in q]
+  return [vector.extract(v, [], [j]) for v in words for j in range(2)]
+
+
+def swizzle(addr, swizzle_bytes: int):
+  """The SMEM address (i32) of byte ``addr`` of a tile with the hardware's ``swizzle_bytes`` (64 or 128) swizzle:
+  address bits 4.. (the 16-byte granule) XOR bits 7.. (the 128-byte row within the pattern), computed from the
+  absolute address."""
+  mask = swizzle_bytes // 16 - 1
+  bits = arith.andi(arith.shrui(addr, c32(7)), c32(mask))
+  return arith.xori(addr, arith.shli(bits, c32(4)))
+
+
+def st_shared_v4(addr, words) -> None:
+  """Store four i32 words (16 bytes) at SMEM address ``addr`` (i32)."""
+  asm(ir.Type.parse("!llvm.void"), [addr, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+      side_effects=True)
+
+
+def st_shared_f32(addr, value) -> None:
+  """Store one f32 value at SMEM address ``addr`` (i32)."""
+  asm(ir.Type.parse("!llvm.void"), [addr, value], "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
+
+
+def when(cond, body) -> None:
+  """``body()`` under the i1 value ``cond`` (an ``scf.if`` without results)."""
+  if_ = scf.IfOp(cond)
+  with ir.InsertionPoint(if_.then_block):
+    body()
+    scf.yield_([])

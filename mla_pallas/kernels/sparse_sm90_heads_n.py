@@ -71,15 +71,22 @@ import functools
 from typing import ClassVar
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common
-from mla_pallas.kernels import vt_registers
-from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_CHUNK, SW_CHUNKS, TILE,
-                                       swizzled)
+from mla_pallas.kernels import common, q_quant, vt_registers
+from mla_pallas.kernels.common import (
+  CONSUMER_REGS,
+  D_V,
+  FP8,
+  LOADER_REGS,
+  SW_CHUNK,
+  SW_CHUNKS,
+  TILE,
+  swizzled,
+)
 
 HEADS_N = 16     # N of the MMAs: H <= 16 padded to 16 columns (f16 operands need rows of at least 32 bytes)
 HEAD_ROW = 32    # f32 entries per row of head_smem (a 128-byte TMA box: Lane copies need a multiple of 128 bytes)
@@ -92,9 +99,11 @@ V_BLOCKS = D_V // TILE   # 8 blocks of 64 latent columns (the Oᵀ accumulators)
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.SparseSm90Config):
   """Config of the heads-on-N design: ``tiles_per_split``, ``k_buffers`` (2-4; 4 fills the SMEM the 16-row Q and
-  the register Vᵀ leave)."""
+  the register Vᵀ leave), ``q_in_kernel`` (WG0 quantizes the token's q rows itself, ``q_quant.quantize_head_rows``;
+  False: Q and its row scales come quantized from the op's pre-pass)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3, 4)
   k_buffers: int = 4
+  q_in_kernel: bool = True
 
   def smem_budget(self) -> int:
     return common.smem_bytes(
@@ -117,10 +126,11 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
   n_tiles = cfg.tiles_per_split
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
   tile_q, split = lax.axis_index("q"), lax.axis_index("split")
-  plgpu.copy_gmem_to_smem(r.qs_gmem.at[pl.ds(tile_q * q_stride, HEAD_ROW)], r.head_smem.at[0], r.q_bar)
-  q_rows = r.q_gmem.at[pl.ds(tile_q * q_stride, HEADS_N)]
-  for c in range(SW_CHUNKS):
-    plgpu.copy_gmem_to_smem(q_rows.at[:, pl.ds(c * SW_CHUNK, SW_CHUNK)], r.q_sw.at[c], r.q_bar)
+  if not cfg.q_in_kernel:
+    plgpu.copy_gmem_to_smem(r.qs_gmem.at[pl.ds(tile_q * q_stride, HEAD_ROW)], r.head_smem.at[0], r.q_bar)
+    q_rows = r.q_gmem.at[pl.ds(tile_q * q_stride, HEADS_N)]
+    for c in range(SW_CHUNKS):
+      plgpu.copy_gmem_to_smem(q_rows.at[:, pl.ds(c * SW_CHUNK, SW_CHUNK)], r.q_sw.at[c], r.q_bar)
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[tile_q, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
 
   def wait_indices(t):
@@ -131,12 +141,19 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
                       n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices)
 
 
-def _softmax_consumer(cfg: TuningConfig, num_slots: int, wg, r: common.SparseRefs):
-  """WG0: Sᵀ = K·Qᵀ, the online softmax down the columns, Pᵀ / alpha to WG1 per tile; kv_scale / l and lse at the
-  end."""
+def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_scale, interpret: bool, wg,
+                      r: common.SparseRefs):
+  """WG0: Q (quantized here with ``cfg.q_in_kernel``, else from the loader), then per tile Sᵀ = K·Qᵀ, the online
+  softmax down the columns, Pᵀ / alpha to WG1; kv_scale / l and lse at the end."""
   key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
-  plgpu.barrier_wait(r.q_bar)
-  head_scale = _head_values(r, 0)
+  if cfg.q_in_kernel:   # under the loader's index load and first gather
+    quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
+    quantize(r.q_gmem, r.q_sw, r.head_smem.at[0], lax.axis_index("q") * q_stride, q_stride)
+    plgpu.commit_smem()
+    head_scale = q_quant.row_scales(_head_values(r, 0), softmax_scale, r.scal_gmem[0])
+  else:
+    plgpu.barrier_wait(r.q_bar)
+    head_scale = _head_values(r, 0)
 
   def step(t, carry):
     m, l = carry
@@ -247,8 +264,10 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.Sparse
     o_ref.at[:, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
 
 
-def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem,
-          lse_gmem, q_sw, k_sw, *rest):
+def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, *refs):
+  if cfg.q_in_kernel:   # no row-scale input
+    refs = refs[:1] + (None,) + refs[1:]
+  q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest)
   wg = lax.axis_index("wg")
@@ -263,7 +282,7 @@ def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gm
 
     @pl.when(wg == 0)
     def _():
-      _softmax_consumer(cfg, num_slots, wg, r)
+      _softmax_consumer(cfg, num_slots, q_stride, softmax_scale, interpret, wg, r)
 
     @pl.when(wg == 1)
     def _():
@@ -275,17 +294,21 @@ def _body(cfg, num_slots, out_dtype, interpret, q_stride, q_gmem, qs_gmem, kv_gm
 
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_stride: int, out_dtype_name: str,
-          cfg: TuningConfig, interpret=False):
+          cfg: TuningConfig, interpret=False, softmax_scale: float | None = None):
   """The kernel for these shapes (arguments and results: see the module docstring). ``out_heads``: heads stored
   (a multiple of 8 in (0, 16]); ``q_stride``: Q rows per token (H); ``interpret``: False, True or a
-  ``plgpu.InterpretGPUParams``."""
+  ``plgpu.InterpretGPUParams``; ``softmax_scale``: needed with ``cfg.q_in_kernel`` (the row scales are made in
+  the kernel)."""
+  if cfg.q_in_kernel and softmax_scale is None:
+    raise ValueError("softmax_scale is required with TuningConfig.q_in_kernel (the kernel makes the row scales)")
   if not (0 < out_heads <= HEADS_N and out_heads % 8 == 0):
     raise ValueError(f"out_heads must be a multiple of 8 in (0, {HEADS_N}]; got {out_heads}")
   if not 0 < q_stride <= HEADS_N:
     raise ValueError(f"q_stride must be in (0, {HEADS_N}] (the token's heads); got {q_stride}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
-  body = functools.partial(_body, cfg, num_slots, out_dtype, interp, q_stride)
+  body = functools.partial(_body, cfg, num_slots, out_dtype, interp, q_stride,
+                           None if softmax_scale is None else float(softmax_scale))
   # Vᵀ is the A operand of a wgmma whose B (Pᵀ, 16 f16 = 32-byte rows) fixes the swizzle at 32 bytes.
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_N))] if interp else []
   return plgpu.kernel(

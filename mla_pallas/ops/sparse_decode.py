@@ -311,6 +311,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   field = "stages" if cfg.design == "sm100" else "k_buffers"
   current = getattr(cfg.kernel, field)
   candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
+  if cfg.design == "sm90_heads_n" and cfg.kernel.q_in_kernel:   # Q from the XLA pre-pass instead
+    candidates.append((("q_in_kernel", False),))
   if cfg.design == "sm90_heads_m":      # the other schedules (heads_m module docstring)
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
@@ -355,11 +357,14 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)))
-  q8, row_scale = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
-                            interpret)
+  q_in_kernel = heads_on_n and cfg.kernel.q_in_kernel
+  if q_in_kernel:       # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows)
+    q_args = (q.reshape(n_tok * h, D_QK),)
+  else:
+    q_args = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale, interpret)
   if heads_on_n:        # O [.., out_heads, 512]
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
-                            interpret=interpret)
+                            interpret=interpret, softmax_scale=softmax_scale if q_in_kernel else None)
   elif arch == "sm100":
     kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
                             cfg.kernel, interpret=interpret)
@@ -368,9 +373,9 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                             interpret=interpret)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
-    o, lse = kern(q8, row_scale, kv_flat, rows.astype(jnp.uint32), scal)
-  else:                 # 128-byte boxes of the 2-D cache
-    o, lse = kern(q8, row_scale, kv_flat, rows, scal)
+    o, lse = kern(*q_args, kv_flat, rows.astype(jnp.uint32), scal)
+  else:
+    o, lse = kern(*q_args, kv_flat, rows, scal)
   out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
   if splits > 1 or batch_invariant:   # batch_invariant: always, so that a row's last rounding is the same
     o, lse = combine_splits(o, lse)   # whether its top-k width gives it one split or several
