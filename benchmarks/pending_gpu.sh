@@ -68,6 +68,18 @@ ab_q() {   # q_in_kernel (default) against the XLA Q pre-pass, heads on N, one p
       --shape $s,topk=2048,page=64,ctx=32768 "${common[@]}"
   done
 }
+diag_h12() { run diag_h12 90 $PY benchmarks/heads_n_h12_diag_gpu.py; }
+steps_small() {   # the changed small-batch rows: heads on M with f32 "twin" partials, the steps, dense H16
+  run sparse_B1_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
+    "${common[@]}"
+  run sparse_B8_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=8,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
+    "${common[@]}"
+  run step_deepseek_B1 100 $B mla_decode_step --impl mosaic --shape model=deepseek_v32,B=1,s_q=1 "${common[@]}"
+  run step_glm5_tp8_B1 100 $B mla_decode_step --impl mosaic --shape model=glm5,B=1,s_q=1,tp=8 "${common[@]}"
+  run step_glm5_tp8_B8 100 $B mla_decode_step --impl mosaic --shape model=glm5,B=8,s_q=1,tp=8 "${common[@]}"
+  run step_deepseek_tp8_B8 100 $B mla_decode_step --impl mosaic --shape model=deepseek_v32,B=8,s_q=1,tp=8 \
+    "${common[@]}"
+}
 t_prefill_kernel() { run t_prefill_kernel 300 $T tests/test_prefill_kernel_gpu.py; }
 t_prefill_separate() { run t_prefill_separate 240 $T tests/test_prefill_gpu.py -k separate; }
 t_batch_invariance() { run t_batch_invariance 240 $T tests/test_batch_invariance_gpu.py; }

@@ -177,11 +177,12 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
 
 
 @pytest.mark.parametrize("H,s_q,q_dtype,kv_scale", [(8, 2, jnp.bfloat16, 1.0), (16, 1, jnp.float32, 0.5),
-                                                     (12, 1, jnp.bfloat16, 0.5)])
+                                                     (8, 3, jnp.float32, 0.5)])
 def test_heads_on_n_q_in_kernel_is_bitwise_the_prepass(rng, H, s_q, q_dtype, kv_scale):
   """WG0's quantization of the token's q rows (q_quant.quantize_head_rows; interpret mode: its Pallas stand-in)
   gives the XLA pre-pass's fp8 bytes and row scales (races checked), so out and lse are bitwise those of
-  ``q_in_kernel=False``; one head's row is all zeros (scale 1, row scale 0) and one is scaled up 300x."""
+  ``q_in_kernel=False``; one head's row is all zeros (scale 1, row scale 0) and one is scaled up 300x; H 8 leaves
+  eight padding rows of the 16-row tile (zeros)."""
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=kv_scale)
   q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
   case = dataclasses.replace(case, q=q)
@@ -360,7 +361,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   S = jax.ShapeDtypeStruct
   idx = S((n_tok, splits * tps, 64), jnp.int32)
   kv = S((4096, 576), FP8)
-  out_dtype = sd._partials_dtype(splits, bf16_cache=False)     # bf16, split or not (the op's choice)
+  out_dtype = sd._partials_dtype(splits, bf16_cache=False, twin=schedule == "twin")     # the op's choice
   if H > sd.HEADS_ON_N_MAX:
     tiles_per_token = max(1, H // 64)
     cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, schedule=schedule)

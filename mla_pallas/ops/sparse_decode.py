@@ -356,7 +356,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   if k_pad > topk:
     rows = jnp.pad(rows, ((0, 0), (0, k_pad - topk)), constant_values=num_slots)
   rows = rows.reshape(n_tok, splits * tps, TILE)
-  out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)))
+  out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)),
+                              getattr(cfg.kernel, "schedule", None) == "twin")
   q_in_kernel = heads_on_n and cfg.kernel.q_in_kernel
   if q_in_kernel:       # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows)
     q_args = (q.reshape(n_tok * h, D_QK),)
@@ -441,15 +442,20 @@ def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale
   return q8.reshape(n_tok * tiles_per_token, TILE, q8.shape[-1]), row_scale.reshape(n_tok * tiles_per_token, TILE)
 
 
-def _partials_dtype(splits: int, bf16_cache: bool) -> str:
-  """The attention kernel's output dtype: bfloat16, except split partials over a bfloat16 cache (float32).
+def _partials_dtype(splits: int, bf16_cache: bool, twin: bool = False) -> str:
+  """The attention kernel's output dtype: bfloat16, except split partials over a bfloat16 cache or from the
+  heads-on-M "twin" schedule (``twin``), which are float32.
 
   With an fp8 cache each split's normalised partial O is rounded to bf16 before the merge: one more rounding of
   ~2^-9 relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``partials_bf16``), for
-  half the bytes the kernel writes and :func:`combine_splits` reads (B1 H128, top-k 2048: 16 splits, 4.2 -> 2.1
-  MB; the merge of small batches moves mostly these bytes). BF16 attention (a bfloat16 cache) keeps f32 partials,
-  as FlashMLA does, so that its error stays at bf16 rounding of P and the output."""
-  return "float32" if splits > 1 and bf16_cache else "bfloat16"
+  half the bytes the kernel writes and :func:`combine_splits` reads. Measured on the H200 against f32 partials
+  (benchmarks/sparse_merge_ab_gpu.py; docs/kernels/sparse_decode_sm90.md, "Small batches"): heads on N B8 H8
+  12.1 -> 10.8 us, B8 H16 13.4 -> 11.1, B4 s_q6 H8 19.5 -> 17.8; heads on M "handoff_vt" P5 2801 -> 2746; but
+  "twin" (the short splits of small batches) got slower, its kernel by 2.3-2.6 us (B1 H128 17.5 -> 18.6, B8 H128
+  29.5 -> 30.2, C0 43.7 -> 44.4): it stores O straight from the wgmma registers, 2 values per thread and row,
+  which in bf16 fill half of each 32-byte sector. BF16 attention (a bfloat16 cache) keeps f32 partials, as
+  FlashMLA does, so that its error stays at bf16 rounding of P and the output."""
+  return "float32" if splits > 1 and (bf16_cache or twin) else "bfloat16"
 
 
 def combine_splits(o, lse):
