@@ -74,10 +74,10 @@ steps_small() {   # the changed small-batch rows: heads on M with f32 "twin" par
     "${common[@]}"
   run sparse_B8_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=8,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
     "${common[@]}"
-  run step_deepseek_B1 100 $B mla_decode_step --impl mosaic --shape model=deepseek_v32,B=1,s_q=1 "${common[@]}"
-  run step_glm5_tp8_B1 100 $B mla_decode_step --impl mosaic --shape model=glm5,B=1,s_q=1,tp=8 "${common[@]}"
-  run step_glm5_tp8_B8 100 $B mla_decode_step --impl mosaic --shape model=glm5,B=8,s_q=1,tp=8 "${common[@]}"
-  run step_deepseek_tp8_B8 100 $B mla_decode_step --impl mosaic --shape model=deepseek_v32,B=8,s_q=1,tp=8 \
+  run step_deepseek_B1 100 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=1,s_q=1 "${common[@]}"
+  run step_glm5_tp8_B1 100 $B mla_decode_step --impl xla,mosaic --shape model=glm5,B=1,s_q=1,tp=8 "${common[@]}"
+  run step_glm5_tp8_B8 100 $B mla_decode_step --impl xla,mosaic --shape model=glm5,B=8,s_q=1,tp=8 "${common[@]}"
+  run step_deepseek_tp8_B8 100 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=8,s_q=1,tp=8 \
     "${common[@]}"
 }
 t_prefill_kernel() { run t_prefill_kernel 300 $T tests/test_prefill_kernel_gpu.py; }
