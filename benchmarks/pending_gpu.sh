@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# What waits for a GPU (issues 20-24), as named groups for device calls (state after the eighteenth session):
+# What waits for a GPU (issues 20-24), as named groups for device calls (state after the nineteenth session):
 #
 #   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | next
 #   DEADLINE=540 bash benchmarks/pending_gpu.sh next   # start no group after 540 s, and cut the running one's
 #                                                      # timeout to what is left
 #
-# next (the order for the next device call): t_sparse (the fp8-cache kernels now write bf16 split partials: the
-#   GPU grid has never run that store with splits > 1), ab_merge (benchmarks/sparse_merge_ab_gpu.py: the new
-#   merge against the old in one process; keep the new one only if no shape got slower), sweep_small (1-4-tile
-#   splits at B8 H8 / H16 and B1 H128 under the new merge: HEADS_M_MIN_SPLIT_TILES / MIN_SPLIT_TILES), t_dense,
-#   t_batch_invariance, latency (issue 24's shapes with the eighteenth session's split plan, Q pre-pass rule and
-#   merge; each JSON keeps the per-kernel breakdown).
-# Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance,
+# next (the order for the next device call): t_qrows (the heads-on-N kernel's raw Q quantization, bytes against
+#   the XLA pre-pass; its use in the kernel already passed bitwise on the H200), t_batch_invariance (8 of 10 passed
+#   in the nineteenth session before a 180 s cut; the decode-branch cases did not finish), sweep_small (split
+#   lengths at B8 H8 / H16 now that heads on N quantizes Q itself: its per-CTA fixed cost changed), latency
+#   (issue 24's shapes, every row with XLA in the same run and the per-kernel breakdown), t_sparse.
+# Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
-# Benches (CUPTI, beside XLA / cuDNN): ab_merge, sweep_small, sweep_bmm_b1, q_prepass (benchmarks/q_prepass_gpu.py),
-#   b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step, b_prefill_step_ctx, b_invariant,
-#   b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 (issue 24's shapes).
+# Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
+#   q_prepass (benchmarks/q_prepass_gpu.py), b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
+#   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 / steps_small.
 # Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -58,17 +57,9 @@ sweep_small() {   # split lengths at small batches with the new merge (heads on 
       --shape B=$b,s_q=1,H=$h,topk=2048,page=64,ctx=32768 "${common[@]}"
   done
 }
-t_qk() {   # the heads-on-N kernel quantizing q itself (raw PTX in WG0): bitwise the pre-pass, and the reference grid
-  run t_qk 300 $T tests/test_sparse_decode_gpu.py -k "q_in_kernel or kernel_matches_reference or split_kv or designs_agree"
+t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
+  run t_qrows 120 $T tests/test_q_quant.py -k head_rows
 }
-ab_q() {   # q_in_kernel (default) against the XLA Q pre-pass, heads on N, one process per shape
-  local s
-  for s in B=8,s_q=1,H=8 B=8,s_q=1,H=16 B=8,s_q=4,H=8 B=4,s_q=6,H=16 B=1,s_q=1,H=8 B=128,s_q=4,H=8; do
-    run "ab_q_${s//[=,]/_}" 100 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel=False \
-      --shape $s,topk=2048,page=64,ctx=32768 "${common[@]}"
-  done
-}
-diag_h12() { run diag_h12 90 $PY benchmarks/heads_n_h12_diag_gpu.py; }
 steps_small() {   # the changed small-batch rows: heads on M with f32 "twin" partials, the steps, dense H16
   run sparse_B1_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
     "${common[@]}"
@@ -135,8 +126,8 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
     run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,auto --shape model=glm5,B=$b,tp=8 "${common[@]}"
   done
 }
-tests="t_sparse,t_dense,t_batch_invariance,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_sparse,ab_merge,sweep_small,t_dense,t_batch_invariance,latency"
+tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
+next="t_qrows,t_batch_invariance,sweep_small,latency,t_sparse"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

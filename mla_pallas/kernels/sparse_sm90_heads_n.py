@@ -6,6 +6,7 @@ The H <= 16 heads of one query token, as the N = 16 columns of the MMAs (instead
 against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of the token's top-k), everything transposed:
 
     Sᵀ   = K8 · Q8ᵀ  [64 keys, 16]        m64n16k32 fp8 wgmmas, f32 accumulate, K = 640 (five chunks of 128)
+    Q8   = e4m3(q / q_scale) per head row, q_scale = max |q[head]| / 448   (quantized in the kernel, by WG0)
     sᵀ   = Sᵀ · head_scale                head_scale = q_scale(head) · kv_scale · softmax_scale · log2(e)
     sᵀ   = −inf where the key is invalid (index < 0 or ≥ num_slots)
     online softmax in base 2 down the columns (m per head; running sums l per (key, head), summed once at the end)
@@ -14,11 +15,11 @@ against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of the token
 
 Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.ops.sparse_decode``)
 --------------------------------------------------------------------------------------------------
-    q8   [num_tokens · q_stride, 640] fp8: flat, unpadded query rows (latent | 64 zeros | rope), q_stride = H. The
-         CTA of token q reads rows [q · q_stride, q · q_stride + 16): with H < 16 the rows past the token's own are
-         the next token's heads (zero-filled past the end); they only feed MMA columns that are never stored.
-    qs   [num_tokens · q_stride] f32: per-head logit scale (q_scale · softmax_scale · log2 e · kv_scale), read by
-         a 128-byte TMA box (zero-filled past the end).
+    q    [num_tokens · q_stride, 576] bf16 or f32: flat, unpadded query rows (the op's q as it is), q_stride = H.
+         The CTA of token q quantizes rows [q · q_stride, (q + 1) · q_stride) into its 16-row fp8 tile (latent |
+         64 zeros | rope; rows past H are zeros) with the bytes and row scales of the XLA pre-pass
+         (``kernels/q_quant.py``: ``quantize_head_rows``; row scale amax · f32(1/448) · ((softmax_scale · kv_scale)
+         · log2 e), ``softmax_scale`` static).
     kv   [num_slots, 576] fp8: the cache; idx [num_tokens, num_splits · tiles_per_split, 64] int32 row ids (any id
          outside [0, num_slots) is an invalid key: gathered as row num_slots, past the end, and masked).
     scal [1] f32: kv_scale.
@@ -28,11 +29,13 @@ Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.op
 
 Warpgroup roles (3 warpgroups, Lane semantics)
 ----------------------------------------------
-* WG2 — loader (56 registers): Q (16 rows, five 128-column boxes) and the heads' logit scales (into
-  ``head_smem`` row 0), both on ``q_bar``; the split's indices (``idx_bar``); then per tile the gather of its 64
+* WG2 — loader (56 registers): the split's indices (``idx_bar``); then per tile the gather of its 64
   rows into the swizzled K buffer ``t % k_buffers`` by the warpgroup's threads (16-byte ``cp.async``,
   ``common.gather_tiles``, ``kernels/gather_threads.py``), with up to k_buffers - 1 tiles in flight.
-* WG0 — softmax consumer (224 registers): per tile the five QKᵀ wgmmas (A = the K chunk, B = Q), release of the
+* WG0 — softmax consumer (224 registers): first Q: each warp quantizes 4 of the token's rows from GMEM into the Q
+  tile (raw PTX: two 16-byte loads per lane, a butterfly for the row max, 16-byte swizzled stores) and their max
+  |q| into ``head_smem`` row 0, under the loader's index load and first gather; then per tile the five QKᵀ
+  wgmmas (A = the K chunk, B = Q), release of the
   K buffer, the online softmax down the columns, and the hand-off of Pᵀ (f16 [64, 16]) and alpha ([16] f32) to WG1
   through the double-buffered ``p_sw`` / ``head_smem`` rows 1-2 (``p_full`` / ``p_empty``). After the last tile:
   kv_scale / l into ``head_smem`` row 3 (``p_full[2]``) and the lse store.
@@ -44,8 +47,9 @@ Warpgroup roles (3 warpgroups, Lane semantics)
 
 Interpret mode has no ``inline_mgpu``: there WG1 runs :func:`_pv_consumer_interpret_smem_v`, an interpret-only
 stand-in that upcasts V into an f16 SMEM tile (chunks 0-1 before Pᵀ arrives, 2-3 under the first P·V wgmmas)
-and multiplies from SMEM: the same products in the natural row order. The register path is checked by lowering
-and on the GPU only (README: interpret-only code paths).
+and multiplies from SMEM: the same products in the natural row order; and WG0 quantizes Q with Pallas array ops
+(``q_quant.quantize_head_rows_interpret``, the same bytes). The register paths are checked by lowering and on the
+GPU only (README: interpret-only code paths).
 
 Pipeline stages: gather of tile t + k_buffers - 1 ∥ QKᵀ + softmax of tile t (WG0) ∥ Vᵀ loads and P·V of tile
 t - 1 or t (WG1).
@@ -57,7 +61,7 @@ SMEM budget (bytes, k_buffers = 4, tiles_per_split = 32; :meth:`TuningConfig.sme
     Pᵀ (2 × 64 × 16 f16)                                   4 096
     indices (tiles_per_split × 64 int32)                   8 192
     lse staging (16 f32)                                   1 024
-    head_smem (4 × 32 f32: scales, alpha × 2, 1/l)         1 024
+    head_smem (4 × 32 f32: amax, alpha × 2, 1/l)           1 024
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total                                                190 976   (limit 232 448: one CTA per SM)
@@ -99,11 +103,9 @@ V_BLOCKS = D_V // TILE   # 8 blocks of 64 latent columns (the Oᵀ accumulators)
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.SparseSm90Config):
   """Config of the heads-on-N design: ``tiles_per_split``, ``k_buffers`` (2-4; 4 fills the SMEM the 16-row Q and
-  the register Vᵀ leave), ``q_in_kernel`` (WG0 quantizes the token's q rows itself, ``q_quant.quantize_head_rows``;
-  False: Q and its row scales come quantized from the op's pre-pass)."""
+  the register Vᵀ leave)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3, 4)
   k_buffers: int = 4
-  q_in_kernel: bool = True
 
   def smem_budget(self) -> int:
     return common.smem_bytes(
@@ -122,15 +124,10 @@ def _head_values(r: common.SparseRefs, row):
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r: common.SparseRefs):
-  """WG2: Q and the heads' logit scales (``q_bar``), the split's indices (``idx_bar``), then the gathers."""
+  """WG2: the split's indices (``idx_bar``), then the gathers."""
   n_tiles = cfg.tiles_per_split
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
   tile_q, split = lax.axis_index("q"), lax.axis_index("split")
-  if not cfg.q_in_kernel:
-    plgpu.copy_gmem_to_smem(r.qs_gmem.at[pl.ds(tile_q * q_stride, HEAD_ROW)], r.head_smem.at[0], r.q_bar)
-    q_rows = r.q_gmem.at[pl.ds(tile_q * q_stride, HEADS_N)]
-    for c in range(SW_CHUNKS):
-      plgpu.copy_gmem_to_smem(q_rows.at[:, pl.ds(c * SW_CHUNK, SW_CHUNK)], r.q_sw.at[c], r.q_bar)
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[tile_q, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
 
   def wait_indices(t):
@@ -143,17 +140,14 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
 
 def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_scale, interpret: bool, wg,
                       r: common.SparseRefs):
-  """WG0: Q (quantized here with ``cfg.q_in_kernel``, else from the loader), then per tile Sᵀ = K·Qᵀ, the online
-  softmax down the columns, Pᵀ / alpha to WG1; kv_scale / l and lse at the end."""
+  """WG0: Q quantized from the token's q rows (``q_quant.quantize_head_rows``, under the loader's index load and
+  first gather), then per tile Sᵀ = K·Qᵀ, the online softmax down the columns, Pᵀ / alpha to WG1; kv_scale / l
+  and lse at the end."""
   key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
-  if cfg.q_in_kernel:   # under the loader's index load and first gather
-    quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
-    quantize(r.q_gmem, r.q_sw, r.head_smem.at[0], lax.axis_index("q") * q_stride, q_stride)
-    plgpu.commit_smem()
-    head_scale = q_quant.row_scales(_head_values(r, 0), softmax_scale, r.scal_gmem[0])
-  else:
-    plgpu.barrier_wait(r.q_bar)
-    head_scale = _head_values(r, 0)
+  quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
+  quantize(r.q_gmem, r.q_sw, r.head_smem.at[0], lax.axis_index("q") * q_stride, q_stride)
+  plgpu.commit_smem()   # the async-proxy fence and a warpgroup barrier: Q for the wgmmas, amax for the loads below
+  head_scale = q_quant.row_scales(_head_values(r, 0), softmax_scale, r.scal_gmem[0])
 
   def step(t, carry):
     m, l = carry
@@ -264,12 +258,12 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.Sparse
     o_ref.at[:, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
 
 
-def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, *refs):
-  if cfg.q_in_kernel:   # no row-scale input
-    refs = refs[:1] + (None,) + refs[1:]
-  q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
+def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, q_gmem, kv_gmem, idx_gmem, scal_gmem,
+          o_gmem, lse_gmem, q_sw, k_sw, *rest):
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest)
+  # no row-scale input (qs_gmem) and no q_bar: WG0 makes Q and its scales itself
+  r = common.SparseRefs(q_gmem, None, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest[:4],
+                        None, *rest[4:])
   wg = lax.axis_index("wg")
 
   @pl.when(wg == LOADER)
@@ -294,21 +288,17 @@ def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, *refs):
 
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_stride: int, out_dtype_name: str,
-          cfg: TuningConfig, interpret=False, softmax_scale: float | None = None):
+          cfg: TuningConfig, softmax_scale: float, interpret=False):
   """The kernel for these shapes (arguments and results: see the module docstring). ``out_heads``: heads stored
-  (a multiple of 8 in (0, 16]); ``q_stride``: Q rows per token (H); ``interpret``: False, True or a
-  ``plgpu.InterpretGPUParams``; ``softmax_scale``: needed with ``cfg.q_in_kernel`` (the row scales are made in
-  the kernel)."""
-  if cfg.q_in_kernel and softmax_scale is None:
-    raise ValueError("softmax_scale is required with TuningConfig.q_in_kernel (the kernel makes the row scales)")
+  (a multiple of 8 in (0, 16]); ``q_stride``: Q rows per token (H); ``softmax_scale``: folded into the row
+  scales the kernel makes; ``interpret``: False, True or a ``plgpu.InterpretGPUParams``."""
   if not (0 < out_heads <= HEADS_N and out_heads % 8 == 0):
     raise ValueError(f"out_heads must be a multiple of 8 in (0, {HEADS_N}]; got {out_heads}")
   if not 0 < q_stride <= HEADS_N:
     raise ValueError(f"q_stride must be in (0, {HEADS_N}] (the token's heads); got {q_stride}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
-  body = functools.partial(_body, cfg, num_slots, out_dtype, interp, q_stride,
-                           None if softmax_scale is None else float(softmax_scale))
+  body = functools.partial(_body, cfg, num_slots, out_dtype, interp, q_stride, float(softmax_scale))
   # Vᵀ is the A operand of a wgmma whose B (Pᵀ, 16 f16 = 32-byte rows) fixes the swizzle at 32 bytes.
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_N))] if interp else []
   return plgpu.kernel(
@@ -325,7 +315,6 @@ def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_st
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((HEADS_N,), jnp.float32),                                             # lse
           plgpu.SMEM((INV_ROW + 1, HEAD_ROW), jnp.float32),                                # head_smem
-          plgpu.Barrier(num_arrivals=SW_CHUNKS + 1),                                       # q_bar (Q + scales)
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp),
                         num_barriers=cfg.k_buffers),                                       # k_full

@@ -311,8 +311,6 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   field = "stages" if cfg.design == "sm100" else "k_buffers"
   current = getattr(cfg.kernel, field)
   candidates = [((field, v),) for v in (1, 2, 3, 4) if v != current]
-  if cfg.design == "sm90_heads_n" and cfg.kernel.q_in_kernel:   # Q from the XLA pre-pass instead
-    candidates.append((("q_in_kernel", False),))
   if cfg.design == "sm90_heads_m":      # the other schedules (heads_m module docstring)
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
@@ -358,14 +356,13 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)),
                               getattr(cfg.kernel, "schedule", None) == "twin")
-  q_in_kernel = heads_on_n and cfg.kernel.q_in_kernel
-  if q_in_kernel:       # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows)
+  if heads_on_n:        # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows)
     q_args = (q.reshape(n_tok * h, D_QK),)
   else:
     q_args = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale, interpret)
   if heads_on_n:        # O [.., out_heads, 512]
-    kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel,
-                            interpret=interpret, softmax_scale=softmax_scale if q_in_kernel else None)
+    kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel, softmax_scale,
+                            interpret=interpret)
   elif arch == "sm100":
     kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
                             cfg.kernel, interpret=interpret)
@@ -388,10 +385,10 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
 
 
 def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
-  """Q [T, H, 576] as the design's kernel reads it, with its per-row logit scales (q_scale · softmax_scale ·
-  kv_scale · log2 e, made as max |q| · f32(1/448) · ...: kernels/q_quant.row_scales): heads on N flat and
-  unpadded ([T · H, ...]), heads on M in 64-row tiles ([T · tiles, 64, ...], H < 64 zero-padded); on sm_90
-  each row as latent | 64 zeros | rope (640 bytes: the zeros meet latent 448-511 in the 128-byte tail chunk).
+  """Q [T, H, 576] as the heads-on-M and sm_100 kernels read it (the heads-on-N kernel quantizes q itself), with
+  its per-row logit scales (q_scale · softmax_scale · kv_scale · log2 e, made as max |q| · f32(1/448) · ...:
+  kernels/q_quant.row_scales): 64-row tiles ([T · tiles, 64, ...], H < 64 zero-padded); on sm_90 each row as
+  latent | 64 zeros | rope (640 bytes: the zeros meet latent 448-511 in the 128-byte tail chunk).
   Where :func:`_prepass_kernel` says so, kernels/q_quant.py makes it in one launch that reads q once (the same
   bytes and scales); otherwise :func:`_xla_kernel_q`. A bfloat16 cache's kernel takes q in bf16 as it is (64-row
   tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
@@ -406,7 +403,7 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
   if arch == "sm90" and _prepass_kernel(cfg.design, n_tok, h):
     from mla_pallas.kernels import q_quant
     return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
-  return _xla_kernel_q(q, cfg.design, arch, tiles_per_token, softmax_scale, kv_scale)
+  return _xla_kernel_q(q, arch, tiles_per_token, softmax_scale, kv_scale)
 
 
 PREPASS_KERNEL_MIN_ROWS = 2048   # q rows (T · H) from which the Q pre-pass kernel beats the XLA ops
@@ -422,7 +419,7 @@ def _prepass_kernel(design: str, n_tok: int, h: int) -> bool:
   return design == "sm90_heads_m" and h % TILE == 0 and n_tok * h >= PREPASS_KERNEL_MIN_ROWS
 
 
-def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
+def _xla_kernel_q(q, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
   """:func:`_kernel_q`'s FP8 result by fused XLA ops: quant.quantize_rows_fp8, the zero columns, and the row scale
   as max(|q| · k) over the row (kernels/q_quant.row_scales' amax · k: the same bits, rounding being monotonic), a
   second reduction of q beside the amax, which XLA can run in the same fusion instead of a separate product."""
@@ -434,8 +431,6 @@ def _xla_kernel_q(q, design: str, arch: str, tiles_per_token: int, softmax_scale
   if arch == "sm90":
     zeros = jnp.zeros(q8.shape[:-1] + (Q_SW_COLS - D_QK,), q8.dtype)
     q8 = jnp.concatenate([q8[..., :D_V], zeros, q8[..., D_V:]], axis=-1)
-  if design == "sm90_heads_n":   # the kernel reads 16 rows from row token · H
-    return q8.reshape(n_tok * h, q8.shape[-1]), row_scale.reshape(n_tok * h)
   if h < TILE:
     q8 = jnp.pad(q8, ((0, 0), (0, TILE - h), (0, 0)))
     row_scale = jnp.pad(row_scale, ((0, 0), (0, TILE - h)))
