@@ -6,7 +6,9 @@
 #                                                      # timeout to what is left
 #
 # next (the order for the next device call): t_qrows (the heads-on-N kernel's raw Q quantization, bytes against
-#   the XLA pre-pass; its use in the kernel already passed bitwise on the H200), t_batch_invariance (8 of 10 passed
+#   the XLA pre-pass; its use in the kernel already passed bitwise on the H200), t_qm and ab_qm (heads on M "twin"
+#   with q_in_kernel, written after the last device call: GPU tests, then the A/B against the default's pre-pass
+#   at small batches; make it the "twin" default where it wins, delete it if it wins nowhere), t_batch_invariance (8 of 10 passed
 #   in the nineteenth session before a 180 s cut; the decode-branch cases did not finish), sweep_small (split
 #   lengths at B8 H8 / H16 now that heads on N quantizes Q itself: its per-CTA fixed cost changed), latency
 #   (issue 24's shapes, every row with XLA in the same run and the per-kernel breakdown), t_sparse.
@@ -59,6 +61,18 @@ sweep_small() {   # split lengths at small batches with the new merge (heads on 
 }
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
+}
+t_qm() {   # heads on M "twin" with q_in_kernel (the consumers quantize Q in raw PTX): bitwise the pre-pass, reference
+  run t_qm 240 $T tests/test_sparse_decode_gpu.py -k heads_m_q_in_kernel
+}
+ab_qm() {   # q_in_kernel against the default's Q pre-pass at small batches (heads on M "twin"), with split lengths
+  local s
+  for s in B=1,s_q=1,H=128 B=4,s_q=1,H=128 B=8,s_q=1,H=128 B=8,s_q=1,H=64 B=1,s_q=1,H=32; do
+    run "ab_qm_${s//[=,]/_}" 120 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel \
+      --shape $s,topk=2048,page=64,ctx=32768 "${common[@]}"
+  done
+  run ab_qm_C0 120 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel \
+    --shape B=8,s_q=2,H=128,topk=2048,page=64,ctx=4096 "${common[@]}"
 }
 steps_small() {   # the changed small-batch rows: heads on M with f32 "twin" partials, the steps, dense H16
   run sparse_B1_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
@@ -126,8 +140,8 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
     run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,auto --shape model=glm5,B=$b,tp=8 "${common[@]}"
   done
 }
-tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_qrows,t_batch_invariance,sweep_small,latency,t_sparse"
+tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
+next="t_qrows,t_qm,ab_qm,t_batch_invariance,sweep_small,latency,t_sparse"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -176,6 +176,53 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
+@pytest.mark.parametrize("H,s_q,q_dtype,tuning", [
+    (128, 1, jnp.bfloat16, ()),                          # two query tiles per token
+    (64, 2, jnp.float32, (("tiles_per_split", 2),)),     # several splits
+    (32, 3, jnp.bfloat16, ()),                           # rows 32-63 padding: consumer 1 quantizes no q row
+])
+def test_heads_m_q_in_kernel_is_bitwise_the_prepass(rng, H, s_q, q_dtype, tuning):
+  """Heads on M, "twin" with ``q_in_kernel``: the two consumers quantize their halves of the tile's q rows
+  (interpret mode: q_quant.quantize_head_rows_interpret) and get the XLA pre-pass's bytes and row scales, so out
+  and lse are bitwise those of the default (races checked); an all-zero row and a 300x row among them."""
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=0.5)
+  q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
+  case = dataclasses.replace(case, q=q)
+  testing.reset_interpreter()
+  out, lse = run_kernel(case, interpret=RACES, tuning=(("q_in_kernel", True),) + tuning)
+  assert not testing.races_found()
+  base, base_lse = run_kernel(case, interpret=True, tuning=tuning)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
+
+
+def test_heads_m_q_in_kernel_config():
+  """q_in_kernel is a "twin" option over an fp8 cache; the kernel needs H and softmax_scale for it."""
+  with pytest.raises(ValueError, match="q_in_kernel"):
+    heads_m.TuningConfig(schedule="handoff_vt", q_in_kernel=True)
+  with pytest.raises(ValueError, match="q_in_kernel"):
+    heads_m.TuningConfig(cache_dtype="bfloat16", q_in_kernel=True)
+  with pytest.raises(ValueError, match="heads and softmax_scale"):
+    heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(q_in_kernel=True))
+  assert heads_m.TuningConfig(q_in_kernel=True).smem_budget() == heads_m.TuningConfig().smem_budget() + 1024
+
+
+def test_heads_m_q_in_kernel_lowers_for_sm90():
+  """sm_90a lowering of "twin" with q_in_kernel (H 128, 2-tile splits), with counts: each consumer's branch
+  quantizes 8 rows per warp (two 16-byte stores, one amax store and a 5-step butterfly per row: 2 x 8 x ...);
+  the loader's only TMA is the indices'; the QKᵀ wgmmas unchanged."""
+  S = jax.ShapeDtypeStruct
+  kern = heads_m.build(4, 4096, 16, 2, "float32", heads_m.TuningConfig(tiles_per_split=2, q_in_kernel=True),
+                       heads=128, softmax_scale=576 ** -0.5)
+  low = testing.lower_for_cuda(kern, S((2 * 128, common.D_QK), jnp.bfloat16), S((4096, 576), FP8),
+                               S((2, 32, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
+  assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2 and low.count(r"st\.shared\.f32") == 2 * 8
+  # (8 more butterflies are the softmax's, as with the pre-pass)
+  assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 8 + 2 * 8 * 5
+  assert low.count(r"cp\.async\.bulk\.tensor") == 1
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
+
+
 def test_default_config_rules():
   """The one shape -> kernel map: sm_90 H <= 16 on the heads-on-N design (4 K buffers), more heads on the
   heads-on-M design (2 K buffers), sm_100 its own kernel; the split plan inside."""

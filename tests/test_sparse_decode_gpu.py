@@ -94,6 +94,23 @@ def test_heads_m_schedules(rng, H, s_q, schedule):
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
+@pytest.mark.parametrize("H,s_q,q_dtype", [(128, 1, jnp.bfloat16), (64, 2, jnp.float32), (32, 4, jnp.bfloat16)])
+def test_heads_m_q_in_kernel_is_bitwise_the_prepass(rng, H, s_q, q_dtype):
+  """"twin" with ``q_in_kernel`` (the consumers quantize the tile's q rows in raw PTX, 32 each) makes the XLA
+  pre-pass's fp8 bytes and row scales, so out and lse are bitwise the default's, with one and several splits; an
+  all-zero row and a 300x row; H 32 leaves the second consumer's rows all padding. Also within the reference."""
+  import dataclasses
+  case = make_case(rng, B=2, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64, kv_scale=0.5)
+  q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
+  case = dataclasses.replace(case, q=q)
+  for tuning in ((("tiles_per_split", 4),), (("tiles_per_split", 2),)):
+    out, lse = run_kernel(case, interpret=False, tuning=tuning + (("q_in_kernel", True),))
+    base, base_lse = run_kernel(case, interpret=False, tuning=tuning)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=(("q_in_kernel", True),))
+
+
 @pytest.mark.parametrize("H,s_q", [(8, 4), (16, 2)])
 def test_designs_agree(rng, H, s_q):
   """At H <= 16 the default heads-on-N design (Vᵀ in registers) and the heads-on-M design (forced through the op's

@@ -144,26 +144,31 @@ def quantize_q(q, kv_scale, softmax_scale: float, interpret=False):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# In-kernel form for the heads-on-N attention kernel (kernels/sparse_sm90_heads_n.py): one token's H <= 16 rows,
-# quantized by the warpgroup that runs the QKᵀ, straight from GMEM into its swizzled Q tile.
+# In-kernel form for the attention kernels: the heads-on-N kernel's 16-row Q tile (kernels/sparse_sm90_heads_n.py,
+# one token's H <= 16 rows) or a half of the heads-on-M kernel's 64-row tile (kernels/sparse_sm90_heads_m.py,
+# ``TuningConfig.q_in_kernel``), quantized by a warpgroup straight from GMEM into the swizzled Q tile.
 
 HEAD_ROWS = 16             # rows of the heads-on-N Q tile (the MMAs' N)
 LANE_VALUES = 16           # values per lane and row: latent [16 l, 16 l + 16) on every lane
 
 
-def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int) -> None:
-  """Raw Mosaic GPU body (one warpgroup): rows ``row0 .. row0 + rows`` of ``q`` (GMEM memref [R, 576] bf16 or
-  f32) quantized per row as in the module docstring into the Q tile ``q8`` (SMEM memref [5, 16, 128] fp8,
-  Tiling(8, 128) + 128-byte swizzle: latent | 64 zeros | rope) and each row's max |q| into ``amax_out[r]``
-  (SMEM memref of >= 16 f32); tile rows ``rows .. 15`` get zeros (and amax 0). ``row0``: i32 value; ``rows``
-  static in [1, 16].
+def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, count: int | None = None) -> None:
+  """Raw Mosaic GPU body (one warpgroup): tile rows ``first .. first + count`` (default: all) of the Q tile ``q8``
+  (SMEM memref [5, tile_rows, 128] fp8, Tiling(8, 128) + 128-byte swizzle: latent | 64 zeros | rope) from rows
+  ``row0 + r`` of ``q`` (GMEM memref [R, 576] bf16 or f32), quantized per row as in the module docstring, and
+  each row's max |q| into ``amax_out[r]`` (SMEM memref of >= tile_rows f32); tile rows ``r >= rows`` get zeros
+  (and amax 0). ``row0``: i32 value; ``rows``, ``first``, ``count`` (a multiple of 4) static.
 
-  Warp w takes tile rows w, w + 4, w + 8, w + 12; lane l loads latent values [16 l, 16 l + 16) and lanes 4-7
+  Warp w takes tile rows first + w, first + w + 4, ...; lane l loads latent values [16 l, 16 l + 16) and lanes 4-7
   also rope values [16 (l - 4), 16 (l - 4) + 16); the row max is a butterfly over the warp. Stores: latent as
   16 fp8 bytes at chunk l // 8, granule l % 8; in the tail chunk, lanes 0-3 write the zero granules 0-3 and
   lanes 4-7 the rope granules 4-7; lane 0 the row's amax. The caller fences (``plgpu.commit_smem``: the
   async-proxy fence and a warpgroup barrier) before the wgmmas and register loads read them."""
   f32 = ir.F32Type.get()
+  q8_shape = ir.MemRefType(q8.type).shape   # tiled: [5, rows / 8, 1, 8, 128]
+  tile_rows = q8_shape[1] * q8_shape[3] if len(q8_shape) == 5 else q8_shape[1]
+  count = tile_rows if count is None else count
+  assert count % 4 == 0 and 0 <= first and first + count <= tile_rows, (first, count, tile_rows)
   dtype = ir.MemRefType(q.type).element_type
   item = 2 if str(dtype) == "bf16" else 4
   row_bytes = common.D_QK * item
@@ -177,8 +182,8 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int) -> None:
                          arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8)))
   rope_part = arith.select(rope_lane, arith.subi(lane, raw.c32(4)), raw.c32(0))
   tail_lane = arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8))
-  for j in range(HEAD_ROWS // 4):
-    r = arith.addi(warp, raw.c32(4 * j))
+  for j in range(count // 4):
+    r = arith.addi(warp, raw.c32(first + 4 * j))
     real = arith.cmpi(arith.CmpIPredicate.ult, r, raw.c32(rows))
     src = raw.wide(arith.addi(row0, arith.select(real, r, raw.c32(0))))     # padding rows read row 0, then zero
     row_off = arith.muli(src, raw.c64(row_bytes))
@@ -194,7 +199,7 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int) -> None:
     scale = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, scale, zero_f), arith.constant(f32, 1.0), scale)
     inv = arith.divf(arith.constant(f32, 1.0), scale)
     row_addr = arith.addi(q8_base, arith.muli(r, raw.c32(common.SW_CHUNK)))
-    chunk_bytes = HEAD_ROWS * common.SW_CHUNK
+    chunk_bytes = tile_rows * common.SW_CHUNK
     lat_addr = arith.addi(row_addr, arith.addi(arith.muli(arith.divui(lane, raw.c32(8)), raw.c32(chunk_bytes)),
                                                arith.muli(arith.remui(lane, raw.c32(8)), raw.c32(16))))
     raw.st_shared_v4(raw.swizzle(lat_addr, common.SW_CHUNK), raw.fp8_words(latent, inv))
@@ -206,32 +211,37 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int) -> None:
              lambda r=r, a=amax: raw.st_shared_f32(arith.addi(amax_base, arith.muli(r, raw.c32(4))), a))
 
 
-def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int) -> None:
+def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0, count: int | None = None) -> None:
   """Pallas-level :func:`quantize_head_rows_raw` (run by one warpgroup; not in interpret mode): ``q_ref`` GMEM
-  [R, 576] bf16 / f32, ``q8_ref`` SMEM [5, 16, 128] fp8 (``common.q_scratch(16)``), ``amax_ref`` SMEM [>= 16] f32;
-  ``row0`` an int32 scalar (traced), ``rows`` static."""
+  [R, 576] bf16 / f32, ``q8_ref`` SMEM [5, tile_rows, 128] fp8 (``common.q_scratch``), ``amax_ref`` SMEM
+  [>= tile_rows] f32; ``row0`` an int32 scalar (traced), ``rows``, ``first``, ``count`` static."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
                                 plgpu.RefType(), raw.SCALAR_LAYOUT))
   def f(ctx, q, q8, amax, row0_fa):
     del ctx
-    quantize_head_rows_raw(q, q8, amax, raw.scalar_value(row0_fa), rows)
+    quantize_head_rows_raw(q, q8, amax, raw.scalar_value(row0_fa), rows, first, count)
   f(q_ref, q8_ref, amax_ref, raw.scalar_array(row0))
 
 
-def quantize_head_rows_interpret(q_ref, q8_ref, amax_ref, row0, rows: int) -> None:
+def quantize_head_rows_interpret(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0,
+                                 count: int | None = None) -> None:
   """:func:`quantize_head_rows` for interpret mode (no ``inline_mgpu`` there): the same values by Pallas array
   ops (interpret mode checks no layouts)."""
-  x = q_ref[pl.ds(row0, rows), :].astype(jnp.float32)
-  amax = jnp.abs(x).max(axis=1)
-  scale = amax * _INV_FP8_MAX
-  scale = jnp.where(scale == 0.0, 1.0, scale)
-  q8 = jnp.clip(x * (1.0 / scale)[:, None], -FP8_MAX, FP8_MAX).astype(common.FP8)
-  pad = HEAD_ROWS - rows
-  q8 = jnp.concatenate([q8[:, :common.D_V], jnp.zeros((rows, common.Q_SW_COLS - common.D_QK), common.FP8),
-                        q8[:, common.D_V:]], axis=1)
-  if pad:
-    q8 = jnp.concatenate([q8, jnp.zeros((pad, common.Q_SW_COLS), common.FP8)], axis=0)
-    amax = jnp.concatenate([amax, jnp.zeros((pad,), jnp.float32)])
+  count = q8_ref.shape[1] if count is None else count
+  real = min(max(rows - first, 0), count)     # tile rows first .. first + real come from q
+  q8 = jnp.zeros((0, common.Q_SW_COLS), common.FP8)
+  amax = jnp.zeros((0,), jnp.float32)
+  if real:
+    x = q_ref[pl.ds(row0 + first, real), :].astype(jnp.float32)
+    amax = jnp.abs(x).max(axis=1)
+    scale = amax * _INV_FP8_MAX
+    scale = jnp.where(scale == 0.0, 1.0, scale)
+    q8 = jnp.clip(x * (1.0 / scale)[:, None], -FP8_MAX, FP8_MAX).astype(common.FP8)
+    q8 = jnp.concatenate([q8[:, :common.D_V], jnp.zeros((real, common.Q_SW_COLS - common.D_QK), common.FP8),
+                          q8[:, common.D_V:]], axis=1)
+  if count > real:
+    q8 = jnp.concatenate([q8, jnp.zeros((count - real, common.Q_SW_COLS), common.FP8)], axis=0)
+    amax = jnp.concatenate([amax, jnp.zeros((count - real,), jnp.float32)])
   for c in range(common.SW_CHUNKS):
-    q8_ref.at[c][...] = q8[:, c * common.SW_CHUNK:(c + 1) * common.SW_CHUNK]
-  amax_ref[pl.ds(0, HEAD_ROWS)] = amax
+    q8_ref.at[c, pl.ds(first, count)][...] = q8[:, c * common.SW_CHUNK:(c + 1) * common.SW_CHUNK]
+  amax_ref[pl.ds(first, count)] = amax

@@ -63,6 +63,16 @@ multiplies P with its four 64-column latent chunks (4 wgmmas of N = 64 into four
 16-bit wgmma takes the MN-major B, so there is no V copy) and releases the K buffer after its P·V. SMEM: Q 73 728 +
 K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, barriers, reduction scratch = 228 864 bytes.
 
+Q in the kernel (``TuningConfig.q_in_kernel``; "twin" over an fp8 cache)
+-------------------------------------------------------------------------
+The kernel takes the op's q ([num_tokens · H, 576] bf16 or f32, no ``qs``) instead of the pre-pass's tiles: before
+their first QKᵀ each consumer quantizes 32 of the tile's 64 rows (WG0 rows 0-31, WG1 32-63; rows past H are
+zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32 SMEM row (raw PTX,
+``q_quant.quantize_head_rows``: the pre-pass's bytes), fences and arrives on ``q_bar`` (two arrivals); both wait
+for it and take the row scales as ``q_quant.row_scales(amax)``. The loader then TMAs only the indices. SMEM: +1 024
+(the amax row). A candidate for small batches, where the op's XLA pre-pass is two launches; not yet measured on a
+GPU (``benchmarks/pending_gpu.sh ab_qm``).
+
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
@@ -98,7 +108,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, vt_registers
+from mla_pallas.kernels import common, q_quant, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
 LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
@@ -115,15 +125,20 @@ class TuningConfig(common.SparseSm90Config):
   consumers compute the same S and run the same softmax; "handoff_vt" — consumer 0 alone does and hands P (f16)
   and alpha to consumer 1 through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register operand read from the
   fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
-  indices) fits both schedules."""
+  indices) fits both schedules. ``q_in_kernel`` ("twin" over an fp8 cache): the two consumers quantize the tile's
+  q rows themselves, 32 each (``q_quant.quantize_head_rows``, the bytes of the op's pre-pass), instead of the
+  loader's TMA of the pre-pass's Q (module docstring, "Q in the kernel")."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
+  q_in_kernel: bool = False
 
   def validate(self):
+    if self.q_in_kernel and (self.schedule != "twin" or self.cache_dtype != "float8_e4m3fn"):
+      raise ValueError(f"TuningConfig.q_in_kernel runs with schedule 'twin' over an fp8 cache; got {self}")
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
     if self.cache_dtype not in self.CACHE_DTYPES:
@@ -155,7 +170,7 @@ class TuningConfig(common.SparseSm90Config):
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
     hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
-        if self.hand_off else ()
+        if self.hand_off else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
@@ -171,7 +186,7 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   (``common.gather_tiles``)."""
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
   lay = cfg.layout
-  for c in range(lay.chunks):
+  for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
                             r.q_bar)
   n_tiles = cfg.tiles_per_split
@@ -234,13 +249,36 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: common.SparseRefs):
-  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale)."""
+def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None):
+  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale).
+  ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale, interpret), this consumer quantizes its half
+  of the tile's rows first (:func:`_quantize_q_half`)."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  if q_in is not None:
+    _quantize_q_half(tile_q, r, *q_in)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
-  row_scale = plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False)
-  return row_scale, r.scal_gmem[0]
+  if q_in is None:
+    return plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False), r.scal_gmem[0]
+  amax = plgpu.load(r.head_smem, layout=ROW_LAYOUT, optimized=False)
+  return q_quant.row_scales(amax, q_in[2], r.scal_gmem[0]), r.scal_gmem[0]
+
+
+def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, softmax_scale: float, interpret: bool):
+  """``TuningConfig.q_in_kernel``: consumer ``wg`` quantizes tile rows [32 wg, 32 wg + 32) of query tile
+  ``tile_q`` (heads 64 (tile_q % tiles) + r of token tile_q // tiles; rows past H are zeros) from q [T · H, 576]
+  into ``q_sw`` and their max |q| into ``head_smem`` [64], fences them and arrives on ``q_bar`` (two arrivals:
+  the tile is complete)."""
+  tiles = max(1, heads // TILE)
+  row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
+  quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
+  half = TILE // 2
+  for w in range(2):
+    @pl.when(wg == w)
+    def _():
+      quantize(r.q_gmem, r.q_sw, r.head_smem, row0, min(heads, TILE), first=w * half, count=half)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(r.q_bar)
 
 
 def _p_operand(p, dtype, wg, interpret: bool, r: common.SparseRefs):
@@ -256,10 +294,10 @@ def _p_operand(p, dtype, wg, interpret: bool, r: common.SparseRefs):
 
 
 def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg, tile_q, split,
-              r: common.SparseRefs):
+              r: common.SparseRefs, q_in=None):
   """schedule "twin", WG0 / WG1: QKᵀ and the upcast of their half of V, online softmax, P·V into their 256
   output columns."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+  row_scale, kv_scale = _softmax_prologue(tile_q, r, (wg,) + q_in if cfg.q_in_kernel else None)
   if cfg.bf16:
     return _consumer_bf16(cfg, num_slots, out_dtype, interpret, row_scale, kv_scale, wg, tile_q, split, r)
 
@@ -452,13 +490,15 @@ def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
   _store_vt(accs, 1, tile_q, split, r)
 
 
-def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
+def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, *refs):
+  if cfg.q_in_kernel:   # q as it is, no row-scale input
+    refs = refs[:1] + (None,) + refs[1:]
   q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
   hand_off = cfg.hand_off
   v16, rest = (rest[0], rest[1:]) if cfg.v_tile(interpret) else (None, rest)
   p_sw, rest = (rest[0], rest[1:]) if (interpret or hand_off) else (None, rest)
   idx_smem, lse_smem, *rest = rest
-  head_smem, rest = (rest[0], rest[1:]) if hand_off else (None, rest)
+  head_smem, rest = (rest[0], rest[1:]) if hand_off or cfg.q_in_kernel else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
   p_full, p_empty = rest if hand_off else (None, None)
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
@@ -491,24 +531,29 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, *refs):
   else:
     @pl.when(wg < LOADER)
     def _():
-      _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r)
+      _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r,
+                q_in + (interpret,) if cfg.q_in_kernel else None)
 
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
-          cfg: TuningConfig, interpret=False):
+          cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
-  a ``plgpu.InterpretGPUParams``."""
+  a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed with ``cfg.q_in_kernel``."""
+  if cfg.q_in_kernel and (heads is None or softmax_scale is None):
+    raise ValueError("TuningConfig.q_in_kernel needs heads and softmax_scale (the kernel quantizes q)")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp)
+  q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in)
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
   p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if (interp or hand_off) else []
-  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else []
+  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else \
+      [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
                        plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
   return plgpu.kernel(
@@ -525,7 +570,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           *head_scratch,                                                                   # alpha, 1/l
-          plgpu.Barrier(num_arrivals=cfg.layout.chunks),                                   # q_bar
+          plgpu.Barrier(num_arrivals=2 if cfg.q_in_kernel else cfg.layout.chunks),         # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full

@@ -315,6 +315,9 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
+    if cfg.kernel.schedule == "twin" and not cfg.kernel.bf16:   # Q quantized by the consumers, no pre-pass,
+      candidates += [(("q_in_kernel", True),)] + [                # alone and with other split lengths
+          (("q_in_kernel", True), ("tiles_per_split", t)) for t in (1, 2, 4, 8) if t != cfg.kernel.tiles_per_split]
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
@@ -356,8 +359,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)),
                               getattr(cfg.kernel, "schedule", None) == "twin")
-  if heads_on_n:        # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows)
-    q_args = (q.reshape(n_tok * h, D_QK),)
+  if heads_on_n or getattr(cfg.kernel, "q_in_kernel", False):   # the kernel quantizes q itself
+    q_args = (q.reshape(n_tok * h, D_QK),)                       # (kernels/q_quant.quantize_head_rows)
   else:
     q_args = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale, interpret)
   if heads_on_n:        # O [.., out_heads, 512]
@@ -368,7 +371,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                             cfg.kernel, interpret=interpret)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                            interpret=interpret)
+                            interpret=interpret, heads=h, softmax_scale=softmax_scale)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(*q_args, kv_flat, rows.astype(jnp.uint32), scal)
