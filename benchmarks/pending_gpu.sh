@@ -8,7 +8,10 @@
 # next (the order for the next device call): t_qrows (the heads-on-N kernel's raw Q quantization, bytes against
 #   the XLA pre-pass; its use in the kernel already passed bitwise on the H200), t_qm and ab_qm (heads on M "twin"
 #   with q_in_kernel, written after the last device call: GPU tests, then the A/B against the default's pre-pass
-#   at small batches; make it the "twin" default where it wins, delete it if it wins nowhere), t_batch_invariance (8 of 10 passed
+#   at small batches; make it the "twin" default where it wins, delete it if it wins nowhere), t_prefill_quant and
+#   ab_prefill_prepass (mla_prefill's q / k pre-pass in one kernel, the default of the Mosaic path since the
+#   nineteenth session but never run on a GPU: revert ops.prefill._prepass_kernel to False if a test fails or the
+#   A/B is slower), t_batch_invariance (8 of 10 passed
 #   in the nineteenth session before a 180 s cut; the decode-branch cases did not finish), sweep_small (split
 #   lengths at B8 H8 / H16 now that heads on N quantizes Q itself: its per-CTA fixed cost changed), latency
 #   (issue 24's shapes, every row with XLA in the same run and the per-kernel breakdown), t_sparse.
@@ -73,6 +76,12 @@ ab_qm() {   # q_in_kernel against the default's Q pre-pass at small batches (hea
   done
   run ab_qm_C0 120 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel \
     --shape B=8,s_q=2,H=128,topk=2048,page=64,ctx=4096 "${common[@]}"
+}
+t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass
+  run t_prefill_quant 150 $T tests/test_prefill_quant.py
+}
+ab_prefill_prepass() {   # the op with the pre-pass kernel against the XLA pre-pass, DeepSeek-V3.2 and GLM-5 2 x 4096
+  run ab_prefill_prepass 300 $PY benchmarks/prefill_prepass_ab_gpu.py
 }
 steps_small() {   # the changed small-batch rows: heads on M with f32 "twin" partials, the steps, dense H16
   run sparse_B1_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
@@ -140,8 +149,8 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
     run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,auto --shape model=glm5,B=$b,tp=8 "${common[@]}"
   done
 }
-tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_qrows,t_qm,ab_qm,t_batch_invariance,sweep_small,latency,t_sparse"
+tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
+next="t_qrows,t_qm,ab_qm,t_prefill_quant,ab_prefill_prepass,t_batch_invariance,sweep_small,latency,t_sparse"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

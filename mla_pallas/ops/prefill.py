@@ -492,6 +492,25 @@ def _fp8_per_row(x, src):
   return x8, scale.T
 
 
+def _prepass_kernel(x) -> bool:
+  """Whether :func:`_quantize_rows` runs kernels/prefill_quant.py (one launch reading x once) instead of the XLA
+  ops of :func:`_fp8_per_row`: x [T, H, D] with H and D multiples of 64. The same bytes and scales (tested bitwise);
+  predicted ~600 µs less at 2 × 4096 tokens with DeepSeek's dims (docs/kernels/prefill_sm90.md), to be measured
+  (benchmarks/prefill_prepass_ab_gpu.py)."""
+  from mla_pallas.kernels import prefill_quant
+  return x.shape[1] % prefill_quant.ROWS == 0 and x.shape[2] % prefill_quant.CHUNK == 0
+
+
+def _quantize_rows(x, src, interpret=False):
+  """:func:`_fp8_per_row`'s (x8 [n_al, H, D], scale [H, n_al]) by kernels/prefill_quant.py where
+  :func:`_prepass_kernel` says so, else by the XLA ops."""
+  if not _prepass_kernel(x):
+    return _fp8_per_row(x, src)
+  from mla_pallas.kernels import prefill_quant
+  x8, scale = prefill_quant.quantize_rows(x, src, interpret)
+  return x8, scale.T
+
+
 def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq: int, nseq: int, causal: bool):
   """The kernel's tile table [n_max, 8] (kernels/prefill_sm90.py) and (tile_start [nseq + 1]): tile i of
   sequence b covers its queries 128 j .. 128 j + 127, j = i - tile_start[b]; its keys start at row k_starts[b]
@@ -537,8 +556,8 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   cu_k = cu_q if cu_seqlens_k is None else jnp.clip(cu_seqlens_k, 0, tk)
   q_starts, q_src, _ = _aligned_packing(cu_q, tq, nseq)
   k_starts, k_src, _ = _aligned_packing(cu_k, tk, nseq)
-  q8, q_scale = _fp8_per_row(q, q_src)
-  k8, k_scale = _fp8_per_row(k, k_src)
+  q8, q_scale = _quantize_rows(q, q_src, interpret)
+  k8, k_scale = _quantize_rows(k, k_src, interpret)
   qs = (jnp.asarray(softmax_scale, jnp.float32) * LOG2E * q_scale).astype(jnp.float32)
   clean = _is_clean(v, cu_q, cu_k, tq)
 
