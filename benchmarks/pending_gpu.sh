@@ -20,7 +20,10 @@
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
 #   q_prepass (benchmarks/q_prepass_gpu.py), b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
 #   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 / steps_small.
-# Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows.
+# Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows, and
+#   issue 22's BF16 rows with mla-pallas on a bf16 cache: apply benchmarks/peers_bf16_cache_option.diff to the
+#   copy (`patch -d .peers -p1 < benchmarks/peers_bf16_cache_option.diff`), then
+#   PEERS_CACHE_DTYPE=bf16 CASES=D1,D2,F1,P1,P3 bash .peers/run_on_h200.sh (carry .peers).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHAT=${1:-tests}
