@@ -4,6 +4,10 @@
 #   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | next
 #   DEADLINE=540 bash benchmarks/pending_gpu.sh next   # start no group after 540 s, and cut the running one's
 #                                                      # timeout to what is left
+# On the device tool: `DEADLINE=450 bash benchmarks/pending_gpu.sh GROUPS $OUT > $OUT/log.txt 2>&1` writes each
+# group's text into $OUT as it finishes (a call that hits its time limit still returns what is there); the
+# tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
+# than deleting them: they hold the per-kernel breakdowns.
 #
 # next (the order for the next device call): t_qrows (the heads-on-N kernel's raw Q quantization, bytes against
 #   the XLA pre-pass; its use in the kernel already passed bitwise on the H200), t_qm and ab_qm (heads on M "twin"
