@@ -1,8 +1,7 @@
-"""The sparse sm_90 kernels' Q pre-pass on the H200, by itself: the fused XLA ops (ops.sparse_decode._xla_kernel_q)
-against kernels/q_quant.py (heads on N through the [T · H / 64, 64, 576] view of q: each row is quantized alone),
-CUPTI device time per call over 4 rotated input sets, after a bitwise check of the two results. Question it
-answers: does the one-launch kernel beat XLA's fusions at the latency shapes (issue 24), where the heads-on-N
-designs still run the XLA ops, and what does it cost at T = 1 (DeepSeek's decode step spends ~5.4 us there)?
+"""The heads-on-M sparse sm_90 kernel's Q pre-pass on the H200, by itself: the fused XLA ops
+(ops.sparse_decode._xla_kernel_q) against kernels/q_quant.py, CUPTI device time per call over 4 rotated input
+sets, after a bitwise check of the two results. Question it answers: from how many q rows does the one-launch
+kernel beat XLA's fusions (ops.sparse_decode.PREPASS_KERNEL_MIN_ROWS), and what does it cost at T = 1?
 
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/q_prepass_gpu.py [--iters 50]
 """

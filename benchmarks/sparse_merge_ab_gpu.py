@@ -1,6 +1,7 @@
-"""A/B on the H200 of the split merge of sparse_mla_decode (fp8 cache): the default since the eighteenth session
-(bf16 split partials, ``combine_splits``' elementwise chain: two XLA launches) against the one before it (f32
-partials, the merge as reductions over the split axis: three launches), same process, same inputs. The old
+"""A/B on the H200 of the split merge of sparse_mla_decode (fp8 cache): the default (``_partials_dtype``: bf16
+split partials except on the heads-on-M "twin" schedule, since the nineteenth session; ``combine_splits``'
+elementwise chain: two XLA launches) against the merge before the eighteenth session (f32 partials everywhere, the
+merge as reductions over the split axis: three launches), same process, same inputs. The old
 behaviour is restored by monkeypatching ``_partials_dtype`` and ``combine_splits`` (below); nothing in the library
 switches. Prints CUPTI µs per call, the per-kernel totals, and each variant's rel-L2 against the float32 reference.
 
@@ -39,7 +40,7 @@ def _reduction_merge(o, lse):
 def _variant(name):
   """Patch the module for a variant (the jit caches are cleared by the caller)."""
   if name == "old":
-    sd._partials_dtype = lambda splits, bf16_cache: "bfloat16" if splits == 1 else "float32"
+    sd._partials_dtype = lambda splits, bf16_cache, twin=False: "bfloat16" if splits == 1 else "float32"
     sd.combine_splits = _reduction_merge
   else:
     sd._partials_dtype, sd.combine_splits = _DEFAULTS

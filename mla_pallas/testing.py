@@ -288,9 +288,9 @@ def fp8_error_budget(*, quantized_q: bool = True, quantized_kv: bool = False, qu
     unless the kernel promotes to separate f32 accumulators per tile) on the output. Terms ``qk_mma`` and
     ``pv_mma``. Interpret mode computes these products exactly; the term is then a (small) overestimate.
   * both outputs are rounded to bf16: sqrt(2) * 2^-8 / sqrt(3) (term ``out_bf16``); the sparse and dense decode
-    kernels over an fp8 cache also round each split's partial output to bf16 before the merge:
-    2^-8 / sqrt(3) more (term ``partials_bf16``, ``split_partials_bf16=True``; counted whether or not the call
-    splits).
+    kernels over an fp8 cache may also round each split's partial output to bf16 before the merge
+    (``ops.sparse_decode._partials_dtype``): 2^-8 / sqrt(3) more (term ``partials_bf16``,
+    ``split_partials_bf16=True``; counted whether or not the call splits).
 
   **Assumptions and safety.** The model is first order and assumes generic inputs: q and latent rows with
   N(0, 1)-like entries, logits of standard deviation ``logit_std`` (1.0 for N(0, 1) data with

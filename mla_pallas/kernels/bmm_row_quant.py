@@ -31,23 +31,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels.common import FP8, swizzled
-from mla_pallas.kernels.raw_mgpu import (
-  SCALAR_LAYOUT,
-  abs_max,
-  c32,
-  fp8_words,
-  i32,
-  load_f32,
-  scalar_array,
-  scalar_value,
-  st_shared_f32,
-  st_shared_v4,
-  swizzle,
-  thread_in_warpgroup,
-  warp_max,
-  when,
-  wide,
-)
+from mla_pallas.kernels.raw_mgpu import (SCALAR_LAYOUT, abs_max, c32, fp8_words, i32, load_f32, scalar_array,
+                                         scalar_value, st_shared_f32, st_shared_v4, swizzle, thread_in_warpgroup,
+                                         warp_max, when, wide)
 from mla_pallas.quant import _INV_FP8_MAX
 
 LANE_VALUES = 16     # values of a row per lane: two 16-byte bf16 loads, one 16-byte fp8 store

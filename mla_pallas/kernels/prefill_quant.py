@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common
+from mla_pallas.kernels import common, q_quant
 
 ROWS = common.TILE         # heads per CTA
-CHUNK = 64                 # columns per register pass and per fp8 output chunk
+CHUNK = q_quant.CHUNK      # columns per register pass and per fp8 output chunk
 FP8_MAX = 448.0
 F32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -42,18 +42,10 @@ def _body(x_gmem, src_gmem, x8_gmem, scale_gmem, x_smem, x8_smem, scale_smem, ba
   a, hb = lax.axis_index("row"), lax.axis_index("heads")
   tok = src_gmem[a]
   keep = tok >= 0           # a zero row reads token 0 and selects zeros (+0: the XLA pre-pass's bytes)
-  src = x_gmem.at[jnp.maximum(tok, 0), pl.ds(hb * ROWS, ROWS)]
-  chunk_cols = x_smem.shape[-1]
-  for c in range(x_smem.shape[0]):
-    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c * chunk_cols, chunk_cols)], x_smem.at[c], bar)
-  plgpu.barrier_wait(bar)
+  q_quant.stage_rows(x_gmem.at[jnp.maximum(tok, 0), pl.ds(hb * ROWS, ROWS)], x_smem, bar)
 
   def chunk(c):             # x columns [64 c, 64 c + 64) as f32 registers
-    per = CHUNK // chunk_cols
-    parts = [plgpu.load(x_smem.at[c * per + i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-             for i in range(per)]
-    x = parts[0] if per == 1 else jnp.concatenate(parts, axis=1)
-    return jnp.where(keep, x, 0.0)
+    return jnp.where(keep, q_quant.f32_columns(x_smem, c), 0.0)
 
   n_chunks = x8_smem.shape[0]
   amax = None

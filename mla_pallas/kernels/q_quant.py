@@ -26,8 +26,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels import raw_mgpu as raw
-from mla_pallas.quant import _INV_FP8_MAX, FP8_MAX
+from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
 ROWS = common.TILE
 CHUNK = 64                 # columns per register pass
@@ -47,30 +47,34 @@ def _body(tiles_per_token: int, softmax_scale: float, q_gmem, scal_gmem, q8_gmem
           rs_smem, bar):
   t = lax.axis_index("t")
   token, head0 = lax.div(t, tiles_per_token), lax.rem(t, tiles_per_token) * ROWS
-  src = q_gmem.at[token, pl.ds(head0, ROWS)]
-  chunk_cols = q_smem.shape[-1]            # 128 bytes of q per chunk: 64 bf16 or 32 f32 columns
-  n_chunks = common.D_QK // chunk_cols
-  for c in range(n_chunks):
-    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c * chunk_cols, chunk_cols)], q_smem.at[c], bar)
-
-  plgpu.barrier_wait(bar)
-
-  def chunk(c):             # q columns [64 c, 64 c + 64) as f32 registers (swizzled chunks: conflict-free)
-    per = CHUNK // chunk_cols
-    parts = [plgpu.load(q_smem.at[c * per + i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-             for i in range(per)]
-    return parts[0] if per == 1 else jnp.concatenate(parts, axis=1)
-
-  amax = tile_amax(chunk)
+  stage_rows(q_gmem.at[token, pl.ds(head0, ROWS)], q_smem, bar)
+  amax = tile_amax(lambda c: f32_columns(q_smem, c))
   scale = amax * _INV_FP8_MAX
   scale = jnp.where(scale == 0.0, 1.0, scale)
-  store_boxes(chunk, 1.0 / scale, q8_smem)
+  store_boxes(lambda c: f32_columns(q_smem, c), 1.0 / scale, q8_smem)
   rs_smem[...] = row_scales(amax, softmax_scale, scal_gmem[0])
   plgpu.commit_smem()
   for b in range(common.SW_CHUNKS):
     plgpu.copy_smem_to_gmem(q8_smem.at[b], q8_gmem.at[t, :, pl.ds(b * common.SW_CHUNK, common.SW_CHUNK)])
   plgpu.copy_smem_to_gmem(rs_smem, rs_gmem.at[t])
   plgpu.wait_smem_to_gmem(0)
+
+
+def stage_rows(src, x_smem, bar) -> None:
+  """TMA the [64, D] rows ``src`` (GMEM, bf16 or f32) into ``x_smem`` [D / chunk_cols, 64, chunk_cols] as
+  128-byte-swizzled chunks (64 bf16 or 32 f32 columns each) and wait for them on ``bar`` (one arrival per chunk)."""
+  chunk_cols = x_smem.shape[-1]
+  for c in range(x_smem.shape[0]):
+    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c * chunk_cols, chunk_cols)], x_smem.at[c], bar)
+  plgpu.barrier_wait(bar)
+
+
+def f32_columns(x_smem, c):
+  """Columns [64 c, 64 c + 64) of a tile staged by :func:`stage_rows`, as f32 [64, 64] registers (WGMMA layout;
+  the swizzled chunks make the loads conflict-free)."""
+  per = CHUNK // x_smem.shape[-1]
+  parts = [plgpu.load(x_smem.at[c * per + i], layout=plgpu.Layout.WGMMA).astype(jnp.float32) for i in range(per)]
+  return parts[0] if per == 1 else jnp.concatenate(parts, axis=1)
 
 
 def tile_amax(chunk):
@@ -170,7 +174,7 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
   count = tile_rows if count is None else count
   assert count % 4 == 0 and 0 <= first and first + count <= tile_rows, (first, count, tile_rows)
   dtype = ir.MemRefType(q.type).element_type
-  item = 2 if str(dtype) == "bf16" else 4
+  item = raw.float_bytes(dtype)
   row_bytes = common.D_QK * item
   _, warp, lane = raw.thread_in_warpgroup()
   q_base = mgpu_utils.memref_ptr(q)

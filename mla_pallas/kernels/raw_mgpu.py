@@ -8,11 +8,10 @@ warpgroup. Used by :mod:`mla_pallas.kernels.rope_direct`, :mod:`mla_pallas.kerne
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
+import jax.numpy as jnp
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, scf, vector
-from jax._src.lib.mlir.dialects import math as math_dialect
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, math as math_dialect, scf, vector
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -28,12 +27,6 @@ def i32():
 def c32(x: int):
   """An i32 constant."""
   return arith.constant(i32(), x)
-
-
-def byte_ptr(base, byte_offset):
-  """``base`` (an llvm pointer) advanced by ``byte_offset`` (an i32 value) bytes."""
-  i64 = ir.IntegerType.get_signless(64)
-  return mgpu_utils.getelementptr(base, [arith.extui(i64, byte_offset)], ir.IntegerType.get_signless(8))
 
 
 def thread_in_warpgroup():
@@ -87,11 +80,16 @@ def convert_vectors(vectors, dtype: ir.Type):
   return list(fa.astype(dtype).registers.flat)
 
 
+def float_bytes(dtype: ir.Type) -> int:
+  """Bytes of a bf16 (2) or f32 (4) element type."""
+  return 2 if str(dtype) == "bf16" else 4
+
+
 def load_f32(base, byte_offset, dtype: ir.Type, values: int):
   """``values`` (a multiple of 8) consecutive bf16 or f32 values at ``base`` (an llvm pointer) + ``byte_offset``
   (an i64 value; 16-byte aligned), as vector<8 x f32> values (16-byte loads, bf16 widened exactly)."""
   f32 = ir.F32Type.get()
-  item = 2 if isinstance(dtype, ir.BF16Type) or str(dtype) == "bf16" else 4
+  item = float_bytes(dtype)
   out = []
   for j in range(values // 8):
     v = llvm.load(ir.VectorType.get((8,), dtype), byte_ptr64(base, arith.addi(byte_offset, c64(8 * item * j))),

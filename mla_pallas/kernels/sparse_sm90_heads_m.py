@@ -255,13 +255,14 @@ def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None):
   of the tile's rows first (:func:`_quantize_q_half`)."""
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   if q_in is not None:
-    _quantize_q_half(tile_q, r, *q_in)
+    wg, heads, softmax_scale, interpret = q_in
+    _quantize_q_half(tile_q, r, wg, heads, softmax_scale, interpret)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
   if q_in is None:
     return plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False), r.scal_gmem[0]
   amax = plgpu.load(r.head_smem, layout=ROW_LAYOUT, optimized=False)
-  return q_quant.row_scales(amax, q_in[2], r.scal_gmem[0]), r.scal_gmem[0]
+  return q_quant.row_scales(amax, softmax_scale, r.scal_gmem[0]), r.scal_gmem[0]
 
 
 def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, softmax_scale: float, interpret: bool):

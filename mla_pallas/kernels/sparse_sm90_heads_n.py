@@ -75,25 +75,19 @@ import functools
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, q_quant, vt_registers
-from mla_pallas.kernels.common import (
-  CONSUMER_REGS,
-  D_V,
-  FP8,
-  LOADER_REGS,
-  SW_CHUNK,
-  SW_CHUNKS,
-  TILE,
-  swizzled,
-)
+from mla_pallas.kernels import common
+from mla_pallas.kernels import q_quant
+from mla_pallas.kernels import vt_registers
+from mla_pallas.kernels.common import (CONSUMER_REGS, D_V, FP8, LOADER_REGS, SW_CHUNK, SW_CHUNKS, TILE,
+                                       swizzled)
 
 HEADS_N = 16     # N of the MMAs: H <= 16 padded to 16 columns (f16 operands need rows of at least 32 bytes)
-HEAD_ROW = 32    # f32 entries per row of head_smem (a 128-byte TMA box: Lane copies need a multiple of 128 bytes)
+HEAD_ROW = 32    # f32 entries per row of head_smem (one 128-byte row per use)
 LOADER = 2       # warpgroup index of the loader; WG0 softmax, WG1 P·V
 ALPHA_ROW = 1    # head_smem rows: 0 the heads' logit scales, 1 + b alpha of P buffer b, 3 kv_scale / l
 INV_ROW = 3
@@ -261,9 +255,12 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.Sparse
 def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, q_gmem, kv_gmem, idx_gmem, scal_gmem,
           o_gmem, lse_gmem, q_sw, k_sw, *rest):
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  # no row-scale input (qs_gmem) and no q_bar: WG0 makes Q and its scales itself
-  r = common.SparseRefs(q_gmem, None, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, *rest[:4],
-                        None, *rest[4:])
+  p_sw, idx_smem, lse_smem, head_smem, idx_bar, k_full, k_empty, p_full, p_empty = rest
+  # no row-scale input and no q_bar: WG0 makes Q and its scales itself
+  r = common.SparseRefs(q_gmem=q_gmem, qs_gmem=None, kv_gmem=kv_gmem, idx_gmem=idx_gmem, scal_gmem=scal_gmem,
+                        o_gmem=o_gmem, lse_gmem=lse_gmem, q_sw=q_sw, k_sw=k_sw, v16=v16, p_sw=p_sw, idx_smem=idx_smem,
+                        lse_smem=lse_smem, head_smem=head_smem, q_bar=None, idx_bar=idx_bar, k_full=k_full,
+                        k_empty=k_empty, p_full=p_full, p_empty=p_empty)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == LOADER)

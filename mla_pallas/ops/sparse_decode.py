@@ -417,8 +417,7 @@ def _prepass_kernel(design: str, n_tok: int, h: int) -> bool:
   multiple of 64 and at least PREPASS_KERNEL_MIN_ROWS rows. The kernel costs ~5 us however few rows it has, the
   XLA ops ~3.5 us plus ~1 ns a row (benchmarks/q_prepass_gpu.py: T1 H128 5.3 vs 3.5 us, T8 5.5 vs 4.5, T16 5.9 vs
   5.0, T256 28.5 vs 36.9; in the op P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027, C0 (2048 rows) 43.2 / 43.5:
-  docs/kernels/sparse_decode_sm90.md). Heads on N could take it through a [T · H / 64, 64, 576] view of q where
-  T · H is a multiple of 64; at its shapes (T · H <= 256 rows) that measured slower (5.1-5.3 vs 3.4-3.7 us)."""
+  docs/kernels/sparse_decode_sm90.md). (The heads-on-N kernel quantizes q itself.)"""
   return design == "sm90_heads_m" and h % TILE == 0 and n_tok * h >= PREPASS_KERNEL_MIN_ROWS
 
 
