@@ -85,8 +85,10 @@ ab_qm() {   # q_in_kernel against the default's Q pre-pass at small batches (hea
   run ab_qm_C0 120 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel \
     --shape B=8,s_q=2,H=128,topk=2048,page=64,ctx=4096 "${common[@]}"
 }
-t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass
+t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass;
+                      # then the op at 64 heads through it, default and fused_scale softmax, against the reference
   run t_prefill_quant 150 $T tests/test_prefill_quant.py
+  run t_prefill_h64 240 $T tests/test_prefill_kernel_gpu.py -k prepass_kernel_and_fused_scale
 }
 ab_prefill_prepass() {   # the op with the pre-pass kernel against the XLA pre-pass, DeepSeek-V3.2 and GLM-5 2 x 4096
   run ab_prefill_prepass 300 $PY benchmarks/prefill_prepass_ab_gpu.py

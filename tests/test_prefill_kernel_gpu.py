@@ -32,11 +32,7 @@ def _cu(lens, lead=0):
   return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32) + lead
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("model", sorted(DIMS))
-def test_kernel_matches_reference(rng, model, case, causal):
-  h, dqk, dv = DIMS[model]
+def _inputs(rng, h, dqk, dv, case):
   lq, lk, lead, trail = CASES[case]
   cu = _cu(lq, lead)
   t = int(cu[-1]) + trail
@@ -49,11 +45,15 @@ def test_kernel_matches_reference(rng, model, case, causal):
     v[:lead] = np.nan                                                 # padding keys: must not leak
     v[lead + 5, 1, 3] = np.inf                                        # a real key of sequence 0
   v = jnp.asarray(v, jnp.bfloat16)
-  cu, cu_k = jnp.asarray(cu), None if cu_k is None else jnp.asarray(cu_k)
+  return q, k, v, jnp.asarray(cu), None if cu_k is None else jnp.asarray(cu_k)
+
+
+def _check(q, k, v, cu, cu_k, causal, run, what):
+  """``run()`` twice (bitwise the same) and against reference.mla_prefill within the error model above."""
+  dqk, tk = q.shape[2], k.shape[0]
   scale = dqk ** -0.5
-  out, lse = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic")
-  assert _dispatch.last_impl("mla_prefill") == "mosaic"
-  out2, lse2 = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic")
+  out, lse = run()
+  out2, lse2 = run()
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
   r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k)
@@ -68,6 +68,39 @@ def test_kernel_matches_reference(rng, model, case, causal):
   rel = np.linalg.norm(o[fin] - r[fin]) / np.linalg.norm(r[fin])
   lf = np.isfinite(w)
   lse_err = np.abs(g[lf] - w[lf]).max()
-  print(f"{model} {case} causal={causal}: out rel-L2 {rel:.3g} (<= {budget:.3g}), lse max err {lse_err:.3g}")
+  print(f"{what}: out rel-L2 {rel:.3g} (<= {budget:.3g}), lse max err {lse_err:.3g}")
   assert rel <= budget
   assert lse_err <= 6 * 2.0 ** -4
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_kernel_matches_reference(rng, model, case, causal):
+  h, dqk, dv = DIMS[model]
+  q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
+  scale = dqk ** -0.5
+
+  def run():
+    out = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic")
+    assert _dispatch.last_impl("mla_prefill") == "mosaic"
+    return out
+  _check(q, k, v, cu, cu_k, causal, run, f"{model} {case} causal={causal}")
+
+
+@pytest.mark.parametrize("fused_scale", [False, True])
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_prepass_kernel_and_fused_scale_match_reference(rng, model, fused_scale):
+  """64 heads, so that q and k go through kernels/prefill_quant.py (H a multiple of 64), with the default softmax
+  and with ``TuningConfig.fused_scale``: ragged sequences with cached context, causal."""
+  import functools
+  from mla_pallas.kernels import prefill_sm90 as kp
+  from mla_pallas.ops import prefill as pf
+  _, dqk, dv = DIMS[model]
+  q, k, v, cu, cu_k = _inputs(rng, 64, dqk, dv, "context")
+  cfg = kp.default_config(dqk, dv)
+  cfg = kp.TuningConfig(block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, fused_scale=fused_scale)
+  assert pf._prepass_kernel(q) and pf._prepass_kernel(k)
+  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=True, cu_seqlens_k=cu_k,
+                          cfg=cfg)
+  _check(q, k, v, cu, cu_k, True, run, f"{model} H64 fused_scale={fused_scale}")
