@@ -74,7 +74,7 @@ t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and s
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
 }
 t_qm() {   # heads on M "twin" with q_in_kernel (the consumers quantize Q in raw PTX): bitwise the pre-pass, reference
-  run t_qm 240 $T tests/test_sparse_decode_gpu.py -k heads_m_q_in_kernel
+  run t_qm 240 $T tests/test_sparse_decode_gpu.py -k heads_m_twin_quantizes_q
 }
 ab_qm() {   # q_in_kernel against the default's Q pre-pass at small batches (heads on M "twin"), with split lengths
   local s

@@ -181,43 +181,47 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
     (64, 2, jnp.float32, (("tiles_per_split", 2),)),     # several splits
     (32, 3, jnp.bfloat16, ()),                           # rows 32-63 padding: consumer 1 quantizes no q row
 ])
-def test_heads_m_q_in_kernel_is_bitwise_the_prepass(rng, H, s_q, q_dtype, tuning):
-  """Heads on M, "twin" with ``q_in_kernel``: the two consumers quantize their halves of the tile's q rows
-  (interpret mode: q_quant.quantize_head_rows_interpret) and get the XLA pre-pass's bytes and row scales, so out
-  and lse are bitwise those of the default (races checked); an all-zero row and a 300x row among them."""
+def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
+  """Heads on M, "twin" over an fp8 cache: the two consumers quantize their halves of the tile's q rows
+  (interpret mode: q_quant.quantize_head_rows_interpret, the XLA pre-pass's bytes: tests/test_q_quant.py) with
+  races checked; an all-zero row and a 300x row among them; against the reference, and against "handoff_vt"
+  (which takes the op's pre-pass Q) within the schedules' one bf16 ulp of f32 summation order."""
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=0.5)
   q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
   case = dataclasses.replace(case, q=q)
   testing.reset_interpreter()
-  out, lse = run_kernel(case, interpret=RACES, tuning=(("q_in_kernel", True),) + tuning)
+  out, lse = run_kernel(case, interpret=RACES, tuning=(("schedule", "twin"),) + tuning)
   assert not testing.races_found()
-  base, base_lse = run_kernel(case, interpret=True, tuning=tuning)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
+  _check_against_reference(case, out, lse, _interpret_budget(case))
+  base, base_lse = run_kernel(case, interpret=True, tuning=(("schedule", "handoff_vt"),) + tuning)
+  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="twin vs handoff_vt")
+  fin = np.isfinite(np.asarray(base_lse))
+  assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
-def test_heads_m_q_in_kernel_config():
-  """q_in_kernel is a "twin" option over an fp8 cache; the kernel needs H and softmax_scale for it."""
-  with pytest.raises(ValueError, match="q_in_kernel"):
-    heads_m.TuningConfig(schedule="handoff_vt", q_in_kernel=True)
-  with pytest.raises(ValueError, match="q_in_kernel"):
-    heads_m.TuningConfig(cache_dtype="bfloat16", q_in_kernel=True)
+def test_heads_m_twin_q_config():
+  """"twin" over an fp8 cache quantizes q in the kernel (needs H and softmax_scale, one more SMEM row); the other
+  schedule and a bf16 cache do not."""
+  assert heads_m.TuningConfig().q_in_kernel
+  assert not heads_m.TuningConfig(schedule="handoff_vt").q_in_kernel
+  assert not heads_m.TuningConfig(cache_dtype="bfloat16", tiles_per_split=16).q_in_kernel
   with pytest.raises(ValueError, match="heads and softmax_scale"):
-    heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(q_in_kernel=True))
-  assert heads_m.TuningConfig(q_in_kernel=True).smem_budget() == heads_m.TuningConfig().smem_budget() + 1024
+    heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig())
+  assert heads_m.TuningConfig().smem_budget() == 201216
 
 
-def test_heads_m_q_in_kernel_lowers_for_sm90():
-  """sm_90a lowering of "twin" with q_in_kernel (H 128, 2-tile splits), with counts: each consumer's branch
-  quantizes 8 rows per warp (two 16-byte stores, one amax store and a 5-step butterfly per row: 2 x 8 x ...);
-  the loader's only TMA is the indices'; the QKᵀ wgmmas unchanged."""
+def test_heads_m_twin_lowers_for_sm90():
+  """sm_90a lowering of "twin" (H 128, 2-tile splits), with counts: each consumer's branch quantizes 8 rows per
+  warp (two 16-byte stores, one amax store and a 5-step butterfly per row: 2 x 8 x ...); the loader's only TMA
+  is the indices'; the QKᵀ wgmmas unchanged."""
   S = jax.ShapeDtypeStruct
-  kern = heads_m.build(4, 4096, 16, 2, "float32", heads_m.TuningConfig(tiles_per_split=2, q_in_kernel=True),
+  kern = heads_m.build(4, 4096, 16, 2, "float32", heads_m.TuningConfig(tiles_per_split=2),
                        heads=128, softmax_scale=576 ** -0.5)
   low = testing.lower_for_cuda(kern, S((2 * 128, common.D_QK), jnp.bfloat16), S((4096, 576), FP8),
                                S((2, 32, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
   assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2 and low.count(r"st\.shared\.f32") == 2 * 8
-  # (8 more butterflies are the softmax's, as with the pre-pass)
+  # (8 more butterflies are the softmax's)
   assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 8 + 2 * 8 * 5
   assert low.count(r"cp\.async\.bulk\.tensor") == 1
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
@@ -235,8 +239,8 @@ def test_default_config_rules():
     assert cfg.design == "sm90_heads_m"
     assert cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule="handoff_vt")
   assert sd.default_config(64, 64, 2048).kernel == heads_m.TuningConfig(tiles_per_split=16, k_buffers=2)
-  # one token, 8 tiles: heads on M splits down to 2 tiles (HEADS_M_MIN_SPLIT_TILES)
-  assert sd.default_config(64, 1, 512).num_splits == 4 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 2
+  # one token, 8 tiles: heads on M splits down to 1 tile (HEADS_M_MIN_SPLIT_TILES)
+  assert sd.default_config(64, 1, 512).num_splits == 8 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 1
   assert sd.default_config(8, 4, 2048, arch="sm100").design == "sm100"
   with pytest.raises(NotImplementedError, match="sm80"):
     sd.default_config(8, 4, 2048, arch="sm80")
@@ -266,7 +270,8 @@ def test_tuning_errors():
     heads_m.TuningConfig(tiles_per_split=256)   # 64 KB of indices do not fit beside Q, K and V
   with pytest.raises(ValueError, match="out_heads"):
     heads_n.build(2, 64, 1, 12, 12, "bfloat16", heads_n.TuningConfig(), 0.1)
-  assert heads_m.TuningConfig().smem_budget() == 200192 and heads_n.TuningConfig().smem_budget() == 190976
+  # "twin" over fp8: + the amax row of the Q it quantizes
+  assert heads_m.TuningConfig().smem_budget() == 200192 + 1024 and heads_n.TuningConfig().smem_budget() == 190976
   with pytest.raises(ValueError, match="schedule"):
     heads_m.TuningConfig(schedule="triple")
   # "handoff_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
@@ -295,10 +300,10 @@ def test_plan_minimises_waves(tokens, tiles_per_token, topk, plan):
 
 
 def test_plan_min_split_by_design():
-  """Heads on M splits down to 2-tile splits (B1 H128: 16 splits of 2), heads on N down to 4 (B8 H8: 8 of 4)."""
-  assert sd.default_config(128, 1, 2048).num_splits == 16 and sd.default_config(128, 1, 2048).kernel.tiles_per_split == 2
+  """Heads on M splits down to 1-tile splits (B1 H128: 32 splits of 1), heads on N down to 4 (B8 H8: 8 of 4)."""
+  assert sd.default_config(128, 1, 2048).num_splits == 32 and sd.default_config(128, 1, 2048).kernel.tiles_per_split == 1
   assert sd.default_config(8, 8, 2048).num_splits == 8 and sd.default_config(8, 8, 2048).kernel.tiles_per_split == 4
-  assert sd._plan(1, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (16, 2)
+  assert sd._plan(1, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (32, 1)
   assert sd._plan(8, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (8, 4)   # 256 CTAs: two waves
 
 
@@ -393,9 +398,13 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   if H > sd.HEADS_ON_N_MAX:
     tiles_per_token = max(1, H // 64)
     cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, schedule=schedule)
-    kern = heads_m.build(n_tok * tiles_per_token, 4096, splits, tiles_per_token, out_dtype, cfg)
-    q_aval = S((n_tok * tiles_per_token, 64, common.Q_SW_COLS), FP8)
-    qs_aval = S((n_tok * tiles_per_token, 64), jnp.float32)
+    kern = heads_m.build(n_tok * tiles_per_token, 4096, splits, tiles_per_token, out_dtype, cfg, heads=H,
+                         softmax_scale=576 ** -0.5)
+    if cfg.q_in_kernel:     # "twin": bf16 q, quantized by the consumers
+      q_aval, qs_aval = S((n_tok * H, common.D_QK), jnp.bfloat16), None
+    else:
+      q_aval = S((n_tok * tiles_per_token, 64, common.Q_SW_COLS), FP8)
+      qs_aval = S((n_tok * tiles_per_token, 64), jnp.float32)
   else:
     cfg = heads_n.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers)
     kern = heads_n.build(n_tok, 4096, splits, -(-H // 8) * 8, H, out_dtype, cfg, 576 ** -0.5)
@@ -428,8 +437,8 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     # (24 more butterflies are the softmax's reductions, as with the XLA pre-pass)
     assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 24 + 4 * 5
     assert low.count(r"cp\.async\.bulk\.tensor") == 1    # the indices only (Q and its scales: none)
-  if H > sd.HEADS_ON_N_MAX:
-    assert low.count(r"cp\.async\.bulk\.tensor") > 0     # Q, its row scales and the indices
+  if H > sd.HEADS_ON_N_MAX:   # the indices, and with "handoff_vt" Q's five boxes (its row scales: a plain load)
+    assert low.count(r"cp\.async\.bulk\.tensor") == (1 if schedule == "twin" else 6)
   # K gather by the loader's threads: 4 passes x 5 chunks of 16-byte cp.async per thread and tile, one group per
   # tile; a wait leaving k_buffers - 2 tiles in flight in the loop and a final wait for all
   lag = max(k_buffers - 2, 0)

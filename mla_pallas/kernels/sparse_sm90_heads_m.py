@@ -63,15 +63,14 @@ multiplies P with its four 64-column latent chunks (4 wgmmas of N = 64 into four
 16-bit wgmma takes the MN-major B, so there is no V copy) and releases the K buffer after its P·V. SMEM: Q 73 728 +
 K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, barriers, reduction scratch = 228 864 bytes.
 
-Q in the kernel (``TuningConfig.q_in_kernel``; "twin" over an fp8 cache)
--------------------------------------------------------------------------
-The kernel takes the op's q ([num_tokens · H, 576] bf16 or f32, no ``qs``) instead of the pre-pass's tiles: before
+Q in the kernel ("twin" over an fp8 cache: ``TuningConfig.q_in_kernel``)
+------------------------------------------------------------------------
+"twin" takes the op's q ([num_tokens · H, 576] bf16 or f32, no ``qs``) instead of the pre-pass's tiles: before
 their first QKᵀ each consumer quantizes 32 of the tile's 64 rows (WG0 rows 0-31, WG1 32-63; rows past H are
 zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32 SMEM row (raw PTX,
 ``q_quant.quantize_head_rows``: the pre-pass's bytes), fences and arrives on ``q_bar`` (two arrivals); both wait
 for it and take the row scales as ``q_quant.row_scales(amax)``. The loader then TMAs only the indices. SMEM: +1 024
-(the amax row). A candidate for small batches, where the op's XLA pre-pass is two launches; not yet measured on a
-GPU (``benchmarks/pending_gpu.sh ab_qm``).
+(the amax row). "handoff_vt" and the bf16 cache take the pre-pass's Q (``q8``, ``qs`` above) by TMA.
 
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
@@ -89,6 +88,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
+    "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
     "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
     1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
@@ -125,20 +125,15 @@ class TuningConfig(common.SparseSm90Config):
   consumers compute the same S and run the same softmax; "handoff_vt" — consumer 0 alone does and hands P (f16)
   and alpha to consumer 1 through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register operand read from the
   fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
-  indices) fits both schedules. ``q_in_kernel`` ("twin" over an fp8 cache): the two consumers quantize the tile's
-  q rows themselves, 32 each (``q_quant.quantize_head_rows``, the bytes of the op's pre-pass), instead of the
-  loader's TMA of the pre-pass's Q (module docstring, "Q in the kernel")."""
+  indices) fits both schedules. "twin" over an fp8 cache quantizes Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
-  q_in_kernel: bool = False
 
   def validate(self):
-    if self.q_in_kernel and (self.schedule != "twin" or self.cache_dtype != "float8_e4m3fn"):
-      raise ValueError(f"TuningConfig.q_in_kernel runs with schedule 'twin' over an fp8 cache; got {self}")
     if self.schedule not in self.SCHEDULES:
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
     if self.cache_dtype not in self.CACHE_DTYPES:
@@ -151,6 +146,14 @@ class TuningConfig(common.SparseSm90Config):
   def bf16(self) -> bool:
     """BF16 attention over a bfloat16 cache (no Q quantization, bf16 wgmmas, V read from the K tile)."""
     return self.cache_dtype == "bfloat16"
+
+  @property
+  def q_in_kernel(self) -> bool:
+    """"twin" over an fp8 cache: the two consumers quantize the tile's q rows themselves, 32 each
+    (``q_quant.quantize_head_rows``, the bytes of the op's pre-pass), and the kernel takes q as it is; the other
+    schedules (and a bf16 cache) take the op's pre-pass Q through the loader's TMAs (module docstring, "Q in the
+    kernel")."""
+    return self.schedule == "twin" and not self.bf16
 
   @property
   def layout(self) -> common.TileLayout:
@@ -540,9 +543,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, *refs):
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
           cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
-  a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed with ``cfg.q_in_kernel``."""
+  a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed where ``cfg.q_in_kernel`` ("twin"
+  over an fp8 cache)."""
   if cfg.q_in_kernel and (heads is None or softmax_scale is None):
-    raise ValueError("TuningConfig.q_in_kernel needs heads and softmax_scale (the kernel quantizes q)")
+    raise ValueError("heads and softmax_scale are needed by schedule 'twin' over an fp8 cache (the kernel "
+                     f"quantizes q); got heads={heads}, softmax_scale={softmax_scale}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
   q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None

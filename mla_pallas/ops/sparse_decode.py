@@ -158,7 +158,7 @@ MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index S
 HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
 BF16_MAX_SPLIT_TILES = 16   # bf16 cache: bf16 Q (72 KB) and two bf16 K tiles (144 KB) leave room for 4 KB of indices
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys (heads on N, sm_100) ...
-HEADS_M_MIN_SPLIT_TILES = 2   # ... or 128 keys (heads on M: B1 H128 top-k 2048 26.1 -> 21.7 us with 2-tile splits)
+HEADS_M_MIN_SPLIT_TILES = 1   # ... or 64 keys (heads on M, Q in the kernel: B1 H128 top-k 2048 16.9 -> 15.3 us)
 CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
 
@@ -212,9 +212,9 @@ def _max_split_tiles(design: str) -> int:
 
 
 def _min_split_tiles(design: str) -> int:
-  """The shortest split the plan makes for a design (fp8 cache, sweep of 2026-12-02 with the latency shapes,
-  docs/kernels/sparse_decode_sm90.md "Split plan"): heads on M HEADS_M_MIN_SPLIT_TILES (B1 H128 top-k 2048: 4-tile
-  splits 26.1 us, 2-tile 21.7, 1-tile 23.1), the others MIN_SPLIT_TILES (heads on N B8 H8 / H16: 4-tile 17.3 /
+  """The shortest split the plan makes for a design (fp8 cache, docs/kernels/sparse_decode_sm90.md "Split plan"):
+  heads on M HEADS_M_MIN_SPLIT_TILES (with "twin" quantizing Q in the kernel, top-k 2048: B1 H128 2-tile splits
+  16.9 us, 1-tile 15.3; B1 H32 16.6 / 15.0), the others MIN_SPLIT_TILES (heads on N B8 H8 / H16: 4-tile 17.3 /
   18.3 us, 2-tile 17.2 / 18.9, 1-tile 23.1 / 26.5)."""
   return HEADS_M_MIN_SPLIT_TILES if design == "sm90_heads_m" else MIN_SPLIT_TILES
 
@@ -315,9 +315,6 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
-    if cfg.kernel.schedule == "twin" and not cfg.kernel.bf16:   # Q quantized by the consumers, no pre-pass,
-      candidates += [(("q_in_kernel", True),)] + [                # alone and with other split lengths
-          (("q_in_kernel", True), ("tiles_per_split", t)) for t in (1, 2, 4, 8) if t != cfg.kernel.tiles_per_split]
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
