@@ -239,7 +239,7 @@ def test_default_config_rules():
     assert cfg.design == "sm90_heads_m"
     assert cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule="handoff_vt")
   assert sd.default_config(64, 64, 2048).kernel == heads_m.TuningConfig(tiles_per_split=16, k_buffers=2)
-  # one token, 8 tiles: heads on M splits down to 1 tile (HEADS_M_MIN_SPLIT_TILES)
+  # one token, 8 tiles: heads on M splits down to 1 tile (_min_split_tiles: 8 CTAs)
   assert sd.default_config(64, 1, 512).num_splits == 8 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 1
   assert sd.default_config(8, 4, 2048, arch="sm100").design == "sm100"
   with pytest.raises(NotImplementedError, match="sm80"):
@@ -300,10 +300,13 @@ def test_plan_minimises_waves(tokens, tiles_per_token, topk, plan):
 
 
 def test_plan_min_split_by_design():
-  """Heads on M splits down to 1-tile splits (B1 H128: 32 splits of 1), heads on N down to 4 (B8 H8: 8 of 4)."""
+  """Heads on M splits down to 1-tile splits while those make at most 64 CTAs (B1 H128: 32 splits of 1), else 2
+  (B2 H128: 16 of 2), heads on N down to 4 (B8 H8: 8 of 4)."""
   assert sd.default_config(128, 1, 2048).num_splits == 32 and sd.default_config(128, 1, 2048).kernel.tiles_per_split == 1
   assert sd.default_config(8, 8, 2048).num_splits == 8 and sd.default_config(8, 8, 2048).kernel.tiles_per_split == 4
-  assert sd._plan(1, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (32, 1)
+  assert sd.default_config(128, 2, 2048).num_splits == 16 and sd.default_config(128, 2, 2048).kernel.tiles_per_split == 2
+  assert sd.default_config(64, 1, 2048).kernel.tiles_per_split == 1      # 32 CTAs
+  assert sd._plan(1, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (16, 2)
   assert sd._plan(8, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (8, 4)   # 256 CTAs: two waves
 
 

@@ -158,7 +158,8 @@ MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index S
 HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
 BF16_MAX_SPLIT_TILES = 16   # bf16 cache: bf16 Q (72 KB) and two bf16 K tiles (144 KB) leave room for 4 KB of indices
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys (heads on N, sm_100) ...
-HEADS_M_MIN_SPLIT_TILES = 1   # ... or 64 keys (heads on M, Q in the kernel: B1 H128 top-k 2048 16.9 -> 15.3 us)
+HEADS_M_MIN_SPLIT_TILES = 2   # ... or 128 keys (heads on M: B1 H128 top-k 2048 26.1 -> 21.7 us with 2-tile splits),
+HEADS_M_ONE_TILE_MAX_CTAS = 64   # ... or 64 keys where that makes at most this many CTAs (_min_split_tiles)
 CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
 
@@ -211,12 +212,16 @@ def _max_split_tiles(design: str) -> int:
   return HEADS_M_MAX_SPLIT_TILES if design == "sm90_heads_m" else MAX_SPLIT_TILES
 
 
-def _min_split_tiles(design: str) -> int:
-  """The shortest split the plan makes for a design (fp8 cache, docs/kernels/sparse_decode_sm90.md "Split plan"):
-  heads on M HEADS_M_MIN_SPLIT_TILES (with "twin" quantizing Q in the kernel, top-k 2048: B1 H128 2-tile splits
-  16.9 us, 1-tile 15.3; B1 H32 16.6 / 15.0), the others MIN_SPLIT_TILES (heads on N B8 H8 / H16: 4-tile 17.3 /
-  18.3 us, 2-tile 17.2 / 18.9, 1-tile 23.1 / 26.5)."""
-  return HEADS_M_MIN_SPLIT_TILES if design == "sm90_heads_m" else MIN_SPLIT_TILES
+def _min_split_tiles(design: str, ctas: int = 1, topk: int = TILE) -> int:
+  """The shortest split the plan makes for a design and a grid of ``ctas`` query tiles over a top-k of ``topk``
+  (fp8 cache, docs/kernels/sparse_decode_sm90.md "Split plan"): heads on M one tile while one-tile splits make at
+  most HEADS_M_ONE_TILE_MAX_CTAS CTAs (with "twin" quantizing Q in the kernel, top-k 2048: B1 H128, 64 CTAs,
+  2-tile splits 16.9 us, 1-tile 15.3; B1 H64 16.3 / 14.5; B2 H128, 128 CTAs: 18.0 / 19.1, the f32 partials of
+  more splits cost more than the shorter CTAs save), else HEADS_M_MIN_SPLIT_TILES; the others MIN_SPLIT_TILES
+  (heads on N B8 H8 / H16: 4-tile 17.3 / 18.3 us, 2-tile 17.2 / 18.9, 1-tile 23.1 / 26.5)."""
+  if design != "sm90_heads_m":
+    return MIN_SPLIT_TILES
+  return 1 if ctas * max(1, -(-topk // TILE)) <= HEADS_M_ONE_TILE_MAX_CTAS else HEADS_M_MIN_SPLIT_TILES
 
 
 def _plan(batch_tokens: int, tiles_per_token: int, topk: int, num_sms: int = 132,
@@ -258,9 +263,10 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     tps = INVARIANT_SPLIT_TILES
     splits = -(-max(1, -(-topk // TILE)) // tps)
   else:
+    ctas = batch_tokens * _tiles_per_token(h, design)
     splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
                         BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design),
-                        MIN_SPLIT_TILES if bf16 else _min_split_tiles(design))
+                        MIN_SPLIT_TILES if bf16 else _min_split_tiles(design, ctas, topk))
   if bf16:
     tuning = dict(cache_dtype="bfloat16")
   else:
