@@ -15,10 +15,9 @@
 #   at small batches; make it the "twin" default where it wins, delete it if it wins nowhere), t_prefill_quant and
 #   ab_prefill_prepass (mla_prefill's q / k pre-pass in one kernel, the default of the Mosaic path since the
 #   nineteenth session but never run on a GPU: revert ops.prefill._prepass_kernel to False if a test fails or the
-#   A/B is slower), ab_prefill_fused (the prefill kernel's fused_scale softmax: make it the default if faster at
-#   both models, delete it otherwise), t_batch_invariance (8 of 10 passed
-#   in the nineteenth session before a 180 s cut; the decode-branch cases did not finish), sweep_small (split
-#   lengths at B8 H8 / H16 now that heads on N quantizes Q itself: its per-CTA fixed cost changed), latency
+#   A/B is slower), t_batch_invariance (8 of 10 passed in the nineteenth session before a 180 s cut; the
+#   decode-branch cases did not finish), sweep_small (split lengths at B8 H8 / H16 now that heads on N quantizes
+#   Q itself: its per-CTA fixed cost changed), latency
 #   (issue 24's shapes, every row with XLA in the same run and the per-kernel breakdown), t_sparse.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
@@ -86,18 +85,12 @@ ab_qm() {   # q_in_kernel against the default's Q pre-pass at small batches (hea
     --shape B=8,s_q=2,H=128,topk=2048,page=64,ctx=4096 "${common[@]}"
 }
 t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass;
-                      # then the op at 64 heads through it, default and fused_scale softmax, against the reference
+                      # then the op at 64 heads through it, default config, against the reference
   run t_prefill_quant 150 $T tests/test_prefill_quant.py
-  run t_prefill_h64 240 $T tests/test_prefill_kernel_gpu.py -k prepass_kernel_and_fused_scale
+  run t_prefill_h64 240 $T tests/test_prefill_kernel_gpu.py -k prepass_kernel_matches_reference
 }
 ab_prefill_prepass() {   # the op with the pre-pass kernel against the XLA pre-pass, DeepSeek-V3.2 and GLM-5 2 x 4096
   run ab_prefill_prepass 300 $PY benchmarks/prefill_prepass_ab_gpu.py
-}
-ab_prefill_fused() {   # the prefill kernel's fused_scale softmax (row scale inside the exponent) against the default
-  run ab_prefill_fused_deepseek 240 $B mla_prefill --impl mosaic --sweep --sweep-only fused_scale \
-    --preset deepseek_v32 "${common[@]}"
-  run ab_prefill_fused_glm5 240 $B mla_prefill --impl mosaic --sweep --sweep-only fused_scale --preset glm5 \
-    "${common[@]}"
 }
 steps_small() {   # the changed small-batch rows: heads on M with f32 "twin" partials, the steps, dense H16
   run sparse_B1_sq1_H128 100 $B sparse_mla_decode --impl mosaic --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 \
@@ -166,7 +159,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_qrows,t_qm,ab_qm,t_prefill_quant,ab_prefill_prepass,ab_prefill_fused,t_batch_invariance,sweep_small,latency,t_sparse"
+next="t_qrows,t_qm,ab_qm,t_prefill_quant,ab_prefill_prepass,t_batch_invariance,sweep_small,latency,t_sparse"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -78,12 +78,9 @@ MAX_HEAD_DIM = 256            # wgmma N <= 256 (Dv); one QKᵀ wgmma of K = Dqk
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.TuningConfigBase):
-  """block_kv: keys per pipeline step (64 or 128); kv_stages: K/V ring slots (2 or 3); fused_scale: the row scale
-  applied after the row max and inside the exponent's argument (:func:`_softmax_fused_scale`: one multiply and the
-  mask's select fewer per score in unmasked blocks; a candidate, not yet measured)."""
+  """block_kv: keys per pipeline step (64 or 128); kv_stages: K/V ring slots (2 or 3)."""
   block_kv: int = 64
   kv_stages: int = 2
-  fused_scale: bool = False
 
   def validate(self):
     if self.block_kv not in (64, 128):
@@ -194,12 +191,9 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
       if causal:
         row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, b), 0, layout=plgpu.Layout.WGMMA) + row0
         valid = valid & (col <= row + diag)
-    if cfg.fused_scale:
-      p, alpha, m, l = _softmax_fused_scale(s, valid, row_scale, m, l)
-    else:
-      if valid is None:                     # every key of the block is in the sequence and seen by every row
-        valid = plgpu.layout_cast(jnp.full((BLOCK_Q, b), True), plgpu.Layout.WGMMA)
-      p, alpha, m, l = common.online_softmax_tile(s, valid, row_scale, m, l)
+    if valid is None:                       # every key of the block is in the sequence and seen by every row
+      valid = plgpu.layout_cast(jnp.full((BLOCK_Q, b), True), plgpu.Layout.WGMMA)
+    p, alpha, m, l = common.online_softmax_tile(s, valid, row_scale, m, l)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     p_sw.at[wg][...] = p.astype(jnp.bfloat16)
     plgpu.commit_smem()
@@ -232,21 +226,6 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
 
   plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(t * TILE_Q + row0, BLOCK_Q)])
   plgpu.wait_smem_to_gmem(0)
-
-
-def _softmax_fused_scale(x, valid, row_scale, m, l):
-  """``common.online_softmax_tile`` on s = x · row_scale without forming s: the row max of x times the row scale
-  (the same bits as the max of the products: row scales are positive and rounding is monotonic), then p = 2^(x ·
-  row_scale − m) with the product inside the exponent's argument (one fused multiply-add), and no select where
-  ``valid`` is None (an unmasked block). x [64, b] f32 (scores times the key scales), valid [64, b] bool or None,
-  row_scale, m, l [64]. Returns (p, alpha, m_new, l_new) as ``online_softmax_tile``."""
-  if valid is not None:
-    x = jnp.where(valid, x, -jnp.inf)
-  m_new = jnp.maximum(m, x.max(axis=1) * row_scale)
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_use)
-  p = jnp.exp2(x * lax.broadcast_in_dim(row_scale, x.shape, [0]) - lax.broadcast_in_dim(m_use, x.shape, [0]))
-  return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
 def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):

@@ -609,7 +609,7 @@ def _mosaic_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, cu_seqlens_k=None
 
 def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled ``tuning`` overrides of the prefill kernel for benchmark sweeps at head dims (Dqk, Dv), ``"default":
-  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM, and ``fused_scale``."""
+  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM."""
   from mla_pallas.kernels import prefill_sm90 as kp
   kp.check_head_dims(dqk, dv)
   default = kp.default_config(dqk, dv)
@@ -619,7 +619,6 @@ def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]
       cfg = kp.TuningConfig(block_kv=b, kv_stages=st)
       if cfg != default and kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
         out[f"block_kv={b},kv_stages={st}"] = (("block_kv", b), ("kv_stages", st))
-  out["fused_scale"] = (("fused_scale", True),)     # the softmax with the row scale in the exponent
   return out
 
 
