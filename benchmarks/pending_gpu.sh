@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What waits for a GPU (issues 20-24), as named groups for device calls (state after the nineteenth session):
+# What waits for a GPU (issues 20-24), as named groups for device calls (state after the twentieth session):
 #
 #   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | next
 #   DEADLINE=540 bash benchmarks/pending_gpu.sh next   # start no group after 540 s, and cut the running one's
@@ -9,18 +9,13 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call): t_qrows (the heads-on-N kernel's raw Q quantization, bytes against
-#   the XLA pre-pass; its use in the kernel already passed bitwise on the H200), t_qm and ab_qm (heads on M "twin"
-#   with q_in_kernel, written after the last device call: GPU tests, then the A/B against the default's pre-pass
-#   at small batches; make it the "twin" default where it wins, delete it if it wins nowhere), t_prefill_quant and
-#   ab_prefill_prepass (mla_prefill's q / k pre-pass in one kernel, the default of the Mosaic path since the
-#   nineteenth session but never run on a GPU: revert ops.prefill._prepass_kernel to False if a test fails or the
-#   A/B is slower), t_batch_invariance (8 of 10 passed in the nineteenth session before a 180 s cut; the
-#   decode-branch cases did not finish), sweep_small (split lengths at B8 H8 / H16 now that heads on N quantizes
-#   Q itself: its per-CTA fixed cost changed), latency
-#   (issue 24's shapes, every row with XLA in the same run and the per-kernel breakdown), t_sparse.
+# next (the order for the next device call; the twentieth session ran and settled t_qrows, t_qm, the Q-in-twin
+#   A/B, t_prefill_quant, ab_prefill_prepass and the fused_scale A/B): t_batch_invariance (8 of 10 passed in the
+#   nineteenth session before a 180 s cut; the decode-branch cases did not finish), sweep_small (split lengths at
+#   B8 H8 / H16 / B1 H128 with Q in both kernels), latency (issue 24's shapes, every row with XLA in the same run
+#   and the per-kernel breakdown), t_sparse.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
-#   t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
+#   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
 #   q_prepass (benchmarks/q_prepass_gpu.py), b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
 #   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 / steps_small.
@@ -72,17 +67,8 @@ sweep_small() {   # split lengths at small batches with the new merge (heads on 
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
 }
-t_qm() {   # heads on M "twin" with q_in_kernel (the consumers quantize Q in raw PTX): bitwise the pre-pass, reference
+t_qm() {   # heads on M "twin" (the consumers quantize Q in raw PTX) against "handoff_vt" and the reference
   run t_qm 240 $T tests/test_sparse_decode_gpu.py -k heads_m_twin_quantizes_q
-}
-ab_qm() {   # q_in_kernel against the default's Q pre-pass at small batches (heads on M "twin"), with split lengths
-  local s
-  for s in B=1,s_q=1,H=128 B=4,s_q=1,H=128 B=8,s_q=1,H=128 B=8,s_q=1,H=64 B=1,s_q=1,H=32; do
-    run "ab_qm_${s//[=,]/_}" 120 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel \
-      --shape $s,topk=2048,page=64,ctx=32768 "${common[@]}"
-  done
-  run ab_qm_C0 120 $B sparse_mla_decode --impl mosaic --sweep --sweep-only q_in_kernel \
-    --shape B=8,s_q=2,H=128,topk=2048,page=64,ctx=4096 "${common[@]}"
 }
 t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass;
                       # then the op at 64 heads through it, default config, against the reference
@@ -159,7 +145,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_qrows,t_qm,ab_qm,t_prefill_quant,ab_prefill_prepass,t_batch_invariance,sweep_small,latency,t_sparse"
+next="t_batch_invariance,sweep_small,latency,t_sparse"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -183,7 +183,8 @@ def test_heads_on_n_interpret(rng, B, s_q, H, topk, page):
 ])
 def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
   """Heads on M, "twin" over an fp8 cache: the two consumers quantize their halves of the tile's q rows
-  (interpret mode: q_quant.quantize_head_rows_interpret, the XLA pre-pass's bytes: tests/test_q_quant.py) with
+  (interpret mode: q_quant.quantize_head_rows_interpret; its 16-row form is bitwise the XLA pre-pass in
+  tests/test_q_quant.py, this half-tile form was bitwise the pre-pass's twin on the H200 before that path went) with
   races checked; an all-zero row and a 300x row among them; against the reference, and against "handoff_vt"
   (which takes the op's pre-pass Q) within the schedules' one bf16 ulp of f32 summation order."""
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=0.5)

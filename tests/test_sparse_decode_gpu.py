@@ -97,7 +97,7 @@ def test_heads_m_schedules(rng, H, s_q, schedule):
 @pytest.mark.parametrize("H,s_q,q_dtype", [(128, 1, jnp.bfloat16), (64, 2, jnp.float32), (32, 4, jnp.bfloat16)])
 def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype):
   """"twin" (the consumers quantize the tile's q rows in raw PTX, 32 each; the bytes of the XLA pre-pass:
-  tests/test_q_quant.py) with one and several splits, an all-zero row and a 300x row, H 32 leaving the second
+  tests/test_q_quant.py for the 16-row form) with one and several splits, an all-zero row and a 300x row, H 32 leaving the second
   consumer's rows all padding: against "handoff_vt" (the op's pre-pass Q) within the schedules' one bf16 ulp,
   and against the reference. (Bitwise equal to "twin" with the pre-pass on the H200 before that path was
   deleted: docs/kernels/sparse_decode_sm90.md, "Q in the heads-on-M twin".)"""

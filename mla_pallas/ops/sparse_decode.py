@@ -158,8 +158,8 @@ MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index S
 HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
 BF16_MAX_SPLIT_TILES = 16   # bf16 cache: bf16 Q (72 KB) and two bf16 K tiles (144 KB) leave room for 4 KB of indices
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys (heads on N, sm_100) ...
-HEADS_M_MIN_SPLIT_TILES = 2   # ... or 128 keys (heads on M: B1 H128 top-k 2048 26.1 -> 21.7 us with 2-tile splits),
-HEADS_M_ONE_TILE_MAX_CTAS = 64   # ... or 64 keys where that makes at most this many CTAs (_min_split_tiles)
+HEADS_M_MIN_SPLIT_TILES = 2   # ... or 128 keys (heads on M: B1 H128 top-k 2048 26.1 -> 21.7 us with 2-tile splits)
+HEADS_M_ONE_TILE_MAX_CTAS = 64   # heads on M: one-tile splits where that grid has at most this many CTAs
 CTA_OVERHEAD_TILES = 3  # a CTA's start and end (Q, first gather, O store, its share of the merge) in tile times
 DESIGNS = ("sm90_heads_m", "sm90_heads_n", "sm100")
 
@@ -212,7 +212,7 @@ def _max_split_tiles(design: str) -> int:
   return HEADS_M_MAX_SPLIT_TILES if design == "sm90_heads_m" else MAX_SPLIT_TILES
 
 
-def _min_split_tiles(design: str, ctas: int = 1, topk: int = TILE) -> int:
+def _min_split_tiles(design: str, ctas: int, topk: int) -> int:
   """The shortest split the plan makes for a design and a grid of ``ctas`` query tiles over a top-k of ``topk``
   (fp8 cache, docs/kernels/sparse_decode_sm90.md "Split plan"): heads on M one tile while one-tile splits make at
   most HEADS_M_ONE_TILE_MAX_CTAS CTAs (with "twin" quantizing Q in the kernel, top-k 2048: B1 H128, 64 CTAs,
@@ -263,10 +263,10 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     tps = INVARIANT_SPLIT_TILES
     splits = -(-max(1, -(-topk // TILE)) // tps)
   else:
-    ctas = batch_tokens * _tiles_per_token(h, design)
-    splits, tps = _plan(batch_tokens, _tiles_per_token(h, design), topk, _dispatch.num_sms(),
+    tiles_per_token = _tiles_per_token(h, design)
+    splits, tps = _plan(batch_tokens, tiles_per_token, topk, _dispatch.num_sms(),
                         BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design),
-                        MIN_SPLIT_TILES if bf16 else _min_split_tiles(design, ctas, topk))
+                        MIN_SPLIT_TILES if bf16 else _min_split_tiles(design, batch_tokens * tiles_per_token, topk))
   if bf16:
     tuning = dict(cache_dtype="bfloat16")
   else:
