@@ -65,11 +65,13 @@ def test_lowers_for_sm90(dtype):
 
 @pytest.mark.parametrize("H", [64, 128])
 def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
-  """sparse_mla_decode's pre-pass kernel (its default from 2048 q rows) feeds the attention kernel the same Q bytes and scales as
-  the XLA pre-pass: the op's outputs are bitwise equal with the kernel replaced by the XLA ops."""
+  """sparse_mla_decode's pre-pass kernel (its default from 2048 q rows under the "handoff_vt" schedule; "twin"
+  quantizes Q in the attention kernel) feeds the attention kernel the same Q bytes and scales as the XLA pre-pass:
+  the op's outputs are bitwise equal with the kernel replaced by the XLA ops."""
   monkeypatch.setattr(sd, "PREPASS_KERNEL_MIN_ROWS", 0)     # the kernel from the first row (default: 2048 rows)
   case = make_case(rng, B=2, s_q=1, H=H, topk=200, page_size=16, num_pages=64)
-  out = run_kernel(case, interpret=True)
+  tuning = (("schedule", "handoff_vt"),)                    # the schedule that takes a pre-quantized Q
+  out = run_kernel(case, interpret=True, tuning=tuning)
   calls = []
 
   def xla_prepass(q, kv_scale, softmax_scale, interpret=False):
@@ -77,7 +79,7 @@ def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
     return _xla(q, kv_scale, softmax_scale)
   monkeypatch.setattr(q_quant, "quantize_q", xla_prepass)
   jax.clear_caches()
-  base = run_kernel(case, interpret=True)
+  base = run_kernel(case, interpret=True, tuning=tuning)
   assert calls, "the op did not route its pre-pass through q_quant.quantize_q"
   for a, b in zip(out, base):
     assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
