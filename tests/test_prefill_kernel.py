@@ -120,21 +120,25 @@ def test_kernel_interpret_model_head_dims_and_determinism(rng):
   _check(out, lse, r_out, r_lse, dqk=dqk, pv_length=tk, what="deepseek dims")
 
 
-@pytest.mark.xfail(strict=True, reason="open: the interpreter reports a race on ks_smem when a K/V slot is reused "
-                   "(docs/kernels/prefill_sm90.md, 'Open: the interpreter reports a race')")
-def test_slot_reuse_race_report(rng):
-  """64 queries over 300 keys in 128-key blocks: three blocks through two ring slots. Kept as a strict xfail so
-  that the day the report goes (a fix of the kernel or of the interpreter) this test says so."""
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_slot_reuse_race_free(rng, block_kv):
+  """64 queries over 300 keys: three (128-key blocks) or five (64) blocks through two ring slots, race-checked.
+  The consumers read each slot's key scales with register loads (generic proxy) before the loader refills the
+  slot by TMA (async proxy): without the consumer's proxy fence (``commit_smem``) between the load and its
+  ``k_empty`` arrival the interpreter reports a race here (docs/kernels/prefill_sm90.md, "The key-scale ring's
+  proxy fence"); with it, none. The result is checked against the reference too."""
   t, tk = 64, 300
   q = jnp.asarray(rng.normal(size=(t, 1, 64)), jnp.bfloat16)
   k = jnp.asarray(rng.normal(size=(tk, 1, 64)), jnp.bfloat16)
   v = jnp.asarray(rng.normal(size=(tk, 1, 64)), jnp.bfloat16)
   cu, cu_k = jnp.asarray([0, t], jnp.int32), jnp.asarray([0, tk], jnp.int32)
   testing.reset_interpreter()
-  out = pf._mosaic_jit(q, k, v, cu, jnp.float32(0.125), causal=False, cu_seqlens_k=cu_k, interpret=RACES,
-                       cfg=kp.TuningConfig(block_kv=128))
+  out, lse = pf._mosaic_jit(q, k, v, cu, jnp.float32(0.125), causal=False, cu_seqlens_k=cu_k, interpret=RACES,
+                            cfg=kp.TuningConfig(block_kv=block_kv, kv_stages=2))
   jax.block_until_ready(out)
   assert not testing.races_found()
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=0.125, causal=False, cu_seqlens_k=cu_k)
+  _check(out, lse, r_out, r_lse, dqk=64, pv_length=tk, what=f"slot reuse, block_kv {block_kv}")
 
 
 def test_aligned_packing_and_tiles():

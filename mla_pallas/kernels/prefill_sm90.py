@@ -36,7 +36,8 @@ v rows are finite, so P = 0 keeps them out of O.
 
 Warpgroups (``num_threads=3``):
   * WG0, WG1 — consumers (232 registers): their 64 query rows and their qs; per key block: wait ``k_full``, the
-    QKᵀ wgmma, the block's ks (one per column), release ``k_empty``; the key-bound and causal mask (only on the
+    QKᵀ wgmma, the block's ks (one per column; a register load, so a proxy fence, ``commit_smem``, orders it
+    before the loader's next TMA into the slot), release ``k_empty``; the key-bound and causal mask (only on the
     blocks past the first row's limit: two loops), online softmax, P to their slot ``p_sw[wg]``; wait
     ``v_full``, the P·V wgmma, release ``v_empty``. Epilogue: O through ``o_lin[wg]`` (untiled) to GMEM by one
     TMA for 64 valid rows or one per valid row otherwise (a tile's tail never overwrites the next sequence's
@@ -182,6 +183,7 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, b), jnp.float32))
     ks = plgpu.load(r.ks_smem.at[slot], layout=COL_LAYOUT, optimized=False)
+    plgpu.commit_smem()   # proxy fence: the loader's next TMA into this slot (async proxy) after our generic read
     plgpu.barrier_arrive(k_empty.at[slot])
     s = s * lax.broadcast_in_dim(ks, s.shape, [1])
     valid = None
