@@ -267,6 +267,9 @@ def test_default_sub_n_where_it_saves_a_wave():
 
 @pytest.mark.parametrize("t,h,k,n,tuning", [
     (3, 2, 512, 128, (("tile_n", 64), ("a_quant", "registers"))),     # DeepSeek W_UV's tile at decode
+    # 3 tiles per CTA through 2 bf16 A buffers: the producer's TMA refills a buffer the consumers read with register
+    # loads (without the proxy fence before their a_empty arrival the interpreter reports a race)
+    (9, 3, 192, 256, (("tile_n", 64), ("a_quant", "registers"), ("max_ctas", 2))),
     (9, 3, 192, 256, (("tile_n", 64), ("a_quant", "smem"), ("max_ctas", 2))),   # 3 tiles per CTA
     (70, 3, 128, 256, (("a_quant", "smem"), ("max_ctas", 2))),                   # 2 M tiles, 3 tiles per CTA
     (5, 2, 192, 512, (("a_quant", "smem"),)),                          # one SMEM pass (K <= 512)
@@ -276,7 +279,8 @@ def test_default_sub_n_where_it_saves_a_wave():
 ])
 def test_quantization_variants_are_bitwise_the_prepass(rng, t, h, k, n, tuning):
   """64-column consumer tiles, several tiles per CTA, one or two SMEM passes: same fp8 operands and wgmma chains as
-  the pre-pass path, so the same bits; races checked. "registers" and "producer" run the "smem" design here
+  the pre-pass path, so the same bits; races checked. "producer" runs the "smem" design here, "registers" its
+  register loads and quantization and its fenced release of the bf16 tile, with the fp8 chunks then staged in SMEM
   (interpret mode has neither a register-A wgmma nor inline_mgpu; see the lowering tests below and
   tests/test_bmm_fp8_kernel_gpu.py)."""
   if k > kbmm.MAX_REGISTER_K:
@@ -313,6 +317,9 @@ def test_register_a_operand_lowers_for_sm90(k, n, t, h):
   assert low.count(r"wgmma\.mma_async") == per_consumer
   # 32 values of each 64 x 64 chunk per thread -> 16 paired conversions per chunk (one code path per consumer)
   assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 16 * (k // 64)
+  # proxy fences (commit_smem): one before the release of the bf16 A tile (its register loads, then the producer's
+  # TMA refill), one per sub-tile's output staging
+  assert low.count(r"nvvm\.fence\.proxy <async\.shared>") == 1 + c.sub_n
 
 
 def test_quantization_knobs_and_narrow_tile_rule():

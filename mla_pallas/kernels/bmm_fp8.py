@@ -49,7 +49,8 @@ bytes, and the outputs, are bitwise those of the pre-pass design.
 * ``a_quant="registers"`` (K <= MAX_REGISTER_K): as "smem", but each consumer loads its rows in
   ``Layout.WGMMA_8BIT`` (16 registers per 64-wide chunk per thread), quantizes in registers
   (``cvt.rn.satfinite.e4m3x2``) and passes the fp8 chunks as the wgmmas' *register* A operand: no fp8 tile, no
-  SMEM stores, no fence; the bf16 tile is released as soon as it is in registers.
+  SMEM stores; the bf16 tile is released as soon as it is in registers, after a proxy fence (``commit_smem``: the
+  producer's next TMA into the tile, async proxy, must follow the consumers' register loads, generic proxy).
 * ``a_quant="producer"`` (T <= bmm_row_quant.MAX_ROWS, K <= bmm_row_quant.MAX_K): after issuing the first ring-full
   of B chunks, the producer warpgroup quantizes only the T real rows straight from GMEM
   (:mod:`mla_pallas.kernels.bmm_row_quant`, one warp per row) into an fp8 SMEM tile plus a [64] f32 scale row,
@@ -57,8 +58,10 @@ bytes, and the outputs, are bitwise those of the pre-pass design.
   (``a_empty``) after their last block. Tile rows past T are never written: their output rows are dropped by the
   TMA store.
 
-Interpret mode has neither a register-A wgmma nor ``inline_mgpu``: there "registers" and "producer" run the "smem"
-design (same fp8 bytes); the two are checked by sm_90 lowering on the CPU and bitwise on the GPU.
+Interpret mode has neither a register-A wgmma nor ``inline_mgpu``: there "producer" runs the "smem" design (same
+fp8 bytes), and "registers" runs its register quantization and its fenced release of the bf16 tile (so the race
+check covers them) but stores the fp8 chunks into the consumer's SMEM tile for SMEM-operand wgmmas; the register
+A operand and "producer" are checked by sm_90 lowering on the CPU and bitwise on the GPU.
 
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
@@ -305,8 +308,9 @@ def _quantize_rows_to_registers(a_bf, rows):
 
 
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          design: str, t: int, *refs):
-  """Kernel body; ``design``: "prepass" or the a_quant design that runs here (interpret mode: "smem")."""
+          design: str, t: int, interpret: bool, *refs):
+  """Kernel body; ``design``: "prepass" or the a_quant design that runs here (interpret mode: "smem" for
+  "producer"; "registers" with its fp8 chunks staged in SMEM for the wgmmas, ``interpret``)."""
   fuse = design != "prepass"
   pq = design == "producer"
   regs = design == "registers"
@@ -314,7 +318,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
     (a_gmem, w_gmem, ws_gmem, o_gmem, *a_tiles, b_ring, o_smem, full, empty, a_full, a_empty) = refs
     if pq:       # fp8 A tiles and their row scales, written by the producer
       a8, a_sc = a_tiles
-    elif regs:   # bf16 A tiles only (the fp8 rows stay in registers)
+    elif regs and not interpret:   # bf16 A tiles only (the fp8 rows stay in registers)
       (a_bf,) = a_tiles
     else:        # bf16 A tiles, the consumers' fp8 tiles
       a_bf, a8 = a_tiles
@@ -423,7 +427,15 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
           a_scale = plgpu.load(a_sc.at[ab], layout=row_layout, optimized=False)
         elif regs:
           a_chunks, a_scale = _quantize_rows_to_registers(a_bf.at[ab], rows)
-          plgpu.barrier_arrive(a_empty.at[ab])   # the bf16 tile is in registers: it may be overwritten
+          if interpret:   # no register-A wgmma: the fp8 chunks go to this consumer's SMEM tile (fenced below)
+            a8_tile = a8.at[wg]
+            for c, x in enumerate(a_chunks):
+              a8_tile.at[c][...] = x
+          # The bf16 tile is in registers: it may be overwritten. The producer's next TMA into it (async proxy)
+          # follows our register loads (generic proxy), so a proxy fence goes before the release (on hardware no
+          # other fence is on that path; docs/kernels/bmm_fp8.md, "The A tile's proxy fence").
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(a_empty.at[ab])
         else:
           a8_tile = a8.at[wg]
           a_scale = _quantize_rows(a_bf.at[ab], a8_tile, rows, in_registers=cfg.register_quant)
@@ -445,7 +457,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
               slot = lax.rem(i * n_chunks + c, stages)
               if si == 0:   # a slot's phase is waited once; later sub-tiles reuse the resident chunk
                 plgpu.barrier_wait(full.at[slot])
-              a_op = (a_chunks[c] if regs else a8_tile.at[c]) if fuse else a_ring.at[slot, rows]
+              a_op = (a_chunks[c] if regs and not interpret else a8_tile.at[c]) if fuse else a_ring.at[slot, rows]
               plgpu.wgmma(acc_ref, a_op, b_ring.at[slot, cols].T)
             return acc_ref[...]   # waits for the wgmmas
           part = pl.run_scoped(block, plgpu.ACC((TILE_M, cfg.tile_n), jnp.float32))
@@ -499,9 +511,11 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
   num_tiles = m_tiles * n_tiles * h
   grid = min(num_tiles, cfg.max_ctas)
-  # interpret mode has neither a register-A wgmma nor inline_mgpu: "registers" / "producer" run "smem" there
-  design = "prepass" if not fuse else "smem" if interpret else cfg.a_quant
-  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, design, t)
+  # interpret mode has neither a register-A wgmma nor inline_mgpu: "producer" runs "smem" there, "registers" its
+  # register quantization and release of the bf16 tile, then stages the fp8 chunks in SMEM for the wgmmas
+  design = "prepass" if not fuse else "smem" if interpret and cfg.a_quant == "producer" else cfg.a_quant
+  body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, design, t,
+                           bool(interpret))
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()
@@ -516,7 +530,7 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
         plgpu.SMEM((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16,
                    transforms=swizzled(jnp.bfloat16, 128)),                                      # bf16 A tiles
     ]
-    if design == "smem":
+    if design == "smem" or interpret:
       a_scratch += [plgpu.SMEM((2, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK))]   # fp8 A
   else:
     a_scratch = [plgpu.SMEM((cfg.stages, cfg.cta_m, CHUNK), FP8, transforms=swizzled(FP8, CHUNK))]   # A ring
