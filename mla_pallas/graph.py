@@ -473,7 +473,8 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
                                   positions.reshape(t), slots.reshape(t), cos, sin, cfg, impl, interpret,
                                   interleaved, unique_slots, rec)
   q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
-  q576 = jnp.concatenate([q_lat, q_rot.astype(jnp.bfloat16)], axis=-1).reshape(b, s_q, h, D_QK)
+  # q as the (latent, rope) pair: kernels that quantize q themselves read both where they are (no concatenation)
+  q576 = (q_lat.reshape(b, s_q, h, -1), q_rot.astype(jnp.bfloat16).reshape(b, s_q, h, D_ROPE))
   if indices is not None:
     o, _ = sparse_mla_decode(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
                              topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_decode"),
@@ -498,7 +499,7 @@ def _sparse_prefill_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl,
                                   interpret, interleaved, unique_slots, rec)
   q_lat = _q_absorb(weights, q_nope, fp8, impl, interpret, rec)
-  q576 = jnp.concatenate([q_lat, q_rot.astype(jnp.bfloat16)], axis=-1)
+  q576 = (q_lat, q_rot.astype(jnp.bfloat16))     # the (latent, rope) pair, as in _decode_body
   o, _ = sparse_mla_prefill(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
                             topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_prefill"),
                             interpret=interpret)

@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 FP8 = jnp.float8_e4m3fn
 D_QK = 576            # latent (512) + rope (64)
 D_V = 512             # value = first 512 latent values
+D_ROPE = D_QK - D_V   # 64 rope values
 CHUNK = 64            # bytes per chunk of an fp8 row; wgmma K-chunk with 64-byte swizzle
 N_CHUNKS = D_QK // CHUNK      # 9
 LOG2E = math.log2(math.e)

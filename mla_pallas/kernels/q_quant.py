@@ -156,10 +156,13 @@ HEAD_ROWS = 16             # rows of the heads-on-N Q tile (the MMAs' N)
 LANE_VALUES = 16           # values per lane and row: latent [16 l, 16 l + 16) on every lane
 
 
-def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, count: int | None = None) -> None:
+def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, count: int | None = None,
+                           q_rope=None) -> None:
   """Raw Mosaic GPU body (one warpgroup): tile rows ``first .. first + count`` (default: all) of the Q tile ``q8``
   (SMEM memref [5, tile_rows, 128] fp8, Tiling(8, 128) + 128-byte swizzle: latent | 64 zeros | rope) from rows
-  ``row0 + r`` of ``q`` (GMEM memref [R, 576] bf16 or f32), quantized per row as in the module docstring, and
+  ``row0 + r`` of ``q`` (GMEM memref [R, 576] bf16 or f32; or, with ``q_rope``, q [R, 512] the latent part and
+  q_rope [R, 64] the rope part, each bf16 or f32: the row is their concatenation), quantized per row as in the
+  module docstring, and
   each row's max |q| into ``amax_out[r]`` (SMEM memref of >= tile_rows f32); tile rows ``r >= rows`` get zeros
   (and amax 0). ``row0``: i32 value; ``rows``, ``first``, ``count`` (a multiple of 4) static.
 
@@ -175,9 +178,16 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
   assert count % 4 == 0 and 0 <= first and first + count <= tile_rows, (first, count, tile_rows)
   dtype = ir.MemRefType(q.type).element_type
   item = raw.float_bytes(dtype)
-  row_bytes = common.D_QK * item
   _, warp, lane = raw.thread_in_warpgroup()
   q_base = mgpu_utils.memref_ptr(q)
+  if q_rope is None:       # one [R, 576] array: the rope part is columns 512-575 of the same rows
+    row_bytes, rope_dtype, rope_base = common.D_QK * item, dtype, q_base
+    rope_row_bytes, rope_col0 = row_bytes, common.D_V
+  else:                    # latent [R, 512] and rope [R, 64]
+    row_bytes, rope_dtype, rope_base = common.D_V * item, ir.MemRefType(q_rope.type).element_type, \
+        mgpu_utils.memref_ptr(q_rope)
+    rope_row_bytes, rope_col0 = common.D_ROPE * raw.float_bytes(rope_dtype), 0
+  rope_item = raw.float_bytes(rope_dtype)
   q8_base = llvm.ptrtoint(raw.i32(), mgpu_utils.memref_ptr(q8))
   amax_base = llvm.ptrtoint(raw.i32(), mgpu_utils.memref_ptr(amax_out))
   zero_f = arith.constant(f32, 0.0)
@@ -193,9 +203,10 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
     row_off = arith.muli(src, raw.c64(row_bytes))
     latent = raw.load_f32(q_base, arith.addi(row_off, raw.wide(arith.muli(lane, raw.c32(LANE_VALUES * item)))),
                           dtype, LANE_VALUES)
-    rope = raw.load_f32(q_base, arith.addi(row_off, raw.wide(arith.muli(
-        arith.addi(rope_part, raw.c32(common.D_V // LANE_VALUES)), raw.c32(LANE_VALUES * item)))),
-        dtype, LANE_VALUES)
+    rope_off = arith.muli(src, raw.c64(rope_row_bytes))
+    rope = raw.load_f32(rope_base, arith.addi(rope_off, raw.wide(arith.muli(
+        arith.addi(rope_part, raw.c32(rope_col0 // LANE_VALUES)), raw.c32(LANE_VALUES * rope_item)))),
+        rope_dtype, LANE_VALUES)
     latent = [arith.select(real, x, zeros8) for x in latent]
     rope = [arith.select(arith.andi(real, rope_lane), x, zeros8) for x in rope]
     amax = raw.warp_max(arith.maximumf(raw.abs_max(latent), raw.abs_max(rope)))
@@ -217,26 +228,47 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
 
 def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0, count: int | None = None) -> None:
   """Pallas-level :func:`quantize_head_rows_raw` (run by one warpgroup; not in interpret mode): ``q_ref`` GMEM
-  [R, 576] bf16 / f32, ``q8_ref`` SMEM [5, tile_rows, 128] fp8 (``common.q_scratch``), ``amax_ref`` SMEM
-  [>= tile_rows] f32; ``row0`` an int32 scalar (traced), ``rows``, ``first``, ``count`` static."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
-                                plgpu.RefType(), raw.SCALAR_LAYOUT))
-  def f(ctx, q, q8, amax, row0_fa):
+  [R, 576] bf16 / f32, or a pair (latent [R, 512], rope [R, 64]) of GMEM refs (:func:`q_parts`), ``q8_ref`` SMEM
+  [5, tile_rows, 128] fp8 (``common.q_scratch``), ``amax_ref`` SMEM [>= tile_rows] f32; ``row0`` an int32 scalar
+  (traced), ``rows``, ``first``, ``count`` static."""
+  parts = q_parts(q_ref)
+  sw = plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(parts) + (sw, plgpu.RefType(), raw.SCALAR_LAYOUT))
+  def f(ctx, *args):
     del ctx
-    quantize_head_rows_raw(q, q8, amax, raw.scalar_value(row0_fa), rows, first, count)
-  f(q_ref, q8_ref, amax_ref, raw.scalar_array(row0))
+    *qs, q8, amax, row0_fa = args
+    quantize_head_rows_raw(qs[0], q8, amax, raw.scalar_value(row0_fa), rows, first, count,
+                           q_rope=qs[1] if len(qs) > 1 else None)
+  f(*parts, q8_ref, amax_ref, raw.scalar_array(row0))
+
+
+def q_parts(q_ref) -> tuple:
+  """The attention kernels' q source as a tuple of GMEM refs: (q [R, 576],) or (latent [R, 512], rope [R, 64])."""
+  parts = tuple(q_ref) if isinstance(q_ref, (tuple, list)) else (q_ref,)
+  if len(parts) not in (1, 2):
+    raise ValueError(f"q must be one [R, 576] ref or a (latent [R, 512], rope [R, 64]) pair; got {len(parts)} refs")
+  return parts
+
+
+def q_rows(q_ref, start, count: int):
+  """Rows [start, start + count) of the q source (:func:`q_parts`) as one f32 [count, 576] array (interpret
+  mode)."""
+  parts = q_parts(q_ref)
+  rows = [p[pl.ds(start, count), :].astype(jnp.float32) for p in parts]
+  return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
 
 
 def quantize_head_rows_interpret(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0,
                                  count: int | None = None) -> None:
   """:func:`quantize_head_rows` for interpret mode (no ``inline_mgpu`` there): the same values by Pallas array
-  ops (interpret mode checks no layouts)."""
+  ops (interpret mode checks no layouts); ``q_ref`` as there."""
   count = q8_ref.shape[1] if count is None else count
   real = min(max(rows - first, 0), count)     # tile rows first .. first + real come from q
   q8 = jnp.zeros((0, common.Q_SW_COLS), common.FP8)
   amax = jnp.zeros((0,), jnp.float32)
   if real:
-    x = q_ref[pl.ds(row0 + first, real), :].astype(jnp.float32)
+    x = q_rows(q_ref, row0 + first, real)
     amax = jnp.abs(x).max(axis=1)
     scale = amax * _INV_FP8_MAX
     scale = jnp.where(scale == 0.0, 1.0, scale)

@@ -65,7 +65,8 @@ K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, barriers, reduction scr
 
 Q in the kernel ("twin" over an fp8 cache: ``TuningConfig.q_in_kernel``)
 ------------------------------------------------------------------------
-"twin" takes the op's q ([num_tokens · H, 576] bf16 or f32, no ``qs``) instead of the pre-pass's tiles: before
+"twin" takes the op's q ([num_tokens · H, 576] bf16 or f32, or with ``q_split`` its latent [.., 512] and rope
+[.., 64] parts as two inputs; no ``qs``) instead of the pre-pass's tiles: before
 their first QKᵀ each consumer quantizes 32 of the tile's 64 rows (WG0 rows 0-31, WG1 32-63; rows past H are
 zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32 SMEM row (raw PTX,
 ``q_quant.quantize_head_rows``: the pre-pass's bytes), fences and arrives on ``q_bar`` (two arrivals); both wait
@@ -494,7 +495,9 @@ def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
   _store_vt(accs, 1, tile_q, split, r)
 
 
-def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, *refs):
+def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):
+  if q_split:           # q as (latent [T · H, 512], rope [T · H, 64])
+    refs = (refs[:2],) + refs[2:]
   if cfg.q_in_kernel:   # q as it is, no row-scale input
     refs = refs[:1] + (None,) + refs[1:]
   q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
@@ -541,17 +544,22 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, *refs):
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
-          cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None):
+          cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None,
+          q_split: bool = False):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
   a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed where ``cfg.q_in_kernel`` ("twin"
-  over an fp8 cache)."""
+  over an fp8 cache); ``q_split`` (only with ``cfg.q_in_kernel``): q comes as two inputs, latent [T · H, 512] and
+  rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]."""
   if cfg.q_in_kernel and (heads is None or softmax_scale is None):
     raise ValueError("heads and softmax_scale are needed by schedule 'twin' over an fp8 cache (the kernel "
                      f"quantizes q); got heads={heads}, softmax_scale={softmax_scale}")
+  if q_split and not cfg.q_in_kernel:
+    raise ValueError("q_split needs a config whose kernel quantizes q (TuningConfig.q_in_kernel: schedule 'twin' "
+                     f"over an fp8 cache); got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
   q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in)
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split))
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []

@@ -15,7 +15,8 @@ against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of the token
 
 Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.ops.sparse_decode``)
 --------------------------------------------------------------------------------------------------
-    q    [num_tokens · q_stride, 576] bf16 or f32: flat, unpadded query rows (the op's q as it is), q_stride = H.
+    q    [num_tokens · q_stride, 576] bf16 or f32: flat, unpadded query rows (the op's q as it is), q_stride = H;
+         with ``q_split`` two inputs instead, latent [.., 512] and rope [.., 64] (bf16 or f32 each).
          The CTA of token q quantizes rows [q · q_stride, (q + 1) · q_stride) into its 16-row fp8 tile (latent |
          64 zeros | rope; rows past H are zeros) with the bytes and row scales of the XLA pre-pass
          (``kernels/q_quant.py``: ``quantize_head_rows``; row scale amax · f32(1/448) · ((softmax_scale · kv_scale)
@@ -252,8 +253,10 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.Sparse
     o_ref.at[:, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]
 
 
-def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, q_gmem, kv_gmem, idx_gmem, scal_gmem,
-          o_gmem, lse_gmem, q_sw, k_sw, *rest):
+def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, q_split, *refs):
+  if q_split:   # q as (latent [T · H, 512], rope [T · H, 64])
+    refs = (refs[:2],) + refs[2:]
+  q_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
   v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
   p_sw, idx_smem, lse_smem, head_smem, idx_bar, k_full, k_empty, p_full, p_empty = rest
   # no row-scale input and no q_bar: WG0 makes Q and its scales itself
@@ -285,17 +288,18 @@ def _body(cfg, num_slots, out_dtype, interpret, q_stride, softmax_scale, q_gmem,
 
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, q_stride: int, out_dtype_name: str,
-          cfg: TuningConfig, softmax_scale: float, interpret=False):
+          cfg: TuningConfig, softmax_scale: float, interpret=False, q_split: bool = False):
   """The kernel for these shapes (arguments and results: see the module docstring). ``out_heads``: heads stored
   (a multiple of 8 in (0, 16]); ``q_stride``: Q rows per token (H); ``softmax_scale``: folded into the row
-  scales the kernel makes; ``interpret``: False, True or a ``plgpu.InterpretGPUParams``."""
+  scales the kernel makes; ``interpret``: False, True or a ``plgpu.InterpretGPUParams``; ``q_split``: q comes as
+  two inputs, latent [T · H, 512] and rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]."""
   if not (0 < out_heads <= HEADS_N and out_heads % 8 == 0):
     raise ValueError(f"out_heads must be a multiple of 8 in (0, {HEADS_N}]; got {out_heads}")
   if not 0 < q_stride <= HEADS_N:
     raise ValueError(f"q_stride must be in (0, {HEADS_N}] (the token's heads); got {q_stride}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
-  body = functools.partial(_body, cfg, num_slots, out_dtype, interp, q_stride, float(softmax_scale))
+  body = functools.partial(_body, cfg, num_slots, out_dtype, interp, q_stride, float(softmax_scale), bool(q_split))
   # Vᵀ is the A operand of a wgmma whose B (Pᵀ, 16 f16 = 32-byte rows) fixes the swizzle at 32 bytes.
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 2 * HEADS_N))] if interp else []
   return plgpu.kernel(

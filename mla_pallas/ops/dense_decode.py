@@ -55,9 +55,8 @@ _STEP_BYTES = 1 << 28
 
 
 def _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal):
-  _checks.check_array("q", q, ndim=4, shape=(None, None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
-                      expect="[B, s_q, H, 576]")
-  b = q.shape[0]
+  parts = _sparse.q_parts(q)
+  b = parts[0].shape[0]
   _checks.check_array("kv_cache", kv_cache, ndim=3, shape=(None, None, D_QK), dtypes=_sparse.CACHE_DTYPES,
                       expect="[num_pages, page_size, 576]")
   if kv_cache.shape[0] < 1:
@@ -76,6 +75,7 @@ def _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"causal must be a python bool; got {type(causal).__name__}")
+  return parts
 
 
 def _limits(cache_seqlens, s_q, n_pos, causal):
@@ -180,6 +180,7 @@ INVARIANT_CHUNK_KEYS = 2048
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "batch_invariant"))
 def _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale, *, softmax_scale, causal, batch_invariant=False):
+  q = _sparse.join_q(q)      # an array or a (latent, rope) pair
   if not batch_invariant:
     return _xla_dense_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal)
   # one sequence at a time with a fixed chunk: extra (masked) chunks of a wider table add exact zeros
@@ -213,7 +214,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
 
   Args:
     q: [B, s_q, H, 576] bfloat16 (or float32): absorbed queries (512 latent ‖ 64 rope); the s_q query tokens are
-      the last s_q tokens of each sequence.
+      the last s_q tokens of each sequence. Or the pair (q_latent [B, s_q, H, 512], q_rope [B, s_q, H, 64]), as
+      in :func:`mla_pallas.ops.sparse_decode.sparse_mla_decode`.
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn; dequantized value = fp8 · kv_scale; the value vector of
       a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q and P in bf16, f32
       accumulation): on sm_90 the sparse op's bf16-cache kernel (``auto`` picks it where it was validated on
@@ -245,21 +247,22 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
       counts (8, 16, 32, 64, 128).
   """
   _dispatch.check_impl(impl)
-  _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal)
+  parts = _check_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale, causal)
+  shape = _sparse.q_shape(parts)
   causal = bool(causal)
   batch_invariant = _checks.check_bool("batch_invariant", batch_invariant)
   num_slots = kv_cache.shape[0] * kv_cache.shape[1]
   used = _dispatch.choose(OP, impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, num_slots, interpret, kv_cache.dtype),
-                          validated_on=_sparse.validated_on(kv_cache.dtype, q.shape[2]))
+                          supported=_kernel_supported(shape, num_slots, interpret, kv_cache.dtype),
+                          validated_on=_sparse.validated_on(kv_cache.dtype, shape[2]))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
   if used == "mosaic":
     num_pages, page_size, _ = kv_cache.shape
     indices = _indices_jit(block_table, cache_seqlens, page_size=int(page_size), num_pages=int(num_pages),
-                           s_q=int(q.shape[1]), causal=causal)
-    return _sparse._sparse_decode_jit(q, kv_cache.reshape(-1, D_QK), indices, kv_scale_arr, None,
+                           s_q=int(shape[1]), causal=causal)
+    return _sparse._sparse_decode_jit(parts, kv_cache.reshape(-1, D_QK), indices, kv_scale_arr, None,
                                       softmax_scale=float(softmax_scale), impl="mosaic", interpret=interpret,
                                       arch=_dispatch.mosaic_arch(interpret), batch_invariant=batch_invariant)
-  return _xla_jit(q, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
+  return _xla_jit(parts, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
                   causal=causal, batch_invariant=batch_invariant)
 

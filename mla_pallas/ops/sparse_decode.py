@@ -60,19 +60,54 @@ def validated_on(cache_dtype, h: int | None = None) -> tuple[str, ...]:
   return BF16_VALIDATED_ON if h is None or h in BF16_VALIDATED_HEADS else ()
 
 
+Q_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def q_parts(q, lead: str = "B, s_q, H") -> tuple:
+  """The query argument of the attention ops as a tuple of one or two arrays, checked: ``q`` [lead..., 576], or a
+  pair ``(q_latent [lead..., 512], q_rope [lead..., 64])`` with the same leading dims (FlashInfer's q_nope / q_pe
+  form; the row is their concatenation). Each part bfloat16 or float32. ``lead`` names the leading dims in
+  messages. The pair lets a kernel that quantizes q itself read both parts where they are, with no concatenated
+  copy (one XLA launch less per decode step)."""
+  ndim = len(lead.split(",")) + 1
+  if isinstance(q, (tuple, list)):
+    if len(q) != 2:
+      raise ValueError(f"q must be an array [{lead}, 576] or a pair (q_latent [{lead}, 512], q_rope [{lead}, 64]); "
+                       f"got a sequence of {len(q)} items")
+    lat, rope = q
+    _checks.check_array("q[0] (q_latent)", lat, ndim=ndim, shape=(None,) * (ndim - 1) + (D_V,), dtypes=Q_DTYPES,
+                        expect=f"[{lead}, {D_V}]")
+    _checks.check_array("q[1] (q_rope)", rope, ndim=ndim, shape=tuple(lat.shape[:-1]) + (D_QK - D_V,),
+                        dtypes=Q_DTYPES, expect=f"[{lead}, {D_QK - D_V}] with q_latent's leading dims "
+                        f"{tuple(lat.shape[:-1])}")
+    return (lat, rope)
+  _checks.check_array("q", q, ndim=ndim, shape=(None,) * (ndim - 1) + (D_QK,), dtypes=Q_DTYPES,
+                      expect=f"[{lead}, {D_QK}] (or a (q_latent, q_rope) pair)")
+  return (q,)
+
+
+def q_shape(parts) -> tuple:
+  """The shape [..., 576] of the query that :func:`q_parts` ``parts`` make."""
+  return tuple(parts[0].shape[:-1]) + (D_QK,)
+
+
+def join_q(q):
+  """One [..., 576] array from an array or a (latent, rope) pair (:func:`q_parts`; float32 if either part is)."""
+  if not isinstance(q, (tuple, list)):
+    return q
+  return q[0] if len(q) == 1 else jnp.concatenate(tuple(q), axis=-1)
+
+
 def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
+  parts = q_parts(q, "T, H" if prefill else "B, s_q, H")
+  shape = q_shape(parts)
   if prefill:
-    _checks.check_array("q", q, ndim=3, shape=(None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
-                        expect="[T, H, 576]")
-    _checks.check_array("indices", indices, ndim=2, shape=(q.shape[0], None), dtypes=(jnp.int32,),
-                        expect=f"[T={q.shape[0]}, topk]")
-    lead = q.shape[0]
+    _checks.check_array("indices", indices, ndim=2, shape=(shape[0], None), dtypes=(jnp.int32,),
+                        expect=f"[T={shape[0]}, topk]")
   else:
-    _checks.check_array("q", q, ndim=4, shape=(None, None, None, D_QK), dtypes=(jnp.bfloat16, jnp.float32),
-                        expect="[B, s_q, H, 576]")
-    _checks.check_array("indices", indices, ndim=3, shape=(q.shape[0], q.shape[1], None), dtypes=(jnp.int32,),
-                        expect=f"[B={q.shape[0]}, s_q={q.shape[1]}, topk]")
-    lead = q.shape[0]
+    _checks.check_array("indices", indices, ndim=3, shape=(shape[0], shape[1], None), dtypes=(jnp.int32,),
+                        expect=f"[B={shape[0]}, s_q={shape[1]}, topk]")
+  lead = shape[0]
   _checks.check_array("kv_cache", kv_cache, ndim=(2, 3), dtypes=CACHE_DTYPES,
                       expect="[num_pages, page_size, 576] or [num_slots, 576]")
   if kv_cache.shape[-1] != D_QK:
@@ -87,6 +122,7 @@ def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, p
                         expect=f"[{'T' if prefill else 'B'}={lead}]")
   _checks.check_scalar("softmax_scale", softmax_scale, positive=True)
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
+  return parts
 
 
 def _valid_mask(indices, num_slots, topk_length):
@@ -340,7 +376,10 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
 
 def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning=(),
                           arch="sm90", batch_invariant=False):
-  b, s_q, h, _ = q.shape
+  """The Mosaic path. ``q``: [B, s_q, H, 576] or a (latent, rope) pair (:func:`q_parts`): a kernel that quantizes q
+  itself reads the pair's parts where they are; the other paths concatenate them (into their Q pre-pass)."""
+  parts = tuple(q) if isinstance(q, (tuple, list)) else (q,)
+  b, s_q, h, _ = q_shape(parts)
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
   n_tok = b * s_q
@@ -362,19 +401,22 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   rows = rows.reshape(n_tok, splits * tps, TILE)
   out_dtype = _partials_dtype(splits, bool(getattr(cfg.kernel, "bf16", False)),
                               getattr(cfg.kernel, "schedule", None) == "twin")
-  if heads_on_n or getattr(cfg.kernel, "q_in_kernel", False):   # the kernel quantizes q itself
-    q_args = (q.reshape(n_tok * h, D_QK),)                       # (kernels/q_quant.quantize_head_rows)
+  q_in_kernel = heads_on_n or getattr(cfg.kernel, "q_in_kernel", False)
+  q_split = q_in_kernel and len(parts) == 2
+  if q_in_kernel:       # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows), from its parts
+    q_args = tuple(p.reshape(n_tok * h, p.shape[-1]) for p in parts)
   else:
-    q_args = _kernel_q(q.reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale, interpret)
+    q_args = _kernel_q(join_q(parts).reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
+                       interpret)
   if heads_on_n:        # O [.., out_heads, 512]
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel, softmax_scale,
-                            interpret=interpret)
+                            interpret=interpret, q_split=q_split)
   elif arch == "sm100":
     kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
                             cfg.kernel, interpret=interpret)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                            interpret=interpret, heads=h, softmax_scale=softmax_scale)
+                            interpret=interpret, heads=h, softmax_scale=softmax_scale, q_split=q_split)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     o, lse = kern(*q_args, kv_flat, rows.astype(jnp.uint32), scal)
@@ -506,6 +548,7 @@ def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_sc
     arch = arch or _dispatch.mosaic_arch(interpret)
     return _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, tuning,
                                  arch, batch_invariant)
+  q = join_q(q)
   if batch_invariant:
     return _xla_per_row(lambda q1, i1, t1: _xla_sparse_decode(q1, kv_flat, i1, softmax_scale, kv_scale, t1),
                         q, indices, topk_length)
@@ -518,7 +561,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
 
   Args:
     q: [B, s_q, H, 576] bfloat16 (or float32): absorbed queries (512 latent ‖ 64 rope), s_q query tokens per
-      sequence (MTP).
+      sequence (MTP); or the pair (q_latent [B, s_q, H, 512], q_rope [B, s_q, H, 64]) (:func:`q_parts`), which
+      the kernels that quantize q themselves read without a concatenated copy.
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn (or flat [num_slots, 576]); dequantized value = fp8 ·
       kv_scale; the value vector of a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q
       and P in bf16, f32 accumulation: the bf16-cache kernel on sm_90, the XLA path otherwise; see the module
@@ -543,13 +587,14 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
     out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with no valid index gives
     out = 0 and lse = −inf.
   """
-  _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
+  parts = _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
+  shape = q_shape(parts)
   kv_flat = kv_cache.reshape(-1, D_QK)
   used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported(q.shape, kv_flat.shape[0], interpret, kv_flat.dtype),
-                          validated_on=validated_on(kv_flat.dtype, q.shape[2]))
+                          supported=_kernel_supported(shape, kv_flat.shape[0], interpret, kv_flat.dtype),
+                          validated_on=validated_on(kv_flat.dtype, shape[2]))
   arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
-  return _sparse_decode_jit(q, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
+  return _sparse_decode_jit(parts, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch,
                             batch_invariant=_checks.check_bool("batch_invariant", batch_invariant))
 
@@ -559,15 +604,17 @@ def sparse_mla_prefill(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, top
   """Sparse MLA prefill: the decode computation with B = T query tokens and s_q = 1.
 
   Args:
-    q: [T, H, 576] bfloat16/float32; kv_cache as in :func:`sparse_mla_decode`; indices [T, topk] int32;
+    q: [T, H, 576] bfloat16/float32, or a (q_latent [T, H, 512], q_rope [T, H, 64]) pair; kv_cache as in
+      :func:`sparse_mla_decode`; indices [T, topk] int32;
     topk_length: optional [T] int32. Other arguments as in :func:`sparse_mla_decode` (``batch_invariant``: a
     token's bits do not depend on T or the other tokens).
 
   Returns:
     out [T, H, 512] bfloat16, lse [T, H] float32.
   """
-  _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=True)
-  out, lse = sparse_mla_decode(q[:, None], kv_cache, indices[:, None], softmax_scale=softmax_scale,
+  parts = _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=True)
+  q = tuple(p[:, None] for p in parts)
+  out, lse = sparse_mla_decode(q if len(q) == 2 else q[0], kv_cache, indices[:, None], softmax_scale=softmax_scale,
                                kv_scale=kv_scale, topk_length=topk_length, impl=impl, interpret=interpret,
                                batch_invariant=batch_invariant)
   _dispatch.record("sparse_mla_prefill", _dispatch.last_impl("sparse_mla_decode"))
