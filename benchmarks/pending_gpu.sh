@@ -64,6 +64,21 @@ sweep_small() {   # split lengths at small batches with the new merge (heads on 
       --shape B=$b,s_q=1,H=$h,topk=2048,page=64,ctx=32768 "${common[@]}"
   done
 }
+t_qpair() {   # the (q_latent, q_rope) pair on the raw-PTX quantizer: bitwise the concatenated q (both designs)
+  run t_qpair 120 $T tests/test_q_pair.py
+}
+t_fences() {   # the proxy fences added in the twenty-first session: bmm "registers" (bitwise the pre-pass) and the
+               # prefill kernel's ks ring (against the reference), one model each
+  run t_fences 150 $T tests/test_bmm_fp8_kernel_gpu.py tests/test_prefill_kernel_gpu.py \
+    -k "quantization_variants or (kernel_matches_reference and deepseek and (ragged or context))"
+}
+steps_b1() {   # the B1 decode steps after the q pair (the concatenate launch gone)
+  run step_deepseek_B1 120 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=1,s_q=1 "${common[@]}"
+  run step_glm5_tp8_B1 100 $B mla_decode_step --impl xla,mosaic --shape model=glm5,B=1,s_q=1,tp=8 "${common[@]}"
+}
+t_bi_branch() {   # batch invariance through the decode branch (the pair inside the graph)
+  run t_bi_branch 120 $T tests/test_batch_invariance_gpu.py -k decode_branch
+}
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
 }
