@@ -67,6 +67,11 @@ sweep_small() {   # split lengths at small batches with the new merge (heads on 
 t_qpair() {   # the (q_latent, q_rope) pair on the raw-PTX quantizer: bitwise the concatenated q (both designs)
   run t_qpair 120 $T tests/test_q_pair.py
 }
+t_qpair_quick() {   # two of t_qpair's shapes (heads on N H8 s_q2; twin B1 H128), for a short call
+  run t_qpair_quick 90 $T tests/test_q_pair.py -k "3-2-8 or 1-1-128"
+}
+step_ds_b1() { run step_deepseek_B1 120 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=1,s_q=1 \
+  "${common[@]}"; }
 t_fences() {   # the proxy fences added in the twenty-first session: bmm "registers" (bitwise the pre-pass) and the
                # prefill kernel's ks ring (against the reference), one model each
   run t_fences 150 $T tests/test_bmm_fp8_kernel_gpu.py tests/test_prefill_kernel_gpu.py \
