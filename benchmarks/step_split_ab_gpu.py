@@ -1,0 +1,78 @@
+"""A/B on the H200 of the heads-on-M split plan *inside the decode step* (issue 24): the op's rule (one-tile splits
+while the grid has at most HEADS_M_ONE_TILE_MAX_CTAS = 64 CTAs, two-tile splits otherwise) was chosen from the
+standalone op (B1 H128 top-k 2048: 1-tile 15.3 µs, 2-tile 16.9), but in the DeepSeek-V3.2 B1 step the 1-tile plan
+came with a larger merge (32 f32 partials, 8.4 MB: 1.27 + 3.31 µs) and the step got slower when it was adopted
+(29.4 → 30.3 µs, twentieth session; 28.4 after the q pair). This runs the step (graph.mla_decode_branch_fp8,
+impl "mosaic", bench spec mla_decode_step) under each plan in one process, same inputs, by monkeypatching the
+plan's constants (nothing in the library switches), and prints CUPTI µs per step with its per-kernel breakdown
+and the standalone op beside it.
+
+Prediction (written before any run): DeepSeek-V3.2 B1 step 1-tile 28.4 µs, 2-tile ~26.5-27 (merge 4.6 → ~2.9,
+attention 11.2 → ~10.5-11); B2 unchanged (it already runs 2-tile splits: 128 CTAs); the standalone op keeps 1-tile
+ahead at B1 (15.3 vs 16.9).
+
+Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/step_split_ab_gpu.py [--iters 20]
+Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is faster under the other plan.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import statistics
+import unittest.mock
+
+import jax
+
+from mla_pallas import bench, bench_timing
+from mla_pallas.ops import sparse_decode as sd
+
+PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
+    "1-tile (default)": (sd.HEADS_M_ONE_TILE_MAX_CTAS, sd.HEADS_M_MIN_SPLIT_TILES),
+    "2-tile": (0, 2),
+    "4-tile": (0, 4),
+}
+
+
+@contextlib.contextmanager
+def plan(one_tile_max_ctas: int, min_split_tiles: int):
+  with unittest.mock.patch.object(sd, "HEADS_M_ONE_TILE_MAX_CTAS", one_tile_max_ctas), \
+       unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles):
+    jax.clear_caches()
+    yield
+
+
+def _time(spec, shape, iters):
+  sets = [spec.make_inputs(shape, jax.random.key(i)) for i in range(2)]
+  fn = spec.op("mosaic", shape)
+  if spec.state is not None:
+    samples, kernels = bench_timing.time_cupti_state(fn, sets, spec.state, iters=iters, warmup=2)
+  else:
+    samples, kernels = bench_timing.time_cupti(fn, sets, iters=iters, warmup=2)
+  agg = collections.Counter()
+  for k, v in kernels.items():
+    agg[k] += v
+  return statistics.median(samples), ", ".join(f"{k[:30]} {v:.2f}" for k, v in agg.most_common(8))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--batches", default="1,2")
+  args = ap.parse_args()
+  step, op = bench.get_spec("mla_decode_step"), bench.get_spec("sparse_mla_decode")
+  print(f"{'shape':<22} {'plan':<17} | {'step us':>8} {'op us':>8} | splits | step kernels (us)")
+  for b in (int(x) for x in args.batches.split(",")):
+    s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset="deepseek_v32")
+    s_op = op.shape(dict(B=b, s_q=1, H=128, topk=2048, page=64, ctx=32768))
+    for label, consts in PLANS.items():
+      with plan(*consts):
+        cfg = sd.default_config(128, b, 2048)
+        t_step, kern = _time(step, s_step, args.iters)
+        t_op, _ = _time(op, s_op, args.iters)
+      print(f"DeepSeek B{b} H128{'':<9} {label:<17} | {t_step:8.2f} {t_op:8.2f} | {cfg.num_splits:>6} | {kern}",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
