@@ -9,11 +9,10 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; the twentieth session ran and settled t_qrows, t_qm, the Q-in-twin
-#   A/B, t_prefill_quant, ab_prefill_prepass and the fused_scale A/B): t_batch_invariance (8 of 10 passed in the
-#   nineteenth session before a 180 s cut; the decode-branch cases did not finish), sweep_small (split lengths at
-#   B8 H8 / H16 / B1 H128 with Q in both kernels), latency (issue 24's shapes, every row with XLA in the same run
-#   and the per-kernel breakdown), t_sparse.
+# next (the order for the next device call; the twenty-first session ran t_qpair_quick, step_ds_b1 and most of
+#   t_fences with its last 356 s of device time): t_bi_branch (the decode-branch batch-invariance cases, never
+#   finished), ab_step_split (1- vs 2-tile splits inside the DeepSeek B1 step), t_qpair (all five shapes),
+#   t_fences (the ragged prefill cases were cut), steps_b1 (GLM-5 TP8 B1 with the q pair), t_sparse, sweep_small.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -168,7 +167,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_batch_invariance,sweep_small,latency,t_sparse"
+next="t_bi_branch,ab_step_split,t_qpair,t_fences,steps_b1,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
