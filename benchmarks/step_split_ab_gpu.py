@@ -17,7 +17,6 @@ Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import statistics
 import unittest.mock
@@ -49,10 +48,8 @@ def _time(spec, shape, iters):
     samples, kernels = bench_timing.time_cupti_state(fn, sets, spec.state, iters=iters, warmup=2)
   else:
     samples, kernels = bench_timing.time_cupti(fn, sets, iters=iters, warmup=2)
-  agg = collections.Counter()
-  for k, v in kernels.items():
-    agg[k] += v
-  return statistics.median(samples), ", ".join(f"{k[:30]} {v:.2f}" for k, v in agg.most_common(8))
+  top = sorted(kernels.items(), key=lambda kv: -kv[1])[:8]
+  return statistics.median(samples), ", ".join(f"{k[:30]} {v:.2f}" for k, v in top)
 
 
 def main():

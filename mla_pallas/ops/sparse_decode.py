@@ -91,11 +91,15 @@ def q_shape(parts) -> tuple:
   return tuple(parts[0].shape[:-1]) + (D_QK,)
 
 
+def _as_parts(q) -> tuple:
+  """An array or a (latent, rope) pair (already checked by :func:`q_parts`) as a tuple of one or two arrays."""
+  return tuple(q) if isinstance(q, (tuple, list)) else (q,)
+
+
 def join_q(q):
   """One [..., 576] array from an array or a (latent, rope) pair (:func:`q_parts`; float32 if either part is)."""
-  if not isinstance(q, (tuple, list)):
-    return q
-  return q[0] if len(q) == 1 else jnp.concatenate(tuple(q), axis=-1)
+  parts = _as_parts(q)
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
 def _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, *, prefill: bool):
@@ -378,7 +382,7 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                           arch="sm90", batch_invariant=False):
   """The Mosaic path. ``q``: [B, s_q, H, 576] or a (latent, rope) pair (:func:`q_parts`): a kernel that quantizes q
   itself reads the pair's parts where they are; the other paths concatenate them (into their Q pre-pass)."""
-  parts = tuple(q) if isinstance(q, (tuple, list)) else (q,)
+  parts = _as_parts(q)
   b, s_q, h, _ = q_shape(parts)
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
