@@ -83,8 +83,12 @@ steps_b1() {   # the B1 decode steps after the q pair (the concatenate launch go
 t_bi_branch() {   # batch invariance through the decode branch (the pair inside the graph)
   run t_bi_branch 120 $T tests/test_batch_invariance_gpu.py -k decode_branch
 }
-ab_step_split() {   # the heads-on-M split plan inside the DeepSeek-V3.2 B1 / B2 step (benchmarks/step_split_ab_gpu.py)
-  run ab_step_split 240 $PY benchmarks/step_split_ab_gpu.py
+ab_step_split() {   # the heads-on-M split plan and the merge in W_UV inside the DeepSeek-V3.2 B1 / B2 and GLM-5 B1
+                    # steps (benchmarks/step_split_ab_gpu.py)
+  run ab_step_split 300 $PY benchmarks/step_split_ab_gpu.py
+}
+t_merge() {   # the split-KV merge in W_UV's producer (raw PTX) against the float64 merge; the graph that uses it
+  run t_merge 200 $T tests/test_merge_bmm_gpu.py
 }
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows

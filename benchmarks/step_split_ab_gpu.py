@@ -11,6 +11,13 @@ Prediction (written before any run): DeepSeek-V3.2 B1 step 1-tile 28.4 µs, 2-ti
 attention 11.2 → ~10.5-11); B2 unchanged (it already runs 2-tile splits: 128 CTAs); the standalone op keeps 1-tile
 ahead at B1 (15.3 vs 16.9).
 
+Second dimension (twenty-second session): the merge of the split partials inside W_UV's kernel (the graph's
+default where the attention kernel leaves f32 "twin" partials: ops.bmm_fp8.merge_quantize_and_bmm_fp8) against
+the op's XLA merge (graph.split_partials patched to None). Prediction (before any run): DeepSeek-V3.2 B1 1-tile
+28.4 → ~25 µs (the two merge launches, 4.6 µs, go; W_UV 5.45 → ~6: its producer reads 64 KB of partials per head
+from L2 while the 64 KB weight tile loads, all 8 K chunks in flight); GLM-5 (H64) B1 gains ~3 µs likewise; with
+the merge in W_UV the 1-tile plan stays ahead of 2-tile (its extra partials cost no launch).
+
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/step_split_ab_gpu.py [--iters 20]
 Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is faster under the other plan.
 """
@@ -23,20 +30,23 @@ import unittest.mock
 
 import jax
 
-from mla_pallas import bench, bench_timing
+from mla_pallas import bench, bench_timing, graph
 from mla_pallas.ops import sparse_decode as sd
 
 PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
     "1-tile (default)": (sd.HEADS_M_ONE_TILE_MAX_CTAS, sd.HEADS_M_MIN_SPLIT_TILES),
     "2-tile": (0, 2),
-    "4-tile": (0, 4),
 }
+MERGES = ("in W_UV", "XLA")   # the graph's default (W_UV's producer merges the splits) / split_partials disabled
 
 
 @contextlib.contextmanager
-def plan(one_tile_max_ctas: int, min_split_tiles: int):
-  with unittest.mock.patch.object(sd, "HEADS_M_ONE_TILE_MAX_CTAS", one_tile_max_ctas), \
-       unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles):
+def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_ONE_TILE_MAX_CTAS", one_tile_max_ctas))
+    stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles))
+    if merge == "XLA":
+      stack.enter_context(unittest.mock.patch.object(graph, "split_partials", lambda *a, **k: None))
     jax.clear_caches()
     yield
 
@@ -58,18 +68,21 @@ def main():
   ap.add_argument("--batches", default="1,2")
   args = ap.parse_args()
   step, op = bench.get_spec("mla_decode_step"), bench.get_spec("sparse_mla_decode")
-  print(f"{'shape':<22} {'plan':<17} | {'step us':>8} {'op us':>8} | splits | step kernels (us)")
-  for b in (int(x) for x in args.batches.split(",")):
-    s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset="deepseek_v32")
-    s_op = op.shape(dict(B=b, s_q=1, H=128, topk=2048, page=64, ctx=32768))
-    for label, consts in PLANS.items():
-      with plan(*consts):
-        cfg = sd.default_config(128, b, 2048)
+  print(f"{'shape':<16} {'plan':<17} {'merge':<8} | {'step us':>8} {'op us':>8} | splits | step kernels (us)")
+  cases = [("deepseek_v32", 128, 1, "1-tile (default)"), ("deepseek_v32", 128, 1, "2-tile"),
+           ("deepseek_v32", 128, 2, "1-tile (default)"), ("glm5", 64, 1, "1-tile (default)")]
+  for model, h, b, label in cases:
+    if str(b) not in args.batches.split(","):
+      continue
+    s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset=model)
+    s_op = op.shape(dict(B=b, s_q=1, H=h, topk=2048, page=64, ctx=32768))
+    for merge in MERGES:
+      with plan(*PLANS[label], merge):
+        cfg = sd.default_config(h, b, 2048)
         t_step, kern = _time(step, s_step, args.iters)
-        t_op, _ = _time(op, s_op, args.iters)
-      print(f"DeepSeek B{b} H128{'':<9} {label:<17} | {t_step:8.2f} {t_op:8.2f} | {cfg.num_splits:>6} | {kern}",
-            flush=True)
-
+        t_op = _time(op, s_op, args.iters)[0] if merge == "XLA" else float("nan")
+      print(f"{model[:8]} B{b} H{h:<4} {label:<17} {merge:<8} | {t_step:8.2f} {t_op:8.2f} | {cfg.num_splits:>6} | "
+            f"{kern}", flush=True)
 
 if __name__ == "__main__":
   main()

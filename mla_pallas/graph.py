@@ -89,11 +89,11 @@ import numpy as np
 
 from mla_pallas import _checks, _dispatch, reference
 from mla_pallas.config import MLAConfig
-from mla_pallas.ops.bmm_fp8 import quantize_and_bmm_fp8
+from mla_pallas.ops.bmm_fp8 import merge_quantize_and_bmm_fp8, quantize_and_bmm_fp8
 from mla_pallas.ops.dense_decode import dense_mla_decode
 from mla_pallas.ops.prefill import mla_prefill
 from mla_pallas.ops.rope_rmsnorm import fused_rope_rmsnorm_quantization
-from mla_pallas.ops.sparse_decode import sparse_mla_decode, sparse_mla_prefill
+from mla_pallas.ops.sparse_decode import sparse_mla_decode, sparse_mla_prefill, split_partials
 
 __all__ = [
     "MLAWeightsFP8", "MLAWeightsBF16", "weights_from_kv_b",
@@ -475,6 +475,20 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
   q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
   # q as the (latent, rope) pair: kernels that quantize q themselves read both where they are (no concatenation)
   q576 = (q_lat.reshape(b, s_q, h, -1), q_rot.astype(jnp.bfloat16).reshape(b, s_q, h, D_ROPE))
+  parts = None
+  if indices is not None and fp8 and weights.w_uv_t is not None and not batch_invariant:
+    # Where the attention kernel leaves split partials (small batches at 64 / 128 heads), W_UV's kernel merges
+    # them in its producer: no merge launches, the merged rows never in GMEM (ops.bmm_fp8.merge_quantize_and_bmm_fp8)
+    parts = split_partials(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
+                           topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_decode"), interpret=interpret)
+  if parts is not None:
+    rec.op("attention (sparse top-k, split partials)", "sparse_mla_decode")
+    out = merge_quantize_and_bmm_fp8(*parts, weights.w_uv_t, weights.w_uv_scale, heads=h,
+                                     impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
+    rec.op("merge splits + o_latent @ w_uv", "quantize_and_bmm_fp8")
+    _REPORTS[key] = dict(graph=graph, branch="decode", variant="fp8", cache_dtype=jnp.dtype(pages.dtype).name,
+                         steps=rec.steps)
+    return out.reshape(b, s_q, h, -1), new_pages
   if indices is not None:
     o, _ = sparse_mla_decode(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
                              topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_decode"),

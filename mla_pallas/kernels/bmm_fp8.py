@@ -57,6 +57,11 @@ bytes, and the outputs, are bitwise those of the pre-pass design.
   fences and arrives on ``a_full``; both consumers read that tile as their SMEM A operand and release it
   (``a_empty``) after their last block. Tile rows past T are never written: their output rows are dropped by the
   TMA store.
+* "producer" with ``build(merge=(S, tiles_per_token))`` (the decode graph's W_UV after split-KV attention): A's
+  rows are the lse-weighted merge of S attention partials (f32, [T · tiles, S, 64, K]) that the producer's four
+  warps read and weigh (bmm_row_quant.merge_rows: each warp a quarter of the splits, sums met in a [2, 4, K + 4]
+  f32 SMEM scratch, one warp per row quantizing); ``stages = K / 64`` (ops.bmm_fp8.merge_config) so that the whole
+  weight tile loads while it runs. The merged rows never go to GMEM and no merge launch runs.
 
 Interpret mode has neither a register-A wgmma nor ``inline_mgpu``: there "producer" runs the "smem" design (same
 fp8 bytes), and "registers" runs its register quantization and its fenced release of the bf16 tile (so the race
@@ -65,10 +70,10 @@ A operand and "producer" are checked by sm_90 lowering on the CPU and bitwise on
 
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
-* WG2 — producer (40 registers; 56 with ``a_quant="producer"``): for every tile and K chunk (ring position g),
+* WG2 — producer (40 registers; 56 with ``a_quant="producer"``, 120 when it merges): for every tile and K chunk (ring position g),
   waits for slot ``g % stages`` to be released, then issues the chunk's TMAs arriving on ``full[slot]`` (the bf16
   A tile's TMAs arrive on ``a_full``); finally drains ``empty`` / ``a_empty`` (interpret-mode barrier rule).
-* WG0, WG1 — consumers (232 registers; 224 with "producer"): per tile, first load the weight block scales (and
+* WG0, WG1 — consumers (232 registers; 224 with "producer", 192 with the merge): per tile, first load the weight block scales (and
   the row scales) so that their GMEM latency overlaps the operand waits; quantize their rows (in-kernel designs);
   per K block, wait the chunks' ``full`` barriers, issue the wgmmas, read the block accumulator (which waits for
   them), release the chunks (``empty``, after the last sub-tile), promote into ``total``; then scale, cast, wait
@@ -86,6 +91,7 @@ SMEM budget (bytes; :func:`smem_budget`, checked at construction against 227 KB)
     bf16 A tiles       a_buffers · cta_m · K · 2         "smem" / "registers"; K = 512, 64 rows: 65 536 per buffer
     fp8 A tiles        2 · 64 · K ("smem"), a_buffers · 64 · K + 256 ("producer")
     output staging     2 · 64 · tile_n bf16              32 768 (tile_n = 128)
+    merge sums         2 · 4 · (K + 4) f32               16 512 (K = 512; only with ``merge``)
     barriers, Mosaic reduction scratch                   ~2 100
 Default pre-pass config: ~117 KB ("n") / ~100 KB ("m"). One CTA per SM (the register split takes the whole
 register file); latency is hidden by the persistent ring instead of by co-resident CTAs.
@@ -115,8 +121,11 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 PQ_CONSUMER_REGS = 224   # a_quant="producer": the producer runs bmm_row_quant, the consumers hold no fp8 rows
 PQ_PRODUCER_REGS = 56
+MERGE_CONSUMER_REGS = 192   # merge=: the producer holds MERGE_SPLITS_PER_LOAD partials' loads (64 registers) ...
+MERGE_PRODUCER_REGS = 120   # ... besides its sums
 # setmaxnreg: 128 (168 - p) >= 256 (c - 168), 168 = the launch's 65536 / 384 rounded down to 8
 assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 504 and PQ_PRODUCER_REGS + 2 * PQ_CONSUMER_REGS <= 504
+assert MERGE_PRODUCER_REGS + 2 * MERGE_CONSUMER_REGS <= 504
 MAX_REGISTER_K = 512   # bf16 rows held in registers: 8 chunks x 16 registers of bf16 pairs per thread
 A_QUANTS = ("smem", "registers", "producer")
 
@@ -219,6 +228,11 @@ def smem_budget(cfg: TuningConfig) -> int:
   ) + 2 * 16 * 8 + 2 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
+def merge_scratch_bytes(k: int) -> int:
+  """SMEM of the producer's merge sums (``build(merge=...)``): [2, 4, K + 4] f32."""
+  return 2 * 4 * (k + 4) * 4
+
+
 def check_shapes(t: int, h: int, k: int, n: int, cfg: TuningConfig) -> None:
   """Raise NotImplementedError when the kernel cannot take these (valid) shapes."""
   if cfg.quantize_k is not None and cfg.quantize_k != k:
@@ -308,13 +322,18 @@ def _quantize_rows_to_registers(a_bf, rows):
 
 
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          design: str, t: int, interpret: bool, *refs):
+          design: str, t: int, interpret: bool, merge, *refs):
   """Kernel body; ``design``: "prepass" or the a_quant design that runs here (interpret mode: "smem" for
-  "producer"; "registers" with its fp8 chunks staged in SMEM for the wgmmas, ``interpret``)."""
+  "producer"; "registers" with its fp8 chunks staged in SMEM for the wgmmas, ``interpret``); ``merge``: None, or
+  (splits, tiles_per_token) when "producer" merges split-KV partials into its rows (:func:`build`)."""
   fuse = design != "prepass"
   pq = design == "producer"
   regs = design == "registers"
-  if fuse:   # a is bf16 [T, H, K]; no scale input
+  if merge is not None:   # A = the merge of attention partials [T tiles, S, 64, K] f32 by their lse
+    (parts_gmem, lse_gmem, w_gmem, ws_gmem, o_gmem, a8, a_sc, acc_smem, b_ring, o_smem, full, empty, a_full,
+     a_empty) = refs
+    a_gmem = None
+  elif fuse:   # a is bf16 [T, H, K]; no scale input
     (a_gmem, w_gmem, ws_gmem, o_gmem, *a_tiles, b_ring, o_smem, full, empty, a_full, a_empty) = refs
     if pq:       # fp8 A tiles and their row scales, written by the producer
       a8, a_sc = a_tiles
@@ -334,7 +353,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(PQ_PRODUCER_REGS if pq else PRODUCER_REGS, action="decrease")
+    plgpu.set_max_registers(MERGE_PRODUCER_REGS if merge is not None else PQ_PRODUCER_REGS if pq else PRODUCER_REGS,
+                            action="decrease")
 
     def quantize_a(i, m0, h):   # "producer": the tile's rows into the fp8 buffer, then a_full
       ab = lax.rem(i, cfg.a_buffers)
@@ -342,7 +362,10 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
       @pl.when(i >= cfg.a_buffers)
       def _():
         plgpu.barrier_wait(a_empty.at[ab])
-      bmm_row_quant.quantize_rows(a_gmem, a8.at[ab], a_sc.at[ab], m0, h, t)
+      if merge is not None:
+        bmm_row_quant.merge_rows(parts_gmem, lse_gmem, a8.at[ab], a_sc.at[ab], acc_smem, m0, h, t, merge[1])
+      else:
+        bmm_row_quant.quantize_rows(a_gmem, a8.at[ab], a_sc.at[ab], m0, h, t)
       plgpu.commit_smem()        # every thread's SMEM stores, visible to the wgmmas (async proxy)
       plgpu.barrier_arrive(a_full.at[ab])
 
@@ -401,7 +424,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(PQ_CONSUMER_REGS if pq else CONSUMER_REGS, action="increase")
+    plgpu.set_max_registers(MERGE_CONSUMER_REGS if merge is not None else PQ_CONSUMER_REGS if pq else CONSUMER_REGS,
+                            action="increase")
     wi_m = wg if cfg.wg_split == "m" else 0
     wi_n = wg if cfg.wg_split == "n" else 0
     rows = pl.ds(wi_m * TILE_M, TILE_M)
@@ -488,7 +512,8 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
 
 @functools.lru_cache(maxsize=64)
-def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, interpret=False):
+def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, interpret=False,
+          merge: tuple[int, int] | None = None):
   """Build the kernel for given shapes.
 
   Kernel arguments (``cfg.quantize_k is None``):
@@ -500,6 +525,9 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   With ``cfg.quantize_k == K`` (per_token only): ``a [T8, H, K]`` bfloat16 (T8 = T for T < 8, else T rounded up
   to a multiple of 8 with zero rows: a GMEM row count below 8 is accepted, the box's rows past it read zeros),
   ``w``, ``ws``.
+  With ``merge = (S, tiles_per_token)`` (``a_quant="producer"``, K = bmm_row_quant.MAX_K, not interpret mode: the
+  merge is raw PTX): ``parts [T · tiles_per_token, S, 64, K]`` f32 and ``lse [T · tiles_per_token, S, 64]`` f32,
+  split-KV attention partials that the producer merges into A's rows (bmm_row_quant.merge_rows), ``w``, ``ws``.
   Returns out [T, H, N] bfloat16.
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
@@ -507,6 +535,12 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   fuse = cfg.quantize_k is not None
   if fuse and not per_token:
     raise ValueError("TuningConfig.quantize_k needs per-token activation scales (act_scale='per_token')")
+  if merge is not None and (cfg.a_quant != "producer" or k != bmm_row_quant.MAX_K or interpret):
+    raise NotImplementedError(f"quantize_and_bmm_fp8: merging split partials needs a_quant='producer', "
+                              f"K={bmm_row_quant.MAX_K} and a GPU (raw PTX); got a_quant={cfg.a_quant!r}, K={k}, "
+                              f"interpret={bool(interpret)}")
+  if merge is not None:
+    cfg.check_smem(smem_budget(cfg) + merge_scratch_bytes(k), " with the merge's scratch")
   kwargs = common.interpret_kwargs(interpret)
   m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
   num_tiles = m_tiles * n_tiles * h
@@ -515,7 +549,7 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   # register quantization and release of the bf16 tile, then stages the fp8 chunks in SMEM for the wgmmas
   design = "prepass" if not fuse else "smem" if interpret and cfg.a_quant == "producer" else cfg.a_quant
   body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, design, t,
-                           bool(interpret))
+                           bool(interpret), merge)
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()
@@ -525,6 +559,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
         plgpu.SMEM((cfg.a_buffers, k_chunks, TILE_M, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # fp8 A
         plgpu.SMEM((cfg.a_buffers, TILE_M), jnp.float32),                                           # row scales
     ]
+    if merge is not None:
+      a_scratch += [plgpu.SMEM((2, 4, k + 4), jnp.float32)]   # the producer warps' merge sums (merge_rows)
   elif fuse:
     a_scratch = [
         plgpu.SMEM((cfg.a_buffers, k_chunks, cfg.cta_m, CHUNK), jnp.bfloat16,

@@ -45,6 +45,7 @@ sweeps take :func:`sweep_configs`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 
 from mla_pallas import _checks, _dispatch, quant
 
-__all__ = ["quantize_and_bmm_fp8", "prepare_weight", "default_config", "sweep_configs", "BLOCK", "WEIGHT_LAYOUTS"]
+__all__ = ["quantize_and_bmm_fp8", "merge_quantize_and_bmm_fp8", "prepare_weight", "default_config", "sweep_configs", "BLOCK", "WEIGHT_LAYOUTS"]
 
 OP = "quantize_and_bmm_fp8"
 BLOCK = 128
@@ -241,6 +242,7 @@ def sweep_configs(t: int, k: int, n: int, h: int) -> dict[str, tuple[tuple[str, 
       "sub_n=2": (("sub_n", 2),),
       "stages=3": (("stages", 3),),
       "stages=6": (("stages", 6),),
+      "stages=8": (("stages", 8),),
       "a_buffers=1": (("a_buffers", 1),),
   }
   out, seen = {}, set()
@@ -341,3 +343,112 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
                           validated_on=("sm90",))
   return _bmm_jit(a, w, w_scale, act_scale=act_scale, weight_layout=weight_layout, impl=used,
                   interpret=interpret if used == "mosaic" else False)
+
+
+# ---- A from split-KV attention partials: the merge inside the kernel's producer ----------------------------------
+
+def merge_config(t: int, k: int, n: int, h: int):
+  """The kernel's TuningConfig when its producer merges split partials into A (``kbmm.build(merge=...)``):
+  :func:`default_config` where that is the "producer" design (else NotImplementedError), with every K chunk of
+  the weight tile in flight (``stages = K / 64``: the merge takes longer than the plain row loads, so the whole
+  weight tile loads while it runs)."""
+  cfg = default_config(t, k, n, h)
+  if cfg.a_quant != "producer":
+    raise NotImplementedError(f"{OP}: the merge of split partials runs in the 'producer' design only (T <= "
+                              f"{PRODUCER_QUANT_MAX_TOKENS_K512} at K = 512, one tile per CTA); got {cfg}")
+  from mla_pallas.kernels import bmm_fp8 as kbmm
+  return dataclasses.replace(cfg, stages=max(cfg.stages, k // kbmm.CHUNK))
+
+
+def _merge_supported(t, h, k, n, interpret):
+  def check():
+    from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
+    if _dispatch.mosaic_arch(interpret) != "sm90" or interpret:
+      raise NotImplementedError(f"{OP}: the in-kernel merge of split partials is raw PTX for sm_90 (no interpret "
+                                "mode)")
+    if k != bmm_row_quant.MAX_K:
+      raise NotImplementedError(f"{OP}: the in-kernel merge of split partials needs K = {bmm_row_quant.MAX_K}")
+    cfg = merge_config(t, k, n, h)
+    kbmm.check_shapes(t, h, k, n, cfg)
+    cfg.check_smem(kbmm.smem_budget(cfg) + kbmm.merge_scratch_bytes(k), " with the merge's scratch")
+  return check
+
+
+def _merged_a(parts, lse, heads):
+  """The merge of split partials as the [T, H, K] bf16 activations of the unfused graph
+  (:func:`mla_pallas.ops.sparse_decode.combine_splits`, then sparse_mla_decode's bf16 out)."""
+  from mla_pallas.ops.sparse_decode import combine_splits
+  o, _ = combine_splits(parts, lse)                     # [T · tiles, 64, K] f32
+  tiles, rows, k = o.shape
+  t = tiles * rows // (-(-heads // rows) * rows)
+  return o.reshape(t, -1, k)[:, :heads].astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "impl", "interpret"))
+def _merge_bmm_jit(parts, lse, w, w_scale, *, heads, impl, interpret):
+  from mla_pallas.kernels import bmm_fp8 as kbmm
+  if impl != "mosaic":
+    return _bmm_jit(_merged_a(parts, lse, heads), w, w_scale, act_scale="per_token", weight_layout="hnk",
+                    impl=impl, interpret=interpret)
+  tiles, splits, _, k = parts.shape
+  t = tiles // -(-heads // 64)
+  n = w.shape[1]
+  cfg = merge_config(t, k, n, heads)
+  return kbmm.build(t, heads, k, n, True, cfg, merge=(splits, tiles // t))(parts, lse, w, w_scale)
+
+
+def merge_quantize_and_bmm_fp8(parts, lse, w, w_scale, *, heads: int, impl: str = "auto", interpret: bool = False):
+  """:func:`quantize_and_bmm_fp8` of the split-KV merge of attention partials (the decode graph's W_UV product
+  after sparse attention): the kernel's producer merges the splits of each (token, head) row, so the merged
+  activations never go through GMEM and no merge launches run.
+
+  Args:
+    parts: [T · ceil(H/64), S, 64, K] float32 and lse: [T · ceil(H/64), S, 64] float32, as
+      :func:`mla_pallas.ops.sparse_decode.split_partials` returns them (head h of token t at tile
+      t · ceil(H/64) + h // 64, row h % 64).
+    w: [H, N, K] float8_e4m3fn weights in the kernel's layout (:func:`prepare_weight`), w_scale:
+      [H, ceil(K/128), ceil(N/128)] float32.
+    heads: python int H.
+    impl, interpret: as in :func:`quantize_and_bmm_fp8`. Where the merging kernel cannot run (another arch,
+      interpret mode, K != 512, T beyond the "producer" design) the op merges with
+      :func:`~mla_pallas.ops.sparse_decode.combine_splits` into bf16 activations and runs
+      :func:`quantize_and_bmm_fp8`, which is what the unfused graph computes.
+
+  Returns:
+    [T, H, N] bfloat16: per (t, h) row, ``a = Σ_s exp(lse_s − m) parts_s / Σ_s exp(lse_s − m)`` (m the row's max
+    lse, 0 when every split is empty; a = 0 then), quantized per row to e4m3 and multiplied as in
+    :func:`quantize_and_bmm_fp8`. The merging kernel quantizes the float32 merge (the fallback its bf16 rounding):
+    the two differ by that rounding only.
+
+  Raises:
+    ValueError: bad shapes or dtypes (the message names the argument).
+    NotImplementedError: ``impl="mosaic"`` where neither the merging kernel nor the plain kernel can run.
+  """
+  _dispatch.check_impl(impl)
+  heads = int(heads)
+  _checks.check_array("parts", parts, ndim=4, dtypes=(jnp.float32,), expect="[T * ceil(H/64), S, 64, K]")
+  tiles, splits, rows, k = parts.shape
+  tpt = -(-heads // 64)
+  if heads < 1 or rows != 64 or tiles % tpt or tiles == 0:
+    raise ValueError(f"parts must have shape [T * ceil(H/64), S, 64, K] with H = heads = {heads}; got shape "
+                     f"{tuple(parts.shape)}")
+  _checks.check_array("lse", lse, ndim=3, shape=(tiles, splits, 64), dtypes=(jnp.float32,),
+                      expect=f"[T * ceil(H/64), S, 64] = [{tiles}, {splits}, 64]")
+  _checks.check_array("w", w, ndim=3, shape=(heads, None, k), dtypes=(quant.FP8,),
+                      expect=f"[H, N, K] = [{heads}, N, {k}]")
+  n = w.shape[1]
+  _checks.check_array("w_scale", w_scale, ndim=3, shape=(heads, -(-k // BLOCK), -(-n // BLOCK)),
+                      dtypes=(jnp.float32,), expect=f"[H, ceil(K/128), ceil(N/128)] = [{heads}, {-(-k // BLOCK)}, "
+                      f"{-(-n // BLOCK)}]")
+  t = tiles // tpt
+  used = None
+  if impl != "xla":
+    try:
+      _merge_supported(t, heads, k, n, interpret)()
+      used = _dispatch.choose(OP, impl, interpret=interpret, supported=lambda: None, validated_on=("sm90",))
+    except NotImplementedError:
+      pass
+  if used != "mosaic":   # the unfused computation: merge, bf16, then the op's own dispatch
+    return quantize_and_bmm_fp8(_merged_a(parts, lse, heads), w, w_scale, weight_layout="hnk",
+                                impl="xla" if used == "xla" else impl, interpret=interpret)
+  return _merge_bmm_jit(parts, lse, w, w_scale, heads=heads, impl="mosaic", interpret=interpret)

@@ -384,10 +384,28 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
   itself reads the pair's parts where they are; the other paths concatenate them (into their Q pre-pass)."""
   parts = _as_parts(q)
   b, s_q, h, _ = q_shape(parts)
+  n_tok = b * s_q
+  cfg = _config(h, n_tok, indices.shape[-1], arch, tuning, jnp.dtype(kv_flat.dtype).name, batch_invariant)
+  o, lse = _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, cfg, arch)
+  tiles_per_token = _tiles_per_token(h, cfg.design)
+  out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
+  if cfg.num_splits > 1 or batch_invariant:   # batch_invariant: always, so that a row's last rounding is the same
+    o, lse = combine_splits(o, lse)           # whether its top-k width gives it one split or several
+  else:
+    o, lse = o[:, 0], lse[:, 0]
+  o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
+  lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
+  return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
+
+
+def _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, cfg: KernelConfig,
+                   arch: str):
+  """The attention kernel's own outputs under plan ``cfg``: split partials o [T · tiles, S, R, 512] (R = 64 rows of
+  a heads-on-M tile, or the heads-on-N kernel's H rounded up to 8) and lse [T · tiles, S, R], not merged."""
+  b, s_q, h, _ = q_shape(parts)
   topk = indices.shape[-1]
   num_slots = kv_flat.shape[0]
   n_tok = b * s_q
-  cfg = _config(h, n_tok, topk, arch, tuning, jnp.dtype(kv_flat.dtype).name, batch_invariant)
   heads_on_n = cfg.design == "sm90_heads_n"
   tiles_per_token = _tiles_per_token(h, cfg.design)
   splits, tps = cfg.num_splits, cfg.kernel.tiles_per_split
@@ -423,17 +441,8 @@ def _mosaic_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_len
                             interpret=interpret, heads=h, softmax_scale=softmax_scale, q_split=q_split)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
-    o, lse = kern(*q_args, kv_flat, rows.astype(jnp.uint32), scal)
-  else:
-    o, lse = kern(*q_args, kv_flat, rows, scal)
-  out_rows = o.shape[-2]   # 64, or with the heads on N out_heads (H rounded up to 8)
-  if splits > 1 or batch_invariant:   # batch_invariant: always, so that a row's last rounding is the same
-    o, lse = combine_splits(o, lse)   # whether its top-k width gives it one split or several
-  else:
-    o, lse = o[:, 0], lse[:, 0]
-  o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
-  lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
-  return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
+    return kern(*q_args, kv_flat, rows.astype(jnp.uint32), scal)
+  return kern(*q_args, kv_flat, rows, scal)
 
 
 def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
@@ -601,6 +610,45 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
   return _sparse_decode_jit(parts, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch,
                             batch_invariant=_checks.check_bool("batch_invariant", batch_invariant))
+
+
+def split_partials(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None, impl: str = "auto",
+                   interpret: bool = False):
+  """:func:`sparse_mla_decode`'s attention kernel *before* its split-KV merge, for a consumer that merges the splits
+  itself (the decode graph's W_UV product: :func:`mla_pallas.ops.bmm_fp8.merge_quantize_and_bmm_fp8`), or None
+  where ``sparse_mla_decode`` would not run such a kernel here: the XLA path, an sm_100 or bf16-cache kernel, or a
+  plan other than the heads-on-M "twin" schedule with several float32 splits (the small-batch plans at 64 and
+  128 heads).
+
+  Arguments as in :func:`sparse_mla_decode` (checked the same way; ``batch_invariant`` is not offered: that mode
+  keeps the op's own merge).
+
+  Returns None or ``(parts, lse)``: parts [B · s_q · ceil(H/64), S, 64, 512] float32, the S splits' normalised
+  outputs, and lse [B · s_q · ceil(H/64), S, 64] float32 (natural log, −inf for an empty split); head h of query
+  token t = b · s_q + i sits at tile t · ceil(H/64) + h // 64, row h % 64 (rows past H: padding).
+  :func:`combine_splits` of the two, reshaped to [B, s_q, H, 512] and cast to bfloat16, is ``sparse_mla_decode``'s
+  out.
+  """
+  parts = _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
+  b, s_q, h, _ = q_shape(parts)
+  kv_flat = kv_cache.reshape(-1, D_QK)
+  used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
+                          supported=_kernel_supported((b, s_q, h, D_QK), kv_flat.shape[0], interpret, kv_flat.dtype),
+                          validated_on=validated_on(kv_flat.dtype, h))
+  if used != "mosaic" or _dispatch.mosaic_arch(interpret) != "sm90" or kv_flat.dtype != FP8:
+    return None
+  cfg = _config(h, b * s_q, indices.shape[-1], "sm90", (), jnp.dtype(kv_flat.dtype).name, False)
+  if cfg.design != "sm90_heads_m" or cfg.num_splits < 2 or getattr(cfg.kernel, "schedule", None) != "twin":
+    return None
+  return _split_partials_jit(parts, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
+                             softmax_scale=float(softmax_scale), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "interpret"))
+def _split_partials_jit(parts, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, interpret):
+  b, s_q, h, _ = q_shape(parts)
+  cfg = _config(h, b * s_q, indices.shape[-1], "sm90", (), jnp.dtype(kv_flat.dtype).name, False)
+  return _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, cfg, "sm90")
 
 
 def sparse_mla_prefill(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
