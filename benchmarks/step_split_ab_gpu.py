@@ -65,12 +65,14 @@ def _time(spec, shape, iters):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--batches", default="1,2")
+  ap.add_argument("--batches", default="1,2,4,8")
+  ap.add_argument("--two-tile", action="store_true", help="also the 2-tile plan at DeepSeek-V3.2 B1")
   args = ap.parse_args()
   step, op = bench.get_spec("mla_decode_step"), bench.get_spec("sparse_mla_decode")
   print(f"{'shape':<16} {'plan':<17} {'merge':<8} | {'step us':>8} {'op us':>8} | splits | step kernels (us)")
-  cases = [("deepseek_v32", 128, 1, "1-tile (default)"), ("deepseek_v32", 128, 1, "2-tile"),
-           ("deepseek_v32", 128, 2, "1-tile (default)"), ("glm5", 64, 1, "1-tile (default)")]
+  cases = [("deepseek_v32", 128, b, "1-tile (default)") for b in (1, 2, 4, 8)]
+  cases += [("deepseek_v32", 128, 1, "2-tile")] if args.two_tile else []
+  cases += [("glm5", 64, b, "1-tile (default)") for b in (1, 8)]
   for model, h, b, label in cases:
     if str(b) not in args.batches.split(","):
       continue

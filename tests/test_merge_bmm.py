@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mla_pallas import graph, quant, reference, testing
-from mla_pallas.kernels import bmm_fp8 as kbmm
+from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
 from mla_pallas.ops import bmm_fp8 as bmm_mod, sparse_decode as sd
 
 FP8 = jnp.float8_e4m3fn
@@ -108,20 +108,28 @@ def test_merge_config_and_support():
     kbmm.build(1, 128, 512, 128, True, cfg, interpret=True, merge=(4, 2))
 
 
-@pytest.mark.parametrize("t,h,splits", [(1, 128, 32), (2, 128, 16), (3, 64, 7), (16, 128, 2)])
+@pytest.mark.parametrize("t,h,splits", [(1, 128, 32), (2, 128, 16), (3, 64, 7), (8, 128, 4), (16, 128, 2)])
 def test_merging_kernel_lowers_for_sm90(t, h, splits):
-  """The producer's merge (raw PTX) lowers: per row, each of the 4 warps weighs ceil(S / 4) partials (one exp
-  each), stores its sums (two 32-byte vector stores), meets the others at a warpgroup barrier, and one warp
-  quantizes the row (8 paired e4m3 conversions, one 16-byte swizzled store); the wgmmas read A from SMEM."""
+  """The producer's merge (raw PTX) lowers, in the layout bmm_row_quant.merge_rounds picks: warps sharing each row
+  (each weighs ceil(S / 4) partials, one exp each; sums met behind a warpgroup barrier; one warp quantizes the
+  row: 8 paired e4m3 conversions, one 16-byte swizzled store) or a warp per row (all S partials; one quantization
+  per round of 4 rows); the wgmmas read A from SMEM."""
   k, n = 512, 128
   cfg = bmm_mod.merge_config(t, k, n, h)
   tpt = -(-h // 64)
   fn = lambda p, l, w, s: kbmm.build(t, h, k, n, True, cfg, merge=(splits, tpt))(p, l, w, s)
   low = testing.lower_for_cuda(fn, S((t * tpt, splits, 64, k), jnp.float32), S((t * tpt, splits, 64), jnp.float32),
                                S((h, n, k), FP8), S((h, k // 128, n // 128), jnp.float32), arch=(9, 0))
-  assert low.count("math.exp") == t * -(-splits // 4)
-  assert low.count(r"st\.shared\.v4\.b32") == t
-  assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 8 * t
+  shared, per_warp = bmm_row_quant.merge_rounds(t, splits)
+  if per_warp <= shared:
+    rounds = -(-t // 4)
+    assert low.count("math.exp") == rounds * splits
+  else:
+    rounds = t
+    assert low.count("math.exp") == t * -(-splits // 4)
+  assert (per_warp <= shared) == (t >= 3), (shared, per_warp)   # at these shapes
+  assert low.count(r"st\.shared\.v4\.b32") == rounds
+  assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 8 * rounds
   wgmma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \$\d+, \$\d+, p"
   assert low.count(wgmma) == low.count(r"wgmma\.mma_async") == cfg.sub_n * k // 32
 

@@ -106,15 +106,25 @@ def quantize_rows_raw(a, a8, scales, m0, h, rows: int):
 MERGE_SPLITS_PER_LOAD = 4   # split partials whose 16-byte loads a lane has in flight at once (64 registers)
 
 
+def merge_rounds(rows: int, splits: int) -> tuple[int, int]:
+  """Load rounds (MERGE_SPLITS_PER_LOAD partials in flight per lane, one L2 round trip each) of the two ways
+  :func:`merge_rows_raw` spreads a merge over the producer's 4 warps: (warps share each row, a warp per row)."""
+  per_load = MERGE_SPLITS_PER_LOAD
+  return rows * -(-(-(-splits // 4)) // per_load), -(-rows // 4) * -(-splits // per_load)
+
+
 def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per_token: int):
   """Raw Mosaic GPU body (one warpgroup): merge the split-KV partials of tokens m0 .. m0 + rows of head ``h``
   (see :func:`merge_rows`) and quantize the merged rows into ``a8`` / ``scales`` as :func:`quantize_rows_raw` does.
 
-  Per row, every warp takes the max of the row's S lse values (lane l reads splits l, l + 32, ..; a butterfly),
-  then warp w accumulates splits w, w + 4, .. in that order (MERGE_SPLITS_PER_LOAD at a time: lane l's 16 values
-  [16 l, 16 l + 16) of each, two 32-byte loads) into f32 sums; the four warps' sums and weight totals meet in
-  ``acc_smem`` ([2, 4, K + 4] f32: two rows in flight, column K the total), and after the warpgroup barrier warp
-  ``row % 4`` adds them in warp order, divides and quantizes."""
+  A row's merge: the max m of its S lse values (lane l reads splits l, l + 32, ..; a butterfly), then weights
+  exp(lse_s − m) and weighted sums of lane l's 16 values [16 l, 16 l + 16) of each partial (MERGE_SPLITS_PER_LOAD
+  partials' 32-byte loads in flight, then their sums), the total weight, a division, the row quantization. The 4
+  warps take the work in whichever way needs fewer load rounds (:func:`merge_rounds`):
+  * warps share each row (few rows, many splits): warp w sums splits w, w + 4, ..; the four warps' sums and weight
+    totals meet in ``acc_smem`` ([2, 4, K + 4] f32: two rows in flight, column K the total) behind a warpgroup
+    barrier, and warp ``row % 4`` adds them in warp order, divides and quantizes;
+  * a warp per row (rows w, w + 4, ..): the warp sums all S splits in order and quantizes; no SMEM, no barrier."""
   _, splits, tile_rows, k = ir.MemRefType(parts.type).shape
   assert k == MAX_K and 1 <= rows <= MAX_ROWS and tile_rows == 64, (k, rows, tile_rows)
   f32 = ir.F32Type.get()
@@ -122,43 +132,40 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
   _, warp, lane = thread_in_warpgroup()
   parts_base = mgpu_utils.memref_ptr(parts)
   lse_base = mgpu_utils.memref_ptr(lse)
-  acc_base = mgpu_utils.memref_ptr(acc_smem)
   a8_base = llvm.ptrtoint(i32(), mgpu_utils.memref_ptr(a8))
   sc_base = llvm.ptrtoint(i32(), mgpu_utils.memref_ptr(scales))
   ninf = arith.constant(f32, float("-inf"))
   zero = arith.constant(f32, 0.0)
-  stride = k + 4                                          # acc_smem row: K sums, then the weight total
-  for row in range(rows):
-    tile = arith.addi(arith.muli(arith.addi(m0, c32(row)), c32(tiles_per_token)), arith.divui(h, c32(64)))
-    head_row = arith.remui(h, c32(64))
-    first = arith.addi(arith.muli(tile, c32(splits * 64)), head_row)    # element (tile, split 0, head_row)
+  head_row = arith.remui(h, c32(64))
 
-    def lse_at(split):   # lse[tile, split, head_row] (split: i32 value), an f32 value
-      off = arith.muli(wide(arith.addi(first, arith.muli(split, c32(64)))), c64(4))
-      return llvm.load(f32, byte_ptr64(lse_base, off))
+  def row_start(row):   # element (tile, split 0, head_row) of token m0 + row (row: i32 value)
+    tile = arith.addi(arith.muli(arith.addi(m0, row), c32(tiles_per_token)), arith.divui(h, c32(64)))
+    return arith.addi(arith.muli(tile, c32(splits * 64)), head_row)
 
+  def lse_at(first, split):   # lse[tile, split, head_row] (split: i32 value), an f32 value
+    off = arith.muli(wide(arith.addi(first, arith.muli(split, c32(64)))), c64(4))
+    return llvm.load(f32, byte_ptr64(lse_base, off))
+
+  def row_max(first):   # m with −inf taken as 0
     m = ninf
     for j in range(-(-splits // 32)):
       s = arith.addi(lane, c32(32 * j))
       if 32 * (j + 1) > splits:   # lanes past the last split read it again (max is idempotent)
         s = arith.minui(s, c32(splits - 1))
-      m = arith.maximumf(m, lse_at(s))
+      m = arith.maximumf(m, lse_at(first, s))
     m = warp_max(m)
-    m_use = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, ninf), zero, m)
+    return arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, ninf), zero, m)
+
+  def weighted_sum(first, m_use, split_ids):   # split_ids: (i32 split, i1 valid or None) in summation order
     acc = [arith.constant(v8f, ir.DenseElementsAttr.get_splat(v8f, ir.FloatAttr.get(f32, 0.0)))] * 2
     tot = zero
-    mine = -(-splits // 4)        # splits of warp w: w + 4 j for j < mine (past the last: weight 0)
-    for j0 in range(0, mine, MERGE_SPLITS_PER_LOAD):
+    for j0 in range(0, len(split_ids), MERGE_SPLITS_PER_LOAD):
       batch = []
-      for j in range(j0, min(mine, j0 + MERGE_SPLITS_PER_LOAD)):
-        s = arith.addi(warp, c32(4 * j))
-        valid = arith.cmpi(arith.CmpIPredicate.ult, s, c32(splits)) if 4 * (j + 1) > splits else None
-        if valid is not None:
-          s = arith.select(valid, s, c32(splits - 1))
+      for s, valid in split_ids[j0:j0 + MERGE_SPLITS_PER_LOAD]:
         elem = arith.addi(arith.muli(arith.addi(first, arith.muli(s, c32(64))), c32(k)),
                           arith.muli(lane, c32(LANE_VALUES)))
-        xs = load_f32(parts_base, arith.muli(wide(elem), c64(4)), f32, LANE_VALUES)
-        batch.append((lse_at(s), xs, valid))
+        batch.append((lse_at(first, s), load_f32(parts_base, arith.muli(wide(elem), c64(4)), f32, LANE_VALUES),
+                      valid))
       for l_s, xs, valid in batch:
         w = math_dialect.exp(arith.subf(l_s, m_use))
         if valid is not None:
@@ -166,6 +173,37 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
         tot = arith.addf(tot, w)
         wv = vector.broadcast(v8f, w)
         acc = [arith.addf(a, arith.mulf(wv, x)) for a, x in zip(acc, xs)]
+    return acc, tot
+
+  def store_row(row, sums, total):   # divide and quantize into tile row ``row`` (i32 value)
+    total = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, total, zero), arith.constant(f32, 1.0), total)
+    tv = vector.broadcast(v8f, total)
+    _quantize_store([arith.divf(x, tv) for x in sums], a8_base, sc_base, row, lane)
+
+  shared, per_warp = merge_rounds(rows, splits)
+  if per_warp <= shared:
+    for j in range(-(-rows // 4)):
+      def one_row(j=j):
+        row = arith.addi(warp, c32(4 * j))
+        first = row_start(row)
+        acc, tot = weighted_sum(first, row_max(first), [(c32(s), None) for s in range(splits)])
+        store_row(row, acc, tot)
+      if 4 * (j + 1) <= rows:
+        one_row()
+      else:   # only some warps have a row in this round (warp-uniform branch)
+        when(arith.cmpi(arith.CmpIPredicate.ult, arith.addi(warp, c32(4 * j)), c32(rows)), one_row)
+    return
+
+  acc_base = mgpu_utils.memref_ptr(acc_smem)
+  stride = k + 4                                          # acc_smem row: K sums, then the weight total
+  for row in range(rows):
+    first = row_start(c32(row))
+    ids = []
+    for j in range(-(-splits // 4)):   # warp w: splits w + 4 j (past the last: weight 0)
+      s = arith.addi(warp, c32(4 * j))
+      valid = arith.cmpi(arith.CmpIPredicate.ult, s, c32(splits)) if 4 * (j + 1) > splits else None
+      ids.append((arith.select(valid, s, c32(splits - 1)) if valid is not None else s, valid))
+    acc, tot = weighted_sum(first, row_max(first), ids)
     buf = (row % 2) * 4 * stride
     mine_at = arith.muli(arith.addi(c32(buf), arith.addi(arith.muli(warp, c32(stride)),
                                                            arith.muli(lane, c32(LANE_VALUES)))), c32(4))
@@ -186,9 +224,7 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
         t_w = llvm.load(f32, byte_ptr64(acc_base, wide(c32(base + 4 * k))))
         sums = part if sums is None else [arith.addf(x, y) for x, y in zip(sums, part)]
         total = t_w if total is None else arith.addf(total, t_w)
-      total = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, total, zero), arith.constant(f32, 1.0), total)
-      tv = vector.broadcast(v8f, total)
-      _quantize_store([arith.divf(x, tv) for x in sums], a8_base, sc_base, c32(row), lane)
+      store_row(c32(row), sums, total)
 
     when(arith.cmpi(arith.CmpIPredicate.eq, warp, c32(row % 4)), finish)
 
