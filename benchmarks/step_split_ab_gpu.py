@@ -31,6 +31,7 @@ import unittest.mock
 import jax
 
 from mla_pallas import bench, bench_timing, graph
+from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
 from mla_pallas.ops import sparse_decode as sd
 
 PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
@@ -38,6 +39,9 @@ PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
     "2-tile": (0, 2),
 }
 MERGES = ("in W_UV", "XLA")   # the graph's default (W_UV's producer merges the splits) / split_partials disabled
+# and, at B1 (32 splits: 8 per producer warp), the merge with all 8 of a warp's partials in flight at once
+# (bmm_row_quant.MERGE_SPLITS_PER_LOAD 4 -> 8, the producer's registers 120 -> 168, the consumers' 192 -> 168)
+WIDE = "W_UV x8"
 
 
 @contextlib.contextmanager
@@ -47,7 +51,12 @@ def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
     stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles))
     if merge == "XLA":
       stack.enter_context(unittest.mock.patch.object(graph, "split_partials", lambda *a, **k: None))
+    if merge == WIDE:
+      stack.enter_context(unittest.mock.patch.object(bmm_row_quant, "MERGE_SPLITS_PER_LOAD", 8))
+      stack.enter_context(unittest.mock.patch.object(kbmm, "MERGE_PRODUCER_REGS", 168))
+      stack.enter_context(unittest.mock.patch.object(kbmm, "MERGE_CONSUMER_REGS", 168))
     jax.clear_caches()
+    kbmm.build.cache_clear()
     yield
 
 
@@ -78,7 +87,7 @@ def main():
       continue
     s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset=model)
     s_op = op.shape(dict(B=b, s_q=1, H=h, topk=2048, page=64, ctx=32768))
-    for merge in MERGES:
+    for merge in MERGES + ((WIDE,) if b == 1 else ()):
       with plan(*PLANS[label], merge):
         cfg = sd.default_config(h, b, 2048)
         t_step, kern = _time(step, s_step, args.iters)

@@ -117,8 +117,8 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
   """Raw Mosaic GPU body (one warpgroup): merge the split-KV partials of tokens m0 .. m0 + rows of head ``h``
   (see :func:`merge_rows`) and quantize the merged rows into ``a8`` / ``scales`` as :func:`quantize_rows_raw` does.
 
-  A row's merge: the max m of its S lse values (lane l reads splits l, l + 32, ..; a butterfly), then weights
-  exp(lse_s − m) and weighted sums of lane l's 16 values [16 l, 16 l + 16) of each partial (MERGE_SPLITS_PER_LOAD
+  A row's merge: the max m of its S lse values (lane l reads splits l, l + 32, ..; a butterfly; issued after the
+  first partials' loads, so that their L2 round trips overlap), then weights exp(lse_s − m) and weighted sums of lane l's 16 values [16 l, 16 l + 16) of each partial (MERGE_SPLITS_PER_LOAD
   partials' 32-byte loads in flight, then their sums), the total weight, a division, the row quantization. The 4
   warps take the work in whichever way needs fewer load rounds (:func:`merge_rounds`):
   * warps share each row (few rows, many splits): warp w sums splits w, w + 4, ..; the four warps' sums and weight
@@ -156,9 +156,10 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
     m = warp_max(m)
     return arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, ninf), zero, m)
 
-  def weighted_sum(first, m_use, split_ids):   # split_ids: (i32 split, i1 valid or None) in summation order
+  def weighted_sum(first, split_ids):   # split_ids: (i32 split, i1 valid or None) in summation order
     acc = [arith.constant(v8f, ir.DenseElementsAttr.get_splat(v8f, ir.FloatAttr.get(f32, 0.0)))] * 2
     tot = zero
+    m_use = None
     for j0 in range(0, len(split_ids), MERGE_SPLITS_PER_LOAD):
       batch = []
       for s, valid in split_ids[j0:j0 + MERGE_SPLITS_PER_LOAD]:
@@ -166,6 +167,8 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
                           arith.muli(lane, c32(LANE_VALUES)))
         batch.append((lse_at(first, s), load_f32(parts_base, arith.muli(wide(elem), c64(4)), f32, LANE_VALUES),
                       valid))
+      if m_use is None:   # the first partials' loads are issued before the max's: one L2 round trip less
+        m_use = row_max(first)
       for l_s, xs, valid in batch:
         w = math_dialect.exp(arith.subf(l_s, m_use))
         if valid is not None:
@@ -186,7 +189,7 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
       def one_row(j=j):
         row = arith.addi(warp, c32(4 * j))
         first = row_start(row)
-        acc, tot = weighted_sum(first, row_max(first), [(c32(s), None) for s in range(splits)])
+        acc, tot = weighted_sum(first, [(c32(s), None) for s in range(splits)])
         store_row(row, acc, tot)
       if 4 * (j + 1) <= rows:
         one_row()
@@ -203,7 +206,7 @@ def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per
       s = arith.addi(warp, c32(4 * j))
       valid = arith.cmpi(arith.CmpIPredicate.ult, s, c32(splits)) if 4 * (j + 1) > splits else None
       ids.append((arith.select(valid, s, c32(splits - 1)) if valid is not None else s, valid))
-    acc, tot = weighted_sum(first, row_max(first), ids)
+    acc, tot = weighted_sum(first, ids)
     buf = (row % 2) * 4 * stride
     mine_at = arith.muli(arith.addi(c32(buf), arith.addi(arith.muli(warp, c32(stride)),
                                                            arith.muli(lane, c32(LANE_VALUES)))), c32(4))
