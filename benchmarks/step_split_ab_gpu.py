@@ -60,8 +60,8 @@ def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
     yield
 
 
-def _time(spec, shape, iters):
-  sets = [spec.make_inputs(shape, jax.random.key(i)) for i in range(2)]
+def _time(spec, shape, iters, n_sets=2):
+  sets = [spec.make_inputs(shape, jax.random.key(i)) for i in range(n_sets)]
   fn = spec.op("mosaic", shape)
   if spec.state is not None:
     samples, kernels = bench_timing.time_cupti_state(fn, sets, spec.state, iters=iters, warmup=2)
@@ -76,6 +76,9 @@ def main():
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--batches", default="1,2,4,8")
   ap.add_argument("--two-tile", action="store_true", help="also the 2-tile plan at DeepSeek-V3.2 B1")
+  ap.add_argument("--x8", action="store_true", help="also the merge with 8 partials per load at B1")
+  ap.add_argument("--sets", type=int, default=2, help="input sets rotated (8: weights cold in HBM, as the bench "
+                  "CLI's mla_decode_step; 2: from L2)")
   args = ap.parse_args()
   step, op = bench.get_spec("mla_decode_step"), bench.get_spec("sparse_mla_decode")
   print(f"{'shape':<16} {'plan':<17} {'merge':<8} | {'step us':>8} {'op us':>8} | splits | step kernels (us)")
@@ -87,11 +90,11 @@ def main():
       continue
     s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset=model)
     s_op = op.shape(dict(B=b, s_q=1, H=h, topk=2048, page=64, ctx=32768))
-    for merge in MERGES + ((WIDE,) if b == 1 else ()):
+    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()):
       with plan(*PLANS[label], merge):
         cfg = sd.default_config(h, b, 2048)
-        t_step, kern = _time(step, s_step, args.iters)
-        t_op = _time(op, s_op, args.iters)[0] if merge == "XLA" else float("nan")
+        t_step, kern = _time(step, s_step, args.iters, args.sets)
+        t_op = _time(op, s_op, args.iters, args.sets)[0] if merge == "XLA" else float("nan")
       print(f"{model[:8]} B{b} H{h:<4} {label:<17} {merge:<8} | {t_step:8.2f} {t_op:8.2f} | {cfg.num_splits:>6} | "
             f"{kern}", flush=True)
 

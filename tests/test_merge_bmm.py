@@ -96,6 +96,14 @@ def test_bad_inputs_raise_value_error(rng):
     f(parts, lse, wt, ws, heads=128, impl="mosaic")
 
 
+def test_merge_runs_where_it_was_measured_faster():
+  """The producer merges only where it needs at most MERGE_MAX_ROUNDS load rounds (the step A/B on the H200:
+  faster at 2-4 rounds, slower at 8)."""
+  assert bmm_row_quant.merge_rounds(1, 32) == (2, 8) and bmm_row_quant.merge_rounds(8, 16) == (8, 8)
+  assert bmm_mod._merge_is_faster(1, 32) and bmm_mod._merge_is_faster(2, 16) and bmm_mod._merge_is_faster(8, 8)
+  assert bmm_mod._merge_is_faster(4, 16) and not bmm_mod._merge_is_faster(8, 16)
+
+
 def test_merge_config_and_support():
   cfg = bmm_mod.merge_config(1, 512, 128, 128)
   assert cfg.a_quant == "producer" and cfg.stages == 512 // kbmm.CHUNK

@@ -360,7 +360,21 @@ def merge_config(t: int, k: int, n: int, h: int):
   return dataclasses.replace(cfg, stages=max(cfg.stages, k // kbmm.CHUNK))
 
 
-def _merge_supported(t, h, k, n, interpret):
+MERGE_MAX_ROUNDS = 4   # the producer's merge only where it takes at most this many load rounds (merge_rounds)
+
+
+def _merge_is_faster(t: int, splits: int) -> bool:
+  """Whether merging in W_UV's producer beats the XLA merge: at most MERGE_MAX_ROUNDS load rounds
+  (kernels.bmm_row_quant.merge_rounds, the better of its two layouts). Measured in the decode step on the H200
+  (benchmarks/step_split_ab_gpu.py, W_UV's growth against the XLA merge's two launches; docs/kernels/bmm_fp8.md):
+  W_UV's growth / the merge launches saved: 2 rounds (DeepSeek-V3.2 B1, 32 splits) +1.9 / -4.5 us, B2 (16 splits)
+  +2.6 / -3.9, 4 rounds (B4 16 splits, B8 8 splits) +2.8 / -5.5 and +2.9 / -4.8 (steps -3.6 / -3.1 us); 8 rounds
+  (GLM-5 H64 B8, 16 splits) +5.0 / -5.3, the step 1.1 us slower."""
+  from mla_pallas.kernels import bmm_row_quant
+  return min(bmm_row_quant.merge_rounds(t, splits)) <= MERGE_MAX_ROUNDS
+
+
+def _merge_supported(t, h, k, n, splits, interpret):
   def check():
     from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
     if _dispatch.mosaic_arch(interpret) != "sm90" or interpret:
@@ -368,6 +382,9 @@ def _merge_supported(t, h, k, n, interpret):
                                 "mode)")
     if k != bmm_row_quant.MAX_K:
       raise NotImplementedError(f"{OP}: the in-kernel merge of split partials needs K = {bmm_row_quant.MAX_K}")
+    if not _merge_is_faster(t, splits):
+      raise NotImplementedError(f"{OP}: merging {splits} splits of {t} tokens in the producer takes more than "
+                                f"{MERGE_MAX_ROUNDS} load rounds (measured slower than the XLA merge)")
     cfg = merge_config(t, k, n, h)
     kbmm.check_shapes(t, h, k, n, cfg)
     cfg.check_smem(kbmm.smem_budget(cfg) + kbmm.merge_scratch_bytes(k), " with the merge's scratch")
@@ -444,7 +461,7 @@ def merge_quantize_and_bmm_fp8(parts, lse, w, w_scale, *, heads: int, impl: str 
   used = None
   if impl != "xla":
     try:
-      _merge_supported(t, heads, k, n, interpret)()
+      _merge_supported(t, heads, k, n, splits, interpret)()
       used = _dispatch.choose(OP, impl, interpret=interpret, supported=lambda: None, validated_on=("sm90",))
     except NotImplementedError:
       pass
