@@ -9,10 +9,12 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; the twenty-first session ran t_qpair_quick, step_ds_b1 and most of
-#   t_fences with its last 356 s of device time): t_bi_branch (the decode-branch batch-invariance cases, never
-#   finished), ab_step_split (1- vs 2-tile splits inside the DeepSeek B1 step), t_qpair (all five shapes),
-#   t_fences (the ragged prefill cases were cut), steps_b1 (GLM-5 TP8 B1 with the q pair), t_sparse, sweep_small.
+# next (the order for the next device call; state after the twenty-second session, which ran t_merge, the step
+#   A/Bs, t_bi_branch, sweep_bmm_b1, steps_b1 and the bf16 peer run for D1 / F1): t_merge (the merge in W_UV, and
+#   now W_UK's L2 prefetch of W_UV's weights compiled and run inside the graph tests), ab_prefetch (the decode
+#   steps with / without that prefetch, weights cold: issue 24's DeepSeek-V3.2 B1 bar is 0.6-1.1 us away),
+#   steps_b1, t_qpair, t_fences, t_sparse, sweep_small; then the peer kit fp8 (C0,P1,P2,P3,P4,P5,D1) and the bf16
+#   cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -89,6 +91,9 @@ ab_step_split() {   # the heads-on-M split plan and the merge in W_UV inside the
 }
 t_merge() {   # the split-KV merge in W_UV's producer (raw PTX) against the float64 merge; the graph that uses it
   run t_merge 200 $T tests/test_merge_bmm_gpu.py
+}
+ab_prefetch() {   # W_UK's L2 prefetch of W_UV's weights in the decode steps, weights cold (8 input sets)
+  run ab_prefetch 300 $PY benchmarks/step_split_ab_gpu.py --sets 8 --prefetch-ab
 }
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
@@ -171,7 +176,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_bi_branch,ab_step_split,t_qpair,t_fences,steps_b1,t_sparse,sweep_small"
+next="t_merge,ab_prefetch,steps_b1,t_qpair,t_fences,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

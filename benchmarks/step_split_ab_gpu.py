@@ -18,6 +18,11 @@ the op's XLA merge (graph.split_partials patched to None). Prediction (before an
 from L2 while the 64 KB weight tile loads, all 8 K chunks in flight); GLM-5 (H64) B1 gains ~3 µs likewise; with
 the merge in W_UV the 1-tile plan stays ahead of 2-tile (its extra partials cost no launch).
 
+Third dimension (twenty-second session, not yet run): W_UK's kernel asks for W_UV's weights in L2
+(``quantize_and_bmm_fp8(l2_prefetch=)``, the graph's default) against no prefetch (``--prefetch-ab``). Prediction:
+with cold weights (``--sets 8``) DeepSeek-V3.2 B1 25.64 → ~25.0 µs (W_UV 7.57 → ~7.0, its L2 time), W_UK unchanged
+(its own loads go first); no change with ``--sets 2`` (the weights are in L2 anyway).
+
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/step_split_ab_gpu.py [--iters 20]
 Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is faster under the other plan.
 """
@@ -31,7 +36,7 @@ import unittest.mock
 import jax
 
 from mla_pallas import bench, bench_timing, graph
-from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
+from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant, raw_mgpu
 from mla_pallas.ops import sparse_decode as sd
 
 PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
@@ -39,6 +44,7 @@ PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
     "2-tile": (0, 2),
 }
 MERGES = ("in W_UV", "XLA")   # the graph's default (W_UV's producer merges the splits) / split_partials disabled
+NO_PF = "no L2 pf"            # the default without W_UK's L2 prefetch of W_UV's weights (--prefetch-ab)
 # and, at B1 (32 splits: 8 per producer warp), the merge with all 8 of a warp's partials in flight at once
 # (bmm_row_quant.MERGE_SPLITS_PER_LOAD 4 -> 8, the producer's registers 120 -> 168, the consumers' 192 -> 168)
 WIDE = "W_UV x8"
@@ -51,6 +57,8 @@ def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
     stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles))
     if merge == "XLA":
       stack.enter_context(unittest.mock.patch.object(graph, "split_partials", lambda *a, **k: None))
+    if merge == NO_PF:
+      stack.enter_context(unittest.mock.patch.object(raw_mgpu, "l2_prefetch_slab", lambda *a, **k: None))
     if merge == WIDE:
       stack.enter_context(unittest.mock.patch.object(bmm_row_quant, "MERGE_SPLITS_PER_LOAD", 8))
       stack.enter_context(unittest.mock.patch.object(kbmm, "MERGE_PRODUCER_REGS", 168))
@@ -77,6 +85,7 @@ def main():
   ap.add_argument("--batches", default="1,2,4,8")
   ap.add_argument("--two-tile", action="store_true", help="also the 2-tile plan at DeepSeek-V3.2 B1")
   ap.add_argument("--x8", action="store_true", help="also the merge with 8 partials per load at B1")
+  ap.add_argument("--prefetch-ab", action="store_true", help="also each step without W_UK's L2 prefetch of W_UV")
   ap.add_argument("--sets", type=int, default=2, help="input sets rotated (8: weights cold in HBM, as the bench "
                   "CLI's mla_decode_step; 2: from L2)")
   args = ap.parse_args()
@@ -90,7 +99,7 @@ def main():
       continue
     s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset=model)
     s_op = op.shape(dict(B=b, s_q=1, H=h, topk=2048, page=64, ctx=32768))
-    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()):
+    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()) + ((NO_PF,) if args.prefetch_ab else ()):
       with plan(*PLANS[label], merge):
         cfg = sd.default_config(h, b, 2048)
         t_step, kern = _time(step, s_step, args.iters, args.sets)

@@ -268,9 +268,10 @@ def _bf16_bmm(a, w, per_row: bool = False):
   return mm(a)
 
 
-def _fp8_bmm(a, w, w_t, scale, impl, interpret):
-  """[T,H,K] x [H,K,N] with ``w`` (or its kernel layout ``w_t`` [H,N,K] when given: no per-call transpose)."""
-  kw = dict(impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
+def _fp8_bmm(a, w, w_t, scale, impl, interpret, l2_prefetch=None):
+  """[T,H,K] x [H,K,N] with ``w`` (or its kernel layout ``w_t`` [H,N,K] when given: no per-call transpose);
+  ``l2_prefetch``: the next product's weights, which the kernel asks into L2 while it runs (a hint)."""
+  kw = dict(impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret, l2_prefetch=l2_prefetch)
   if w_t is None:
     return quantize_and_bmm_fp8(a, w, scale, **kw)
   return quantize_and_bmm_fp8(a, w_t, scale, weight_layout="hnk", **kw)
@@ -279,8 +280,10 @@ def _fp8_bmm(a, w, w_t, scale, impl, interpret):
 def _q_absorb(weights, q_nope, fp8, impl, interpret, rec, per_row=False):
   """q_nope [T,H,nope] -> q_latent [T,H,512] bf16 (``per_row``: the bf16 product row by row, _bf16_bmm)."""
   if fp8:
-    # w_uk [H, nope, 512] is [H, K, N] for this product; w_uk_t [H, N, K] spares the per-call transpose
-    out = _fp8_bmm(q_nope, weights.w_uk, weights.w_uk_t, weights.w_uk_scale, impl, interpret)
+    # w_uk [H, nope, 512] is [H, K, N] for this product; w_uk_t [H, N, K] spares the per-call transpose. The
+    # kernel also asks for W_UV's kernel-layout weights in L2, which the step reads after the attention.
+    out = _fp8_bmm(q_nope, weights.w_uk, weights.w_uk_t, weights.w_uk_scale, impl, interpret,
+                   l2_prefetch=weights.w_uv_t)
     rec.op("q_nope @ w_uk (absorb)", "quantize_and_bmm_fp8")
     return out
   out = _bf16_bmm(q_nope, weights.w_uk, per_row)

@@ -186,3 +186,22 @@ def test_decode_graph_merges_in_w_uv_where_partials_exist(rng):
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(plain).view(np.uint16))
   run(batch_invariant=True)
   assert "merge splits + o_latent @ w_uv" not in [s["step"] for s in graph.graph_report()["steps"]]
+
+
+def test_decode_graph_prefetches_w_uv_from_w_uk(rng):
+  """The decode branch's W_UK product gets W_UV's kernel-layout weights as its ``l2_prefetch`` (a hint the kernel
+  turns into cp.async.bulk.prefetch.L2: tests/test_bmm_fp8_kernel.py), and W_UV's product none."""
+  import tests.test_graph as tg
+  cfg = tg.CFGS["glm5"]
+  w = tg._weights(rng, cfg, True)
+  pages, kv_scale, case, kw = tg._decode_case(rng, cfg, sparse=True, B=1, s_q=1)
+  seen = []
+  real = graph.quantize_and_bmm_fp8
+
+  def spy(a, w_, s, **k):
+    seen.append(None if k.get("l2_prefetch") is None else k["l2_prefetch"].shape)
+    return real(a, w_, s, **k)
+  jax.clear_caches()
+  with unittest.mock.patch.object(graph, "quantize_and_bmm_fp8", spy):
+    graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, **kw, impl="xla")
+  assert seen == [w.w_uv_t.shape, None], seen

@@ -107,7 +107,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import bmm_row_quant, common
+from mla_pallas.kernels import bmm_row_quant, common, raw_mgpu
 from mla_pallas.kernels.common import FP8, swizzled
 from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
@@ -322,13 +322,17 @@ def _quantize_rows_to_registers(a_bf, rows):
 
 
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          design: str, t: int, interpret: bool, merge, *refs):
+          design: str, t: int, interpret: bool, merge, prefetch: bool, *refs):
   """Kernel body; ``design``: "prepass" or the a_quant design that runs here (interpret mode: "smem" for
   "producer"; "registers" with its fp8 chunks staged in SMEM for the wgmmas, ``interpret``); ``merge``: None, or
   (splits, tiles_per_token) when "producer" merges split-KV partials into its rows (:func:`build`)."""
   fuse = design != "prepass"
   pq = design == "producer"
   regs = design == "registers"
+  pf_gmem = None
+  if prefetch:   # the L2 prefetch array, the last input
+    refs = list(refs)
+    pf_gmem = refs.pop(4 if merge is not None or not fuse else 3)
   if merge is not None:   # A = the merge of attention partials [T tiles, S, 64, K] f32 by their lse
     (parts_gmem, lse_gmem, w_gmem, ws_gmem, o_gmem, a8, a_sc, acc_smem, b_ring, o_smem, full, empty, a_full,
      a_empty) = refs
@@ -405,6 +409,11 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
                                     b_ring.at[slot, pl.ds(b0, B_BOX_ROWS)], full.at[slot])
       if pq_at == n_chunks:
         quantize_a(i, m0, h)
+      if pf_gmem is not None and not interpret:
+        # One tile per head asks for the head's prefetch slab, after its own loads are issued (they go first)
+        @pl.when(jnp.logical_and(n_idx == 0, m0 == 0))
+        def _():
+          raw_mgpu.l2_prefetch_slab(pf_gmem, h)
 
     # Drain: observe the consumers' last release of every slot (interpret-mode barrier rule; harmless on hardware).
     end = my_tiles * n_chunks
@@ -513,7 +522,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
 @functools.lru_cache(maxsize=64)
 def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, interpret=False,
-          merge: tuple[int, int] | None = None):
+          merge: tuple[int, int] | None = None, prefetch: bool = False):
   """Build the kernel for given shapes.
 
   Kernel arguments (``cfg.quantize_k is None``):
@@ -528,6 +537,9 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   With ``merge = (S, tiles_per_token)`` (``a_quant="producer"``, K = bmm_row_quant.MAX_K, not interpret mode: the
   merge is raw PTX): ``parts [T · tiles_per_token, S, 64, K]`` f32 and ``lse [T · tiles_per_token, S, 64]`` f32,
   split-KV attention partials that the producer merges into A's rows (bmm_row_quant.merge_rows), ``w``, ``ws``.
+  With ``prefetch``: one more input last, ``pf [H, ...]`` (any dtype, H · slab bytes a multiple of 16): the
+  producer of the first tile of each head h asks for ``pf[h]`` in L2 (``cp.async.bulk.prefetch.L2``, a hint:
+  the next kernel's weights, e.g. W_UV's after W_UK's; interpret mode skips it).
   Returns out [T, H, N] bfloat16.
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
@@ -549,7 +561,7 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   # register quantization and release of the bf16 tile, then stages the fp8 chunks in SMEM for the wgmmas
   design = "prepass" if not fuse else "smem" if interpret and cfg.a_quant == "producer" else cfg.a_quant
   body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, design, t,
-                           bool(interpret), merge)
+                           bool(interpret), merge, bool(prefetch))
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()

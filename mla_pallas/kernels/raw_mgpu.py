@@ -152,3 +152,30 @@ def when(cond, body) -> None:
   with ir.InsertionPoint(if_.then_block):
     body()
     scf.yield_([])
+
+
+L2_PREFETCH_CHUNK = 16384   # bytes per cp.async.bulk.prefetch.L2 (a multiple of 16)
+
+
+def l2_prefetch_slab(ref, index) -> None:
+  """Pallas-level (one warpgroup, thread 0 issues): ask the GPU to bring slab ``index`` of the GMEM array ``ref``
+  ([S, ...], any dtype; a slab's bytes a multiple of 16) into L2 with ``cp.async.bulk.prefetch.L2.global``, in
+  L2_PREFETCH_CHUNK pieces. A hint: nothing waits for it and no result depends on it. ``index``: int32 scalar
+  (traced)."""
+  shape = ref.shape
+  slab = int(np.prod(shape[1:])) * jnp.dtype(ref.dtype).itemsize
+  if slab % 16:
+    raise ValueError(f"l2_prefetch_slab: a slab of {shape} {ref.dtype} is {slab} bytes, not a multiple of 16")
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), SCALAR_LAYOUT))
+  def f(ctx, arr, index_fa):
+    del ctx
+    tid, _, _ = thread_in_warpgroup()
+    base = byte_ptr64(mgpu_utils.memref_ptr(arr), arith.muli(wide(scalar_value(index_fa)), c64(slab)))
+
+    def issue():
+      for off in range(0, slab, L2_PREFETCH_CHUNK):
+        asm(ir.Type.parse("!llvm.void"), [byte_ptr64(base, c64(off)), c32(min(L2_PREFETCH_CHUNK, slab - off))],
+            "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", side_effects=True)
+    when(arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)), issue)
+  f(ref, scalar_array(index))

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 from jax import lax
@@ -270,7 +271,7 @@ def _kernel_supported(a_shape, n: int, fusable: bool, interpret):
   return check
 
 
-def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
+def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=(), l2_prefetch=None):
   from mla_pallas.kernels import bmm_fp8 as kbmm
   t, h, k = a.shape
   w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
@@ -284,7 +285,8 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
     # for T > 8 only, so T < 8 (decode) launches no pad kernel.
     t8 = t if t < 8 else -(-t // 8) * 8
     a_in = a if t8 == t else jnp.pad(a, ((0, t8 - t), (0, 0), (0, 0)))
-    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret)(a_in, w_t, w_scale)
+    pf = () if l2_prefetch is None else (l2_prefetch,)
+    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret, prefetch=bool(pf))(a_in, w_t, w_scale, *pf)
   # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.
   t8 = -(-t // 8) * 8
   if act_scale == "per_token":
@@ -295,21 +297,23 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
     a8, a_s = quant.quantize_tensor_fp8(a)
     scales = a_s.reshape(1)
   a8 = jnp.pad(a8, ((0, t8 - t), (0, 0), (0, 0)))
-  kern = kbmm.build(t, h, k, n, act_scale == "per_token", cfg, interpret=interpret)
-  return kern(a8, scales, w_t, w_scale)
+  pf = () if l2_prefetch is None else (l2_prefetch,)
+  kern = kbmm.build(t, h, k, n, act_scale == "per_token", cfg, interpret=interpret, prefetch=bool(pf))
+  return kern(a8, scales, w_t, w_scale, *pf)
 
 
 @functools.partial(jax.jit, static_argnames=("act_scale", "weight_layout", "impl", "interpret", "tuning"))
-def _bmm_jit(a, w, w_scale, *, act_scale, weight_layout="hkn", impl="xla", interpret=False, tuning=()):
+def _bmm_jit(a, w, w_scale, l2_prefetch=None, *, act_scale, weight_layout="hkn", impl="xla", interpret=False,
+             tuning=()):
   """``tuning``: tuple of (field, value) overrides of the kernel's TuningConfig (:func:`default_config`; tests,
-  :func:`sweep_configs`)."""
+  :func:`sweep_configs`). ``l2_prefetch``: see :func:`quantize_and_bmm_fp8` (the XLA path ignores it)."""
   if impl == "mosaic":
-    return _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning)
+    return _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning, l2_prefetch)
   return _xla_bmm(a, w, w_scale, act_scale, weight_layout)
 
 
 def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_layout: str = "hkn",
-                         impl: str = "auto", interpret: bool = False):
+                         impl: str = "auto", interpret: bool = False, l2_prefetch=None):
   """Batched (per-head) FP8 GEMM with dynamic activation quantization.
 
   Args:
@@ -327,6 +331,10 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
       ``interpret=True``) for K % 64 == 0, K <= 2048, N % 128 == 0.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU): True, or a
       ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``).
+    l2_prefetch: optional array ``[H, ...]`` (any dtype; each ``[h]`` slab a multiple of 16 bytes) that the
+      kernel asks the GPU to bring into L2 while it runs, slab h from the first tile of head h: the weights of
+      the product that follows (the decode graph passes W_UV's to W_UK's product, so that W_UV reads them from
+      L2). A hint for latency only: the result never depends on it; the XLA path and interpret mode ignore it.
 
   Returns:
     [T, H, N] bfloat16: ``out[t, h] = deq(a8)[t, h] @ deq(w)[h]``, fp8 products accumulated in float32.
@@ -337,12 +345,19 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
   """
   _dispatch.check_impl(impl)
   _check_args(a, w, w_scale, act_scale, weight_layout)
+  if l2_prefetch is not None:
+    h = a.shape[1]
+    _checks.check_array("l2_prefetch", l2_prefetch, expect=f"[H = {h}, ...]")
+    slab = math.prod(l2_prefetch.shape[1:]) * jnp.dtype(l2_prefetch.dtype).itemsize
+    if l2_prefetch.ndim < 1 or l2_prefetch.shape[0] != h or slab % 16:
+      raise ValueError(f"l2_prefetch must have shape [H = {h}, ...] with a multiple of 16 bytes per head; got "
+                       f"shape {tuple(l2_prefetch.shape)} {jnp.dtype(l2_prefetch.dtype).name}")
   n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
   fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
   used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, fusable, interpret),
                           validated_on=("sm90",))
-  return _bmm_jit(a, w, w_scale, act_scale=act_scale, weight_layout=weight_layout, impl=used,
-                  interpret=interpret if used == "mosaic" else False)
+  return _bmm_jit(a, w, w_scale, l2_prefetch if used == "mosaic" else None, act_scale=act_scale,
+                  weight_layout=weight_layout, impl=used, interpret=interpret if used == "mosaic" else False)
 
 
 # ---- A from split-KV attention partials: the merge inside the kernel's producer ----------------------------------
