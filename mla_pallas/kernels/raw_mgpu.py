@@ -175,7 +175,7 @@ def l2_prefetch_slab(ref, index) -> None:
 
     def issue():
       for off in range(0, slab, L2_PREFETCH_CHUNK):
-        asm(ir.Type.parse("!llvm.void"), [byte_ptr64(base, c64(off)), c32(min(L2_PREFETCH_CHUNK, slab - off))],
-            "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", side_effects=True)
+        mgpu_utils.inline_ptx("cp.async.bulk.prefetch.L2.global [$0], $1;", byte_ptr64(base, c64(off)),
+                              c32(min(L2_PREFETCH_CHUNK, slab - off)), has_side_effects=True)
     when(arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)), issue)
   f(ref, scalar_array(index))
