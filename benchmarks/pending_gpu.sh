@@ -13,7 +13,8 @@
 #   A/Bs, t_bi_branch, sweep_bmm_b1, steps_b1 and the bf16 peer run for D1 / F1): t_merge (the merge in W_UV, and
 #   now W_UK's L2 prefetch of W_UV's weights compiled and run inside the graph tests), ab_prefetch (the decode
 #   steps with / without that prefetch, weights cold: issue 24's DeepSeek-V3.2 B1 bar is 0.6-1.1 us away),
-#   steps_b1, t_qpair, t_fences, t_sparse, sweep_small; then the peer kit fp8 (C0,P1,P2,P3,P4,P5,D1) and the bf16
+#   xla_bmm_check (the XLA bmm path's accuracy on the GPU), steps_b1, t_qpair, t_fences, t_sparse, sweep_small;
+#   then the peer kit fp8 (C0,P1,P2,P3,P4,P5,D1) and the bf16
 #   cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
@@ -91,6 +92,9 @@ ab_step_split() {   # the heads-on-M split plan and the merge in W_UV inside the
 }
 t_merge() {   # the split-KV merge in W_UV's producer (raw PTX) against the float64 merge; the graph that uses it
   run t_merge 200 $T tests/test_merge_bmm_gpu.py
+}
+xla_bmm_check() {   # the XLA path of quantize_and_bmm_fp8 failed its check at T1 K512 N128 on the H200: which axis?
+  run xla_bmm_check 120 $PY benchmarks/xla_bmm_check_gpu.py
 }
 ab_prefetch() {   # W_UK's L2 prefetch of W_UV's weights in the decode steps, weights cold (8 input sets)
   run ab_prefetch 300 $PY benchmarks/step_split_ab_gpu.py --sets 8 --prefetch-ab
@@ -176,7 +180,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_merge,ab_prefetch,steps_b1,t_qpair,t_fences,t_sparse,sweep_small"
+next="t_merge,ab_prefetch,xla_bmm_check,steps_b1,t_qpair,t_fences,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
