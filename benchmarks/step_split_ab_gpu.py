@@ -18,10 +18,11 @@ the op's XLA merge (graph.split_partials patched to None). Prediction (before an
 from L2 while the 64 KB weight tile loads, all 8 K chunks in flight); GLM-5 (H64) B1 gains ~3 µs likewise; with
 the merge in W_UV the 1-tile plan stays ahead of 2-tile (its extra partials cost no launch).
 
-Third dimension (twenty-second session, not yet run): W_UK's kernel asks for W_UV's weights in L2
-(``quantize_and_bmm_fp8(l2_prefetch=)``, the graph's default) against no prefetch (``--prefetch-ab``). Prediction:
-with cold weights (``--sets 8``) DeepSeek-V3.2 B1 25.64 → ~25.0 µs (W_UV 7.57 → ~7.0, its L2 time), W_UK unchanged
-(its own loads go first); no change with ``--sets 2`` (the weights are in L2 anyway).
+Third dimension (twenty-second session, not yet run): the cache-write kernel asks for W_UK's weights in L2 and
+W_UK's kernel for W_UV's (``l2_prefetch=`` of fused_rope_rmsnorm_quantization / quantize_and_bmm_fp8, the graph's
+default) against no prefetch (``--prefetch-ab``). Prediction: with cold weights (``--sets 8``) DeepSeek-V3.2 B1
+25.64 → ~24.5 µs (W_UV 7.57 → ~7.0 and W_UK 5.45 → ~4.9, their L2 times; the cache write +~0.1 for issuing 128
+prefetches); no change with ``--sets 2`` (the weights are in L2 anyway).
 
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/step_split_ab_gpu.py [--iters 20]
 Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is faster under the other plan.
@@ -57,8 +58,9 @@ def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
     stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles))
     if merge == "XLA":
       stack.enter_context(unittest.mock.patch.object(graph, "split_partials", lambda *a, **k: None))
-    if merge == NO_PF:
+    if merge == NO_PF:   # neither the cache write's prefetch of W_UK nor W_UK's of W_UV
       stack.enter_context(unittest.mock.patch.object(raw_mgpu, "l2_prefetch_slab", lambda *a, **k: None))
+      stack.enter_context(unittest.mock.patch.object(raw_mgpu, "l2_prefetch_slabs", lambda *a, **k: None))
     if merge == WIDE:
       stack.enter_context(unittest.mock.patch.object(bmm_row_quant, "MERGE_SPLITS_PER_LOAD", 8))
       stack.enter_context(unittest.mock.patch.object(kbmm, "MERGE_PRODUCER_REGS", 168))

@@ -316,12 +316,12 @@ def _k_up(weights, latent, fp8, impl, interpret, rec):
 
 
 def _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl, interpret,
-                 interleaved, unique_slots, rec):
+                 interleaved, unique_slots, rec, l2_prefetch=None):
   new_pages, q_rot = fused_rope_rmsnorm_quantization(
       pages, kv, q_rope, positions, cos, sin, weights.kv_norm_w, eps=cfg.rms_norm_eps, kv_scale=kv_scale,
       slots=slots, interleaved=interleaved, unique_slots=unique_slots,
       impl=_impl_for(impl, "fused_rope_rmsnorm_quantization"),
-      interpret=interpret)
+      interpret=interpret, l2_prefetch=l2_prefetch)
   rec.op(f"rmsnorm+rope+{'fp8' if pages.dtype == _FP8 else 'bf16'} cache write", "fused_rope_rmsnorm_quantization")
   return new_pages, q_rot
 
@@ -472,9 +472,10 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
   fp8 = _is_fp8(weights)
   b, s_q, h, nope = q_nope.shape
   t = b * s_q
+  # the cache-write kernel asks for W_UK's kernel-layout weights in L2 (a hint: W_UK's product runs next)
   new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE),
                                   positions.reshape(t), slots.reshape(t), cos, sin, cfg, impl, interpret,
-                                  interleaved, unique_slots, rec)
+                                  interleaved, unique_slots, rec, l2_prefetch=getattr(weights, "w_uk_t", None))
   q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
   # q as the (latent, rope) pair: kernels that quantize q themselves read both where they are (no concatenation)
   q576 = (q_lat.reshape(b, s_q, h, -1), q_rot.astype(jnp.bfloat16).reshape(b, s_q, h, D_ROPE))

@@ -20,7 +20,7 @@ import pytest
 
 import mla_pallas
 from mla_pallas import _dispatch, quant, reference, testing
-from mla_pallas.kernels import bmm_fp8 as kbmm
+from mla_pallas.kernels import bmm_fp8 as kbmm, raw_mgpu
 from mla_pallas.ops import bmm_fp8 as bmm_mod
 
 FP8 = jnp.float8_e4m3fn
@@ -427,14 +427,14 @@ def test_producer_quant_config_checks():
                                           (1, 512, 128, (("quantize_k", None),))])
 def test_l2_prefetch_lowers_once_per_head_tile(t, k, n, tuning):
   """With ``l2_prefetch`` [H, N', K'] the producer asks for slab h in L2 from the first tile of head h: one
-  ``cp.async.bulk.prefetch.L2.global`` per 16 KB of the slab (the tile loop is traced once), in every design."""
+  ``cp.async.bulk.prefetch.L2.global`` per L2_PREFETCH_CHUNK bytes of the slab (the tile loop is traced once), in every design."""
   h = 16
   S = jax.ShapeDtypeStruct
   pf = S((h, 128, 512), FP8)                                   # W_UV's kernel layout: 64 KB per head
   fn = lambda a, w, s, p: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False, tuning, p)
   low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
                                S((h, -(-k // 128), n // 128), jnp.float32), pf, arch=(9, 0))
-  assert low.count(r"cp\.async\.bulk\.prefetch\.L2\.global") == 128 * 512 // 16384
+  assert low.count(r"cp\.async\.bulk\.prefetch\.L2\.global") == -(-128 * 512 // raw_mgpu.L2_PREFETCH_CHUNK)
   plain = testing.lower_for_cuda(lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False, tuning),
                                  S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
                                  S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))

@@ -154,28 +154,51 @@ def when(cond, body) -> None:
     scf.yield_([])
 
 
-L2_PREFETCH_CHUNK = 16384   # bytes per cp.async.bulk.prefetch.L2 (a multiple of 16)
+L2_PREFETCH_CHUNK = 65536   # bytes per cp.async.bulk.prefetch.L2 (a multiple of 16)
+
+
+def _slab_bytes(ref) -> int:
+  slab = int(np.prod(ref.shape[1:])) * jnp.dtype(ref.dtype).itemsize
+  if slab % 16:
+    raise ValueError(f"l2 prefetch: a slab of {ref.shape} {ref.dtype} is {slab} bytes, not a multiple of 16")
+  return slab
+
+
+def _prefetch_raw(arr, slab: int, index) -> None:
+  """Raw: ``cp.async.bulk.prefetch.L2.global`` over slab ``index`` (i32 value) of the GMEM memref ``arr``, in
+  L2_PREFETCH_CHUNK pieces, by the calling thread."""
+  base = byte_ptr64(mgpu_utils.memref_ptr(arr), arith.muli(wide(index), c64(slab)))
+  for off in range(0, slab, L2_PREFETCH_CHUNK):
+    mgpu_utils.inline_ptx("cp.async.bulk.prefetch.L2.global [$0], $1;", byte_ptr64(base, c64(off)),
+                          c32(min(L2_PREFETCH_CHUNK, slab - off)), has_side_effects=True)
 
 
 def l2_prefetch_slab(ref, index) -> None:
   """Pallas-level (one warpgroup, thread 0 issues): ask the GPU to bring slab ``index`` of the GMEM array ``ref``
-  ([S, ...], any dtype; a slab's bytes a multiple of 16) into L2 with ``cp.async.bulk.prefetch.L2.global``, in
-  L2_PREFETCH_CHUNK pieces. A hint: nothing waits for it and no result depends on it. ``index``: int32 scalar
-  (traced)."""
-  shape = ref.shape
-  slab = int(np.prod(shape[1:])) * jnp.dtype(ref.dtype).itemsize
-  if slab % 16:
-    raise ValueError(f"l2_prefetch_slab: a slab of {shape} {ref.dtype} is {slab} bytes, not a multiple of 16")
+  ([S, ...], any dtype; a slab's bytes a multiple of 16) into L2 with ``cp.async.bulk.prefetch.L2.global``. A
+  hint: nothing waits for it and no result depends on it. ``index``: int32 scalar (traced)."""
+  slab = _slab_bytes(ref)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), SCALAR_LAYOUT))
   def f(ctx, arr, index_fa):
     del ctx
     tid, _, _ = thread_in_warpgroup()
-    base = byte_ptr64(mgpu_utils.memref_ptr(arr), arith.muli(wide(scalar_value(index_fa)), c64(slab)))
-
-    def issue():
-      for off in range(0, slab, L2_PREFETCH_CHUNK):
-        mgpu_utils.inline_ptx("cp.async.bulk.prefetch.L2.global [$0], $1;", byte_ptr64(base, c64(off)),
-                              c32(min(L2_PREFETCH_CHUNK, slab - off)), has_side_effects=True)
-    when(arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)), issue)
+    when(arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)), lambda: _prefetch_raw(arr, slab, scalar_value(index_fa)))
   f(ref, scalar_array(index))
+
+
+def l2_prefetch_slabs(ref, first, step: int) -> None:
+  """Pallas-level, one warpgroup: :func:`l2_prefetch_slab` of slabs ``first``, ``first + step``, .. of ``ref``
+  ([S, ...]) below S, one slab per thread (``first``: int32 scalar, traced, in [0, step); ``step`` static): a grid
+  of ``step`` CTAs spreads an array's prefetch over its CTAs and threads."""
+  slab, slabs = _slab_bytes(ref), ref.shape[0]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), SCALAR_LAYOUT))
+  def f(ctx, arr, first_fa):
+    del ctx
+    tid, _, _ = thread_in_warpgroup()
+    for j in range(-(-slabs // (THREADS * step))):
+      index = arith.addi(scalar_value(first_fa), arith.muli(arith.addi(tid, c32(THREADS * j)), c32(step)))
+      when(arith.cmpi(arith.CmpIPredicate.ult, index, c32(slabs)),
+           lambda index=index: _prefetch_raw(arr, slab, index))
+  f(ref, scalar_array(first))

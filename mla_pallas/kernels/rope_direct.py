@@ -56,7 +56,7 @@ from jax._src.lib.mlir.dialects import arith, llvm, math as math_dialect, scf, v
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common
+from mla_pallas.kernels import common, raw_mgpu
 from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT, THREADS, byte_ptr64, c32, c64, convert_vectors, i32
 from mla_pallas.kernels.raw_mgpu import scalar_array, scalar_value, thread_in_warpgroup, wide
 from mla_pallas.quant import FP8_MAX
@@ -508,7 +508,7 @@ def _raw_body(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, cta
 
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningConfig | None = None,
-          interleaved: bool = True, dedupe: bool = False):
+          interleaved: bool = True, dedupe: bool = False, l2_prefetch: bool = False):
   """Build the kernel for T = num_tokens tokens of H = heads query heads (any H >= 1).
 
   Kernel arguments:
@@ -522,6 +522,9 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
           last token of a duplicated slot writes it (module docstring); without, no two in-range slots may be
           equal, e.g. the op's sanitised slots); pages ref [num_slots, 576] fp8 or bf16 (aliased, written; its
           dtype selects the row encoding).
+  With ``l2_prefetch``, one more argument *first*: ``pf [S, ...]`` (any dtype, each slab a multiple of 16 bytes),
+  whose slabs the CTAs ask into L2 (slab s by CTA s mod grid, ``cp.async.bulk.prefetch.L2``; a hint: the next
+  kernel's weights, e.g. W_UK's in the decode step).
   Returns q_out [T · H, 64] bf16, and (unfused) kv_out [T, 576] bf16.
   """
   if num_tokens < 1 or heads < 1:
@@ -542,15 +545,21 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
              plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32)] if bitmap else []   # bitmap, own slots, drop flags
   n_refs = (11 if fused else 9) + len(scratch)
 
+  grid = kv_ctas + q_ctas
+
   def body(*refs):
+    pf, refs = (refs[0], refs[1:]) if l2_prefetch else (None, refs)
+
     @plgpu.inline_mgpu(arg_types=(SCALAR_LAYOUT,) + (plgpu.RefType(),) * n_refs)
     def f(ctx, cta_fa, *mrefs):
       del ctx
       _raw_body(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, scalar_value(cta_fa), mrefs)
     f(scalar_array(lax.axis_index("c")), *refs)
+    if pf is not None:   # after this CTA's own work: the hint's requests do not delay it
+      raw_mgpu.l2_prefetch_slabs(pf, lax.axis_index("c"), grid)
 
   out_type = [jax.ShapeDtypeStruct((num_tokens * heads, D_ROPE), BF16)]
   if not fused:
     out_type.append(jax.ShapeDtypeStruct((num_tokens, D_QK), BF16))
-  return plgpu.kernel(body, out_type=tuple(out_type), grid=(kv_ctas + q_ctas,), grid_names=("c",),
+  return plgpu.kernel(body, out_type=tuple(out_type), grid=(grid,), grid_names=("c",),
                       scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE))

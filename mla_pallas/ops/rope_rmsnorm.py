@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -196,8 +197,8 @@ def _dest_slots(slots, num_slots, unique_slots: bool, invalid: int):
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "tuning", "unique_slots"), donate_argnums=(0,))
-def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved,
-                  tuning=(), unique_slots=False):
+def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, l2_prefetch=None, *,
+                  interleaved, tuning=(), unique_slots=False):
   from mla_pallas.kernels import rope_direct as rd
   t, h, _ = q_rope.shape
   num_slots = pages.size // D_QK
@@ -205,9 +206,11 @@ def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_s
   in_kernel = t <= cfg.warp_scan_max_tokens or cfg.bitmap_dedupe
   # raw slots where the kernel needs no help (one writer per slot promised, or its own last-writer check)
   dest = slots if unique_slots or in_kernel else _dest_slots(slots, num_slots, False, -1)
-  kern = rd.build(t, h, num_slots, True, cfg, interleaved=interleaved, dedupe=in_kernel and t > 1 and not unique_slots)
+  kern = rd.build(t, h, num_slots, True, cfg, interleaved=interleaved, dedupe=in_kernel and t > 1 and not unique_slots,
+                  l2_prefetch=l2_prefetch is not None)
   cache = jax.new_ref(pages.reshape(num_slots, D_QK))   # mutable ref: aliased in place by the kernel
-  (q_out,) = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
+  pf = () if l2_prefetch is None else (l2_prefetch,)
+  (q_out,) = kern(*pf, kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
                   eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), dest, cache)
   return jax.freeze(cache).reshape(pages.shape), q_out.reshape(t, h, D_ROPE)
 
@@ -358,7 +361,7 @@ def _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scal
 
 def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm_weight, *, eps, kv_scale,
                                     slots, interleaved: bool = True, unique_slots: bool = False,
-                                    impl: str = "auto", interpret: bool = False):
+                                    impl: str = "auto", interpret: bool = False, l2_prefetch=None):
   """Fused MLA cache write: :func:`rope_rmsnorm`, FP8 quantization and a scatter into the paged cache.
 
   Args:
@@ -388,6 +391,10 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
       by one bf16 ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
     interpret: True (or a ``plgpu.InterpretGPUParams``): the XLA path under every impl, recorded as "xla" (the
       kernel is raw Mosaic GPU, which interpret mode cannot run; module docstring).
+    l2_prefetch: optional array ``[S, ...]`` (any dtype, each ``[s]`` slab a multiple of 16 bytes) that the kernel
+      asks the GPU to bring into L2 after its own work (``cp.async.bulk.prefetch.L2``, spread over its CTAs and
+      threads): the weights of the kernel that follows (the decode graph passes W_UK's). A hint for latency
+      only: the results never depend on it; the XLA path ignores it.
 
   Returns:
     (new_pages, q_rope_out): new_pages has pages' shape and dtype with
@@ -406,13 +413,19 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   _checks.check_array("slots", slots, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
   unique_slots = _check_bool("unique_slots", unique_slots)
+  if l2_prefetch is not None:
+    _checks.check_array("l2_prefetch", l2_prefetch, expect="[S, ...]")
+    if (l2_prefetch.ndim < 1 or l2_prefetch.shape[0] < 1
+        or math.prod(l2_prefetch.shape[1:]) * jnp.dtype(l2_prefetch.dtype).itemsize % 16):
+      raise ValueError(f"l2_prefetch must have shape [S >= 1, ...] with a multiple of 16 bytes per slab; got shape "
+                       f"{tuple(l2_prefetch.shape)} {jnp.dtype(l2_prefetch.dtype).name}")
   num_slots = pages.size // D_QK
   used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
                  _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype),
                  _VALIDATED_ON if pages.dtype == quant.FP8 else _BF16_PAGES_VALIDATED_ON)
   if used == "mosaic":
     return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
-                         jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved,
+                         jnp.asarray(kv_scale, jnp.float32), slots, l2_prefetch, interleaved=interleaved,
                          unique_slots=unique_slots)
   return _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                     jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved, unique_slots=unique_slots)
