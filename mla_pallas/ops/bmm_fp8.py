@@ -416,12 +416,10 @@ def _merged_a(parts, lse, heads):
   return o.reshape(t, -1, k)[:, :heads].astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "impl", "interpret"))
-def _merge_bmm_jit(parts, lse, w, w_scale, *, heads, impl, interpret):
+@functools.partial(jax.jit, static_argnames=("heads",))
+def _merge_bmm_jit(parts, lse, w, w_scale, *, heads):
+  """The merging kernel (sm_90; :func:`merge_quantize_and_bmm_fp8` has checked that it runs here)."""
   from mla_pallas.kernels import bmm_fp8 as kbmm
-  if impl != "mosaic":
-    return _bmm_jit(_merged_a(parts, lse, heads), w, w_scale, act_scale="per_token", weight_layout="hnk",
-                    impl=impl, interpret=interpret)
   tiles, splits, _, k = parts.shape
   t = tiles // -(-heads // 64)
   n = w.shape[1]
@@ -483,4 +481,4 @@ def merge_quantize_and_bmm_fp8(parts, lse, w, w_scale, *, heads: int, impl: str 
   if used != "mosaic":   # the unfused computation: merge, bf16, then the op's own dispatch
     return quantize_and_bmm_fp8(_merged_a(parts, lse, heads), w, w_scale, weight_layout="hnk",
                                 impl="xla" if used == "xla" else impl, interpret=interpret)
-  return _merge_bmm_jit(parts, lse, w, w_scale, heads=heads, impl="mosaic", interpret=interpret)
+  return _merge_bmm_jit(parts, lse, w, w_scale, heads=heads)
