@@ -490,20 +490,18 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
     out = merge_quantize_and_bmm_fp8(*parts, weights.w_uv_t, weights.w_uv_scale, heads=h,
                                      impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
     rec.op("merge splits + o_latent @ w_uv", "quantize_and_bmm_fp8")
-    _REPORTS[key] = dict(graph=graph, branch="decode", variant="fp8", cache_dtype=jnp.dtype(pages.dtype).name,
-                         steps=rec.steps)
-    return out.reshape(b, s_q, h, -1), new_pages
-  if indices is not None:
-    o, _ = sparse_mla_decode(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
-                             topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_decode"),
-                             interpret=interpret, batch_invariant=batch_invariant)
-    rec.op("attention (sparse top-k)", "sparse_mla_decode")
   else:
-    o, _ = dense_mla_decode(q576, new_pages, block_table, cache_seqlens, softmax_scale=cfg.softmax_scale,
-                            kv_scale=kv_scale, causal=True, impl=_impl_for(impl, "dense_mla_decode"),
-                            interpret=interpret, batch_invariant=batch_invariant)
-    rec.op("attention (dense, paged)", "dense_mla_decode")
-  out = _v_up(weights, o.reshape(t, h, D_V), fp8, impl, interpret, rec, per_row=batch_invariant)
+    if indices is not None:
+      o, _ = sparse_mla_decode(q576, new_pages, indices, softmax_scale=cfg.softmax_scale, kv_scale=kv_scale,
+                               topk_length=topk_length, impl=_impl_for(impl, "sparse_mla_decode"),
+                               interpret=interpret, batch_invariant=batch_invariant)
+      rec.op("attention (sparse top-k)", "sparse_mla_decode")
+    else:
+      o, _ = dense_mla_decode(q576, new_pages, block_table, cache_seqlens, softmax_scale=cfg.softmax_scale,
+                              kv_scale=kv_scale, causal=True, impl=_impl_for(impl, "dense_mla_decode"),
+                              interpret=interpret, batch_invariant=batch_invariant)
+      rec.op("attention (dense, paged)", "dense_mla_decode")
+    out = _v_up(weights, o.reshape(t, h, D_V), fp8, impl, interpret, rec, per_row=batch_invariant)
   _REPORTS[key] = dict(graph=graph, branch="decode", variant="fp8" if fp8 else "bf16",
                       cache_dtype=jnp.dtype(pages.dtype).name, steps=rec.steps)
   return out.reshape(b, s_q, h, -1), new_pages

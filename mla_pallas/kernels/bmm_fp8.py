@@ -336,7 +336,6 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
   if merge is not None:   # A = the merge of attention partials [T tiles, S, 64, K] f32 by their lse
     (parts_gmem, lse_gmem, w_gmem, ws_gmem, o_gmem, a8, a_sc, acc_smem, b_ring, o_smem, full, empty, a_full,
      a_empty) = refs
-    a_gmem = None
   elif fuse:   # a is bf16 [T, H, K]; no scale input
     (a_gmem, w_gmem, ws_gmem, o_gmem, *a_tiles, b_ring, o_smem, full, empty, a_full, a_empty) = refs
     if pq:       # fp8 A tiles and their row scales, written by the producer

@@ -109,8 +109,9 @@ MERGE_SPLITS_PER_LOAD = 4   # split partials whose 16-byte loads a lane has in f
 def merge_rounds(rows: int, splits: int) -> tuple[int, int]:
   """Load rounds (MERGE_SPLITS_PER_LOAD partials in flight per lane, one L2 round trip each) of the two ways
   :func:`merge_rows_raw` spreads a merge over the producer's 4 warps: (warps share each row, a warp per row)."""
-  per_load = MERGE_SPLITS_PER_LOAD
-  return rows * -(-(-(-splits // 4)) // per_load), -(-rows // 4) * -(-splits // per_load)
+  def ceil(a, b):
+    return -(-a // b)
+  return rows * ceil(ceil(splits, 4), MERGE_SPLITS_PER_LOAD), ceil(rows, 4) * ceil(splits, MERGE_SPLITS_PER_LOAD)
 
 
 def merge_rows_raw(parts, lse, a8, scales, acc_smem, m0, h, rows: int, tiles_per_token: int):

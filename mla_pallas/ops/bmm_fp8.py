@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 from jax import lax
@@ -275,6 +274,7 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=(), l
   from mla_pallas.kernels import bmm_fp8 as kbmm
   t, h, k = a.shape
   w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
+  pf = () if l2_prefetch is None else (l2_prefetch,)             # the kernel's last input, if any
   n = w_t.shape[1]
   fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
   cfg = default_config(t, k, n, h, fusable=fusable, tuning=tuning)
@@ -285,7 +285,6 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=(), l
     # for T > 8 only, so T < 8 (decode) launches no pad kernel.
     t8 = t if t < 8 else -(-t // 8) * 8
     a_in = a if t8 == t else jnp.pad(a, ((0, t8 - t), (0, 0), (0, 0)))
-    pf = () if l2_prefetch is None else (l2_prefetch,)
     return kbmm.build(t, h, k, n, True, cfg, interpret=interpret, prefetch=bool(pf))(a_in, w_t, w_scale, *pf)
   # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.
   t8 = -(-t // 8) * 8
@@ -297,7 +296,6 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=(), l
     a8, a_s = quant.quantize_tensor_fp8(a)
     scales = a_s.reshape(1)
   a8 = jnp.pad(a8, ((0, t8 - t), (0, 0), (0, 0)))
-  pf = () if l2_prefetch is None else (l2_prefetch,)
   kern = kbmm.build(t, h, k, n, act_scale == "per_token", cfg, interpret=interpret, prefetch=bool(pf))
   return kern(a8, scales, w_t, w_scale, *pf)
 
@@ -346,12 +344,7 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
   _dispatch.check_impl(impl)
   _check_args(a, w, w_scale, act_scale, weight_layout)
   if l2_prefetch is not None:
-    h = a.shape[1]
-    _checks.check_array("l2_prefetch", l2_prefetch, expect=f"[H = {h}, ...]")
-    slab = math.prod(l2_prefetch.shape[1:]) * jnp.dtype(l2_prefetch.dtype).itemsize
-    if l2_prefetch.ndim < 1 or l2_prefetch.shape[0] != h or slab % 16:
-      raise ValueError(f"l2_prefetch must have shape [H = {h}, ...] with a multiple of 16 bytes per head; got "
-                       f"shape {tuple(l2_prefetch.shape)} {jnp.dtype(l2_prefetch.dtype).name}")
+    _checks.check_l2_prefetch(l2_prefetch, heads=a.shape[1])
   n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
   fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
   used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, fusable, interpret),

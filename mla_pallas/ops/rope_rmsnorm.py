@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -414,11 +413,7 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
   _checks.check_scalar("kv_scale", kv_scale, positive=True)
   unique_slots = _check_bool("unique_slots", unique_slots)
   if l2_prefetch is not None:
-    _checks.check_array("l2_prefetch", l2_prefetch, expect="[S, ...]")
-    if (l2_prefetch.ndim < 1 or l2_prefetch.shape[0] < 1
-        or math.prod(l2_prefetch.shape[1:]) * jnp.dtype(l2_prefetch.dtype).itemsize % 16):
-      raise ValueError(f"l2_prefetch must have shape [S >= 1, ...] with a multiple of 16 bytes per slab; got shape "
-                       f"{tuple(l2_prefetch.shape)} {jnp.dtype(l2_prefetch.dtype).name}")
+    _checks.check_l2_prefetch(l2_prefetch)
   num_slots = pages.size // D_QK
   used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
                  _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype),

@@ -568,6 +568,17 @@ def _sparse_decode_jit(q, kv_flat, indices, kv_scale, topk_length, *, softmax_sc
   return _xla_sparse_decode(q, kv_flat, indices, softmax_scale, kv_scale, topk_length)
 
 
+def _checked_dispatch(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, impl, interpret):
+  """sparse_mla_decode's argument checks and impl choice: (q's parts, the flat cache [num_slots, 576], the impl)."""
+  parts = _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
+  shape = q_shape(parts)
+  kv_flat = kv_cache.reshape(-1, D_QK)
+  used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
+                          supported=_kernel_supported(shape, kv_flat.shape[0], interpret, kv_flat.dtype),
+                          validated_on=validated_on(kv_flat.dtype, shape[2]))
+  return parts, kv_flat, used
+
+
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_length=None,
                       impl: str = "auto", interpret: bool = False, batch_invariant: bool = False):
   """Sparse (DSA top-k) MLA decode attention over a paged FP8 latent cache.
@@ -600,12 +611,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk
     out [B, s_q, H, 512] bfloat16 and lse [B, s_q, H] float32 (natural log). A row with no valid index gives
     out = 0 and lse = −inf.
   """
-  parts = _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
-  shape = q_shape(parts)
-  kv_flat = kv_cache.reshape(-1, D_QK)
-  used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported(shape, kv_flat.shape[0], interpret, kv_flat.dtype),
-                          validated_on=validated_on(kv_flat.dtype, shape[2]))
+  parts, kv_flat, used = _checked_dispatch(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, impl,
+                                           interpret)
   arch = _dispatch.mosaic_arch(interpret) if used == "mosaic" else None
   return _sparse_decode_jit(parts, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
                             softmax_scale=float(softmax_scale), impl=used, interpret=interpret, arch=arch,
@@ -629,25 +636,20 @@ def split_partials(q, kv_cache, indices, *, softmax_scale, kv_scale=1.0, topk_le
   :func:`combine_splits` of the two, reshaped to [B, s_q, H, 512] and cast to bfloat16, is ``sparse_mla_decode``'s
   out.
   """
-  parts = _check_args(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, prefill=False)
-  b, s_q, h, _ = q_shape(parts)
-  kv_flat = kv_cache.reshape(-1, D_QK)
-  used = _dispatch.choose("sparse_mla_decode", impl, interpret=interpret,
-                          supported=_kernel_supported((b, s_q, h, D_QK), kv_flat.shape[0], interpret, kv_flat.dtype),
-                          validated_on=validated_on(kv_flat.dtype, h))
+  parts, kv_flat, used = _checked_dispatch(q, kv_cache, indices, topk_length, softmax_scale, kv_scale, impl,
+                                           interpret)
   if used != "mosaic" or _dispatch.mosaic_arch(interpret) != "sm90" or kv_flat.dtype != FP8:
     return None
+  b, s_q, h, _ = q_shape(parts)
   cfg = _config(h, b * s_q, indices.shape[-1], "sm90", (), jnp.dtype(kv_flat.dtype).name, False)
   if cfg.design != "sm90_heads_m" or cfg.num_splits < 2 or getattr(cfg.kernel, "schedule", None) != "twin":
     return None
   return _split_partials_jit(parts, kv_flat, indices, jnp.asarray(kv_scale, jnp.float32), topk_length,
-                             softmax_scale=float(softmax_scale), interpret=interpret)
+                             softmax_scale=float(softmax_scale), interpret=interpret, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "interpret"))
-def _split_partials_jit(parts, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, interpret):
-  b, s_q, h, _ = q_shape(parts)
-  cfg = _config(h, b * s_q, indices.shape[-1], "sm90", (), jnp.dtype(kv_flat.dtype).name, False)
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "interpret", "cfg"))
+def _split_partials_jit(parts, kv_flat, indices, kv_scale, topk_length, *, softmax_scale, interpret, cfg):
   return _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length, interpret, cfg, "sm90")
 
 
