@@ -96,8 +96,21 @@ t_merge() {   # the split-KV merge in W_UV's producer (raw PTX) against the floa
 xla_bmm_check() {   # the XLA path of quantize_and_bmm_fp8 failed its check at T1 K512 N128 on the H200: which axis?
   run xla_bmm_check 120 $PY benchmarks/xla_bmm_check_gpu.py
 }
-ab_prefetch() {   # W_UK's L2 prefetch of W_UV's weights in the decode steps, weights cold (8 input sets)
-  run ab_prefetch 300 $PY benchmarks/step_split_ab_gpu.py --sets 8 --prefetch-ab
+t_prologue() {   # W_UK's product and the cache write in one launch: bitwise the two kernels, the graph bitwise
+  run t_prologue 200 $T tests/test_prologue_gpu.py
+}
+ab_colaunch() {   # the co-launch, W_UK's prefetch of W_UV and the 2-tile plan in the decode steps, weights cold
+  run ab_colaunch 300 $PY benchmarks/step_split_ab_gpu.py --sets 8 --co-launch-ab --two-tile \
+    --batches 1,4
+}
+steps_b8() {   # the B8 decode steps (issue 24: no larger-batch row may get slower)
+  run step_deepseek_B8 120 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=8,s_q=1 "${common[@]}"
+  run step_glm5_tp8_B8 100 $B mla_decode_step --impl xla,mosaic --shape model=glm5,B=8,s_q=1,tp=8 "${common[@]}"
+  run step_deepseek_tp8_B8 100 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=8,s_q=1,tp=8 \
+    "${common[@]}"
+}
+xla_bmm_check_nox() {   # the XLA check again without excess precision
+  XLA_FLAGS=--xla_allow_excess_precision=false run xla_bmm_check_nox 100 $PY benchmarks/xla_bmm_check_gpu.py
 }
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
@@ -180,7 +193,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_merge,ab_prefetch,xla_bmm_check,steps_b1,t_qpair,t_fences,t_sparse,sweep_small"
+next="t_prologue,ab_colaunch,steps_b1,xla_bmm_check,xla_bmm_check_nox,t_fences,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

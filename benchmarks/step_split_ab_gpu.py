@@ -20,9 +20,21 @@ the merge in W_UV the 1-tile plan stays ahead of 2-tile (its extra partials cost
 
 Third dimension (twenty-second session, not yet run): the cache-write kernel asks for W_UK's weights in L2 and
 W_UK's kernel for W_UV's (``l2_prefetch=`` of fused_rope_rmsnorm_quantization / quantize_and_bmm_fp8, the graph's
-default) against no prefetch (``--prefetch-ab``). Prediction: with cold weights (``--sets 8``) DeepSeek-V3.2 B1
+default then) against no prefetch (``--prefetch-ab``, removed with the prefetches). Prediction: with cold weights (``--sets 8``) DeepSeek-V3.2 B1
 25.64 → ~24.5 µs (W_UV 7.57 → ~7.0 and W_UK 5.45 → ~4.9, their L2 times; the cache write +~0.1 for issuing 128
 prefetches); no change with ``--sets 2`` (the weights are in L2 anyway).
+
+Result (twenty-third session): both prefetches on, the cache write's kernel went from 1.74 to 12.85 us at B1 (its
+few CTAs issue every 64 KB prefetch of W_UK's 8 MB and do not retire before they are done), so it was deleted; then
+W_UK's prefetch of W_UV made W_UK's kernel 1.6 us slower for 0.35 us less in W_UV (B1, with the co-launch below):
+deleted too (docs/kernels/bmm_fp8.md, "L2 prefetch hints"). The "no L2 pf" rows are gone with them.
+
+Fourth dimension (twenty-third session, not yet run): the cache write as extra CTAs of W_UK's launch (ops.prologue,
+the graph's default) against the two launches (``--co-launch-ab``: "2 launches" patches
+graph.cache_write_and_absorb to None). Prediction: DeepSeek-V3.2 B1 25.4 -> ~23.9 us (the cache write's 1.74 us
+kernel goes; W_UK's 5.5 us grows by < 0.2: three more CTAs on idle SMs), B2-B8 likewise -1.5; GLM-5 B1 -1.5.
+Result: B1 26.76 -> 25.20 with W_UK's prefetch on (23.88 with the co-launch and no prefetch), B4 35.58 -> 33.46,
+GLM-5 B1 23.82 -> 22.12; the 2-tile plan stays behind (B1 25.37 vs 23.88, both without prefetch).
 
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/step_split_ab_gpu.py [--iters 20]
 Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is faster under the other plan.
@@ -37,7 +49,7 @@ import unittest.mock
 import jax
 
 from mla_pallas import bench, bench_timing, graph
-from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant, raw_mgpu
+from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
 from mla_pallas.ops import sparse_decode as sd
 
 PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
@@ -45,10 +57,10 @@ PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
     "2-tile": (0, 2),
 }
 MERGES = ("in W_UV", "XLA")   # the graph's default (W_UV's producer merges the splits) / split_partials disabled
-NO_PF = "no L2 pf"            # the default without W_UK's L2 prefetch of W_UV's weights (--prefetch-ab)
 # and, at B1 (32 splits: 8 per producer warp), the merge with all 8 of a warp's partials in flight at once
 # (bmm_row_quant.MERGE_SPLITS_PER_LOAD 4 -> 8, the producer's registers 120 -> 168, the consumers' 192 -> 168)
 WIDE = "W_UV x8"
+SEP = "2 launch"             # the cache write and W_UK's product as two kernels (--co-launch-ab)
 
 
 @contextlib.contextmanager
@@ -58,9 +70,8 @@ def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
     stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles))
     if merge == "XLA":
       stack.enter_context(unittest.mock.patch.object(graph, "split_partials", lambda *a, **k: None))
-    if merge == NO_PF:   # neither the cache write's prefetch of W_UK nor W_UK's of W_UV
-      stack.enter_context(unittest.mock.patch.object(raw_mgpu, "l2_prefetch_slab", lambda *a, **k: None))
-      stack.enter_context(unittest.mock.patch.object(raw_mgpu, "l2_prefetch_slabs", lambda *a, **k: None))
+    if merge == SEP:
+      stack.enter_context(unittest.mock.patch.object(graph, "cache_write_and_absorb", lambda *a, **k: None))
     if merge == WIDE:
       stack.enter_context(unittest.mock.patch.object(bmm_row_quant, "MERGE_SPLITS_PER_LOAD", 8))
       stack.enter_context(unittest.mock.patch.object(kbmm, "MERGE_PRODUCER_REGS", 168))
@@ -87,7 +98,7 @@ def main():
   ap.add_argument("--batches", default="1,2,4,8")
   ap.add_argument("--two-tile", action="store_true", help="also the 2-tile plan at DeepSeek-V3.2 B1")
   ap.add_argument("--x8", action="store_true", help="also the merge with 8 partials per load at B1")
-  ap.add_argument("--prefetch-ab", action="store_true", help="also each step without W_UK's L2 prefetch of W_UV")
+  ap.add_argument("--co-launch-ab", action="store_true", help="also each step with the cache write as its own kernel")
   ap.add_argument("--sets", type=int, default=2, help="input sets rotated (8: weights cold in HBM, as the bench "
                   "CLI's mla_decode_step; 2: from L2)")
   args = ap.parse_args()
@@ -101,7 +112,7 @@ def main():
       continue
     s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset=model)
     s_op = op.shape(dict(B=b, s_q=1, H=h, topk=2048, page=64, ctx=32768))
-    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()) + ((NO_PF,) if args.prefetch_ab else ()):
+    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()) + ((SEP,) if args.co_launch_ab else ()):
       with plan(*PLANS[label], merge):
         cfg = sd.default_config(h, b, 2048)
         t_step, kern = _time(step, s_step, args.iters, args.sets)

@@ -115,12 +115,3 @@ def check_page_size(name: str, page_size) -> int:
   return int(page_size)
 
 
-def check_l2_prefetch(x, heads: int | None = None) -> None:
-  """Raise ValueError unless ``x`` (an ``l2_prefetch`` argument) is an array ``[S, ...]`` with S >= 1 (S = ``heads``
-  when given) and a multiple of 16 bytes per ``[s]`` slab (``cp.async.bulk.prefetch.L2`` sizes)."""
-  want = "[S >= 1, ...]" if heads is None else f"[H = {heads}, ...]"
-  check_array("l2_prefetch", x, expect=want)
-  slab = math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize
-  if x.ndim < 1 or x.shape[0] < 1 or (heads is not None and x.shape[0] != heads) or slab % 16:
-    raise ValueError(f"l2_prefetch must have shape {want} with a multiple of 16 bytes per slab; got shape "
-                     f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}")

@@ -92,6 +92,7 @@ from mla_pallas.config import MLAConfig
 from mla_pallas.ops.bmm_fp8 import merge_quantize_and_bmm_fp8, quantize_and_bmm_fp8
 from mla_pallas.ops.dense_decode import dense_mla_decode
 from mla_pallas.ops.prefill import mla_prefill
+from mla_pallas.ops.prologue import cache_write_and_absorb
 from mla_pallas.ops.rope_rmsnorm import fused_rope_rmsnorm_quantization
 from mla_pallas.ops.sparse_decode import sparse_mla_decode, sparse_mla_prefill, split_partials
 
@@ -268,10 +269,9 @@ def _bf16_bmm(a, w, per_row: bool = False):
   return mm(a)
 
 
-def _fp8_bmm(a, w, w_t, scale, impl, interpret, l2_prefetch=None):
-  """[T,H,K] x [H,K,N] with ``w`` (or its kernel layout ``w_t`` [H,N,K] when given: no per-call transpose);
-  ``l2_prefetch``: the next product's weights, which the kernel asks into L2 while it runs (a hint)."""
-  kw = dict(impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret, l2_prefetch=l2_prefetch)
+def _fp8_bmm(a, w, w_t, scale, impl, interpret):
+  """[T,H,K] x [H,K,N] with ``w`` (or its kernel layout ``w_t`` [H,N,K] when given: no per-call transpose)."""
+  kw = dict(impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
   if w_t is None:
     return quantize_and_bmm_fp8(a, w, scale, **kw)
   return quantize_and_bmm_fp8(a, w_t, scale, weight_layout="hnk", **kw)
@@ -280,10 +280,8 @@ def _fp8_bmm(a, w, w_t, scale, impl, interpret, l2_prefetch=None):
 def _q_absorb(weights, q_nope, fp8, impl, interpret, rec, per_row=False):
   """q_nope [T,H,nope] -> q_latent [T,H,512] bf16 (``per_row``: the bf16 product row by row, _bf16_bmm)."""
   if fp8:
-    # w_uk [H, nope, 512] is [H, K, N] for this product; w_uk_t [H, N, K] spares the per-call transpose. The
-    # kernel also asks for W_UV's kernel-layout weights in L2, which the step reads after the attention.
-    out = _fp8_bmm(q_nope, weights.w_uk, weights.w_uk_t, weights.w_uk_scale, impl, interpret,
-                   l2_prefetch=weights.w_uv_t)
+    # w_uk [H, nope, 512] is [H, K, N] for this product; w_uk_t [H, N, K] spares the per-call transpose
+    out = _fp8_bmm(q_nope, weights.w_uk, weights.w_uk_t, weights.w_uk_scale, impl, interpret)
     rec.op("q_nope @ w_uk (absorb)", "quantize_and_bmm_fp8")
     return out
   out = _bf16_bmm(q_nope, weights.w_uk, per_row)
@@ -315,14 +313,18 @@ def _k_up(weights, latent, fp8, impl, interpret, rec):
   return out
 
 
+def _cache_kind(pages):
+  return "fp8" if pages.dtype == _FP8 else "bf16"
+
+
 def _cache_write(weights, pages, kv_scale, kv, q_rope, positions, slots, cos, sin, cfg, impl, interpret,
-                 interleaved, unique_slots, rec, l2_prefetch=None):
+                 interleaved, unique_slots, rec):
   new_pages, q_rot = fused_rope_rmsnorm_quantization(
       pages, kv, q_rope, positions, cos, sin, weights.kv_norm_w, eps=cfg.rms_norm_eps, kv_scale=kv_scale,
       slots=slots, interleaved=interleaved, unique_slots=unique_slots,
       impl=_impl_for(impl, "fused_rope_rmsnorm_quantization"),
-      interpret=interpret, l2_prefetch=l2_prefetch)
-  rec.op(f"rmsnorm+rope+{'fp8' if pages.dtype == _FP8 else 'bf16'} cache write", "fused_rope_rmsnorm_quantization")
+      interpret=interpret)
+  rec.op(f"rmsnorm+rope+{_cache_kind(pages)} cache write", "fused_rope_rmsnorm_quantization")
   return new_pages, q_rot
 
 
@@ -472,11 +474,24 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
   fp8 = _is_fp8(weights)
   b, s_q, h, nope = q_nope.shape
   t = b * s_q
-  # the cache-write kernel asks for W_UK's kernel-layout weights in L2 (a hint: W_UK's product runs next)
-  new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE),
-                                  positions.reshape(t), slots.reshape(t), cos, sin, cfg, impl, interpret,
-                                  interleaved, unique_slots, rec, l2_prefetch=getattr(weights, "w_uk_t", None))
-  q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
+  write_args = (kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE), positions.reshape(t), slots.reshape(t))
+  both = None
+  if fp8 and weights.w_uk_t is not None:
+    # W_UK's product and the cache write in one launch where both run their kernels (ops.prologue)
+    kv_t, q_rope_t, positions_t, slots_t = write_args
+    both = cache_write_and_absorb(
+        pages, kv_t, q_rope_t, positions_t, cos, sin, weights.kv_norm_w, q_nope.reshape(t, h, nope), weights.w_uk_t,
+        weights.w_uk_scale, eps=cfg.rms_norm_eps, kv_scale=kv_scale, slots=slots_t, interleaved=interleaved,
+        unique_slots=unique_slots, write_impl=_impl_for(impl, "fused_rope_rmsnorm_quantization"),
+        absorb_impl=_impl_for(impl, "quantize_and_bmm_fp8"), interpret=interpret)
+  if both is not None:
+    new_pages, q_rot, q_lat = both
+    rec.op(f"rmsnorm+rope+{_cache_kind(pages)} cache write (in W_UK's launch)", "fused_rope_rmsnorm_quantization")
+    rec.op("q_nope @ w_uk (absorb)", "quantize_and_bmm_fp8")
+  else:
+    new_pages, q_rot = _cache_write(weights, pages, kv_scale, *write_args, cos, sin, cfg, impl, interpret,
+                                    interleaved, unique_slots, rec)
+    q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
   # q as the (latent, rope) pair: kernels that quantize q themselves read both where they are (no concatenation)
   q576 = (q_lat.reshape(b, s_q, h, -1), q_rot.astype(jnp.bfloat16).reshape(b, s_q, h, D_ROPE))
   parts = None

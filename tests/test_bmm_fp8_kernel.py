@@ -20,7 +20,7 @@ import pytest
 
 import mla_pallas
 from mla_pallas import _dispatch, quant, reference, testing
-from mla_pallas.kernels import bmm_fp8 as kbmm, raw_mgpu
+from mla_pallas.kernels import bmm_fp8 as kbmm
 from mla_pallas.ops import bmm_fp8 as bmm_mod
 
 FP8 = jnp.float8_e4m3fn
@@ -421,38 +421,3 @@ def test_producer_quant_config_checks():
     kbmm.check_shapes(17, 128, 512, 128, kbmm.TuningConfig(quantize_k=512, a_quant="producer", tile_n=64))
 
 
-# ---- l2_prefetch: the next product's weights asked into L2 (a hint) ----------------------------------------------
-
-@pytest.mark.parametrize("t,k,n,tuning", [(1, 128, 512, ()), (70, 128, 512, ()), (300, 192, 512, ()),
-                                          (1, 512, 128, (("quantize_k", None),))])
-def test_l2_prefetch_lowers_once_per_head_tile(t, k, n, tuning):
-  """With ``l2_prefetch`` [H, N', K'] the producer asks for slab h in L2 from the first tile of head h: one
-  ``cp.async.bulk.prefetch.L2.global`` per L2_PREFETCH_CHUNK bytes of the slab (the tile loop is traced once), in every design."""
-  h = 16
-  S = jax.ShapeDtypeStruct
-  pf = S((h, 128, 512), FP8)                                   # W_UV's kernel layout: 64 KB per head
-  fn = lambda a, w, s, p: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False, tuning, p)
-  low = testing.lower_for_cuda(fn, S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
-                               S((h, -(-k // 128), n // 128), jnp.float32), pf, arch=(9, 0))
-  assert low.count(r"cp\.async\.bulk\.prefetch\.L2\.global") == -(-128 * 512 // raw_mgpu.L2_PREFETCH_CHUNK)
-  plain = testing.lower_for_cuda(lambda a, w, s: bmm_mod._mosaic_bmm(a, w, s, "per_token", "hnk", False, tuning),
-                                 S((t, h, k), jnp.bfloat16), S((h, n, k), FP8),
-                                 S((h, -(-k // 128), n // 128), jnp.float32), arch=(9, 0))
-  assert plain.count(r"cp\.async\.bulk\.prefetch") == 0
-
-
-def test_l2_prefetch_changes_no_bits_and_is_checked(rng):
-  """The prefetch is a hint: interpret mode skips it and the XLA path ignores it, so outputs are bitwise those
-  without it; a prefetch array whose leading dim is not H (or whose slab is not a multiple of 16 bytes) raises."""
-  a, w8, ws = make_inputs(rng, 3, 4, 128, 256)
-  wt = bmm_mod.prepare_weight(w8)
-  pf = jnp.zeros((4, 128, 512), FP8)
-  for impl, interpret in (("mosaic", True), ("xla", False)):
-    with_pf = mla_pallas.quantize_and_bmm_fp8(a, wt, ws, weight_layout="hnk", impl=impl, interpret=interpret,
-                                              l2_prefetch=pf)
-    plain = mla_pallas.quantize_and_bmm_fp8(a, wt, ws, weight_layout="hnk", impl=impl, interpret=interpret)
-    np.testing.assert_array_equal(np.asarray(with_pf).view(np.uint16), np.asarray(plain).view(np.uint16))
-  with pytest.raises(ValueError, match="l2_prefetch"):
-    mla_pallas.quantize_and_bmm_fp8(a, wt, ws, weight_layout="hnk", l2_prefetch=jnp.zeros((8, 128, 512), FP8))
-  with pytest.raises(ValueError, match="l2_prefetch"):
-    mla_pallas.quantize_and_bmm_fp8(a, wt, ws, weight_layout="hnk", l2_prefetch=jnp.zeros((4, 3), FP8))

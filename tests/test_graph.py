@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_pallas import cache as mcache, graph, quant, reference, testing
+from mla_pallas import cache as mcache, graph, quant, testing
 from mla_pallas.config import deepseek_v32, glm5
 
 FP8 = jnp.float8_e4m3fn

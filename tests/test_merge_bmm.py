@@ -188,29 +188,3 @@ def test_decode_graph_merges_in_w_uv_where_partials_exist(rng):
   assert "merge splits + o_latent @ w_uv" not in [s["step"] for s in graph.graph_report()["steps"]]
 
 
-def test_decode_graph_prefetches_w_uv_from_w_uk(rng):
-  """The decode branch's cache write gets W_UK's kernel-layout weights as its ``l2_prefetch`` and the W_UK product
-  W_UV's (hints the kernels turn into cp.async.bulk.prefetch.L2: tests/test_rope_direct_kernel.py,
-  tests/test_bmm_fp8_kernel.py); W_UV's product gets none."""
-  import tests.test_graph as tg
-  cfg = tg.CFGS["glm5"]
-  w = tg._weights(rng, cfg, True)
-  pages, kv_scale, case, kw = tg._decode_case(rng, cfg, sparse=True, B=1, s_q=1)
-  seen = []
-  real = graph.quantize_and_bmm_fp8
-
-  def spy(a, w_, s, **k):
-    seen.append(None if k.get("l2_prefetch") is None else k["l2_prefetch"].shape)
-    return real(a, w_, s, **k)
-  rope_seen = []
-  real_rope = graph.fused_rope_rmsnorm_quantization
-
-  def rope_spy(*a, **k):
-    rope_seen.append(None if k.get("l2_prefetch") is None else k["l2_prefetch"].shape)
-    return real_rope(*a, **k)
-  jax.clear_caches()
-  with unittest.mock.patch.object(graph, "quantize_and_bmm_fp8", spy), \
-       unittest.mock.patch.object(graph, "fused_rope_rmsnorm_quantization", rope_spy):
-    graph.mla_decode_branch_fp8(w, pages, kv_scale, **case, cfg=cfg, **kw, impl="xla")
-  assert seen == [w.w_uv_t.shape, None], seen
-  assert rope_seen == [w.w_uk_t.shape], rope_seen   # the cache write asks for W_UK's weights

@@ -10,7 +10,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from mla_pallas import testing
@@ -248,38 +247,3 @@ def test_op_lowers_at_i64_size():
   assert low.hlo.count("stablehlo.custom_call") == 1 and "output_operand_aliases" in low.hlo
   assert low.mosaic[0].count("llvm.atomicrmw _or") == 1
   assert _item_index_ops(low, "i64")["compare"] == rd.TuningConfig().items_per_thread
-
-
-@pytest.mark.parametrize("t,h,slabs", [(1, 128, 128), (8, 16, 16), (3000, 16, 128)])
-def test_l2_prefetch_after_the_work(t, h, slabs):
-  """``l2_prefetch`` (the decode graph passes W_UK's kernel-layout weights, [H, 512, nope] fp8): after its own work
-  each CTA asks for slabs cta, cta + grid, .. into L2, one slab per thread (cp.async.bulk.prefetch.L2 per 64 KB
-  piece); the rest of the kernel is as without it (the same stores)."""
-  common_args = [S((t, 576), jnp.bfloat16), S((t, h, 64), jnp.bfloat16), S((t,), jnp.int32),
-                 S((4096, 32), jnp.float32), S((4096, 32), jnp.float32), S((512,), jnp.bfloat16), S((), jnp.float32)]
-  pf = S((slabs, 512, 128), FP8)
-  fn = lambda pages, *a: op._fused_mosaic(pages, *a, interleaved=True)  # noqa: E731
-  base = testing.lower_for_cuda(fn, S((100, 64, 576), FP8), *common_args, S((), jnp.float32), S((t,), jnp.int32),
-                                arch=(9, 0))
-  with_pf = testing.lower_for_cuda(fn, S((100, 64, 576), FP8), *common_args, S((), jnp.float32), S((t,), jnp.int32),
-                                   pf, arch=(9, 0))
-  cfg = op._config(t, h, True, ())
-  grid = sum(rd.grid_for(cfg, t, h, rd.uses_bitmap(cfg, True, t, t > 1)))
-  per_cta = -(-slabs // (128 * grid))
-  assert with_pf.count(r"cp\.async\.bulk\.prefetch\.L2\.global") == per_cta * -(-512 * 128 // 65536)
-  assert base.count(r"cp\.async\.bulk\.prefetch") == 0
-  assert with_pf.count(r"llvm\.store") == base.count(r"llvm\.store")
-  assert 0 <= with_pf.count(r"llvm\.load") - base.count(r"llvm\.load") <= 2   # the wrapper's own scalar
-
-
-def test_l2_prefetch_is_checked_and_ignored_by_xla(rng):
-  from tests._rope_inputs import make_case
-  case = make_case(rng, 3, 4)
-  run = lambda **k: op.fused_rope_rmsnorm_quantization(  # noqa: E731
-      jnp.asarray(case.pages), case.kv, case.q_rope, case.positions, case.cos, case.sin, case.w, eps=case.eps,
-      kv_scale=case.kv_scale, slots=case.slots, impl="xla", **k)
-  out, plain = run(l2_prefetch=jnp.zeros((4, 512, 128), FP8)), run()
-  for x, y in zip(out, plain):
-    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-  with pytest.raises(ValueError, match="l2_prefetch"):
-    run(l2_prefetch=jnp.zeros((4, 3), FP8))

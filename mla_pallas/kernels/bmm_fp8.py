@@ -107,7 +107,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import bmm_row_quant, common, raw_mgpu
+from mla_pallas.kernels import bmm_row_quant, common
 from mla_pallas.kernels.common import FP8, swizzled
 from mla_pallas.quant import FP8_MAX, _INV_FP8_MAX
 
@@ -321,18 +321,34 @@ def _quantize_rows_to_registers(a_bf, rows):
   return chunks, scale
 
 
+def _body_with_side(side, n_inputs: int, grid: int, body, *refs):
+  """CTAs below ``grid`` run ``body`` (the product) on their refs; the ``side.ctas`` CTAs after them run
+  ``side.run`` in warpgroup 0 on the side's refs (:func:`build`'s ``side``). ``refs``: the product's
+  ``n_inputs`` inputs, the side's inputs, the product's output, the side's outputs, the scratch."""
+  refs = list(refs)
+  n_side_in, n_side_out = side.N_INPUTS, len(side.out_types())
+  out_at = n_inputs + n_side_in
+  side_refs = refs[n_inputs:out_at] + refs[out_at + 1:out_at + 1 + n_side_out]
+  own = refs[:n_inputs] + [refs[out_at]] + refs[out_at + 1 + n_side_out:]
+  pid = lax.axis_index("cta")
+
+  @pl.when(pid < grid)
+  def _():
+    body(*own)
+
+  @pl.when(jnp.logical_and(pid >= grid, lax.axis_index("wg") == 0))
+  def _():
+    side.run(pid - grid, side_refs)
+
+
 def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int, num_tiles: int, grid: int,
-          design: str, t: int, interpret: bool, merge, prefetch: bool, *refs):
+          design: str, t: int, interpret: bool, merge, *refs):
   """Kernel body; ``design``: "prepass" or the a_quant design that runs here (interpret mode: "smem" for
   "producer"; "registers" with its fp8 chunks staged in SMEM for the wgmmas, ``interpret``); ``merge``: None, or
   (splits, tiles_per_token) when "producer" merges split-KV partials into its rows (:func:`build`)."""
   fuse = design != "prepass"
   pq = design == "producer"
   regs = design == "registers"
-  pf_gmem = None
-  if prefetch:   # the L2 prefetch array, the last input
-    refs = list(refs)
-    pf_gmem = refs.pop(4 if merge is not None or not fuse else 3)
   if merge is not None:   # A = the merge of attention partials [T tiles, S, 64, K] f32 by their lse
     (parts_gmem, lse_gmem, w_gmem, ws_gmem, o_gmem, a8, a_sc, acc_smem, b_ring, o_smem, full, empty, a_full,
      a_empty) = refs
@@ -408,11 +424,6 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
                                     b_ring.at[slot, pl.ds(b0, B_BOX_ROWS)], full.at[slot])
       if pq_at == n_chunks:
         quantize_a(i, m0, h)
-      if pf_gmem is not None and not interpret:
-        # One tile per head asks for the head's prefetch slab, after its own loads are issued (they go first)
-        @pl.when(jnp.logical_and(n_idx == 0, m0 == 0))
-        def _():
-          raw_mgpu.l2_prefetch_slab(pf_gmem, h)
 
     # Drain: observe the consumers' last release of every slot (interpret-mode barrier rule; harmless on hardware).
     end = my_tiles * n_chunks
@@ -521,7 +532,7 @@ def _body(cfg: TuningConfig, k: int, per_token: bool, m_tiles: int, n_tiles: int
 
 @functools.lru_cache(maxsize=64)
 def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, interpret=False,
-          merge: tuple[int, int] | None = None, prefetch: bool = False):
+          merge: tuple[int, int] | None = None, side=None):
   """Build the kernel for given shapes.
 
   Kernel arguments (``cfg.quantize_k is None``):
@@ -536,10 +547,11 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   With ``merge = (S, tiles_per_token)`` (``a_quant="producer"``, K = bmm_row_quant.MAX_K, not interpret mode: the
   merge is raw PTX): ``parts [T · tiles_per_token, S, 64, K]`` f32 and ``lse [T · tiles_per_token, S, 64]`` f32,
   split-KV attention partials that the producer merges into A's rows (bmm_row_quant.merge_rows), ``w``, ``ws``.
-  With ``prefetch``: one more input last, ``pf [H, ...]`` (any dtype, H · slab bytes a multiple of 16): the
-  producer of the first tile of each head h asks for ``pf[h]`` in L2 (``cp.async.bulk.prefetch.L2``, a hint:
-  the next kernel's weights, e.g. W_UV's after W_UK's; interpret mode skips it).
-  Returns out [T, H, N] bfloat16.
+  With ``side`` (e.g. ``kernels.rope_direct.CacheWriteCTAs``: an independent one-warpgroup job with ``side.ctas``
+  CTAs, ``side.N_INPUTS`` inputs and ``side.out_types()`` outputs, run by ``side.run(cta, refs)``): the grid gets
+  ``side.ctas`` more CTAs after the product's, whose warpgroup 0 runs the side job (the others idle); its inputs
+  follow the product's and its outputs follow ``out``. Not in interpret mode (the side jobs are raw PTX).
+  Returns out [T, H, N] bfloat16 (with ``side``: the tuple (out, *side outputs)).
   Raises NotImplementedError for shapes the kernel does not take (see :func:`check_shapes`).
   """
   check_shapes(t, h, k, n, cfg)
@@ -552,6 +564,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
                               f"interpret={bool(interpret)}")
   if merge is not None:
     cfg.check_smem(smem_budget(cfg) + merge_scratch_bytes(k), " with the merge's scratch")
+  if side is not None and interpret:
+    raise NotImplementedError("quantize_and_bmm_fp8: a side job (raw PTX) cannot run in interpret mode")
   kwargs = common.interpret_kwargs(interpret)
   m_tiles, n_tiles = -(-t // cfg.cta_m), n // cfg.cta_n
   num_tiles = m_tiles * n_tiles * h
@@ -560,7 +574,14 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
   # register quantization and release of the bf16 tile, then stages the fp8 chunks in SMEM for the wgmmas
   design = "prepass" if not fuse else "smem" if interpret and cfg.a_quant == "producer" else cfg.a_quant
   body = functools.partial(_body, cfg, k, bool(per_token), m_tiles, n_tiles, num_tiles, grid, design, t,
-                           bool(interpret), merge, bool(prefetch))
+                           bool(interpret), merge)
+  out_type = jax.ShapeDtypeStruct((t, h, n), jnp.bfloat16)
+  launch = grid
+  if side is not None:   # the product's inputs: (a | a8, as_ | parts, lse), w, ws
+    n_inputs = 3 if fuse and merge is None else 4
+    body = functools.partial(_body_with_side, side, n_inputs, grid, body)
+    out_type = (out_type, *side.out_types())
+    launch = grid + side.ctas
   # A swizzled output tile avoids 8-way bank conflicts in the register -> SMEM store, but its TMA store tiles the
   # GMEM rows by 8, which Mosaic GPU only accepts when T % 8 == 0 or T < 8; other T use a linear staging tile.
   out_transforms = swizzled(jnp.bfloat16, 128) if t % 8 == 0 or t < 8 else ()
@@ -592,8 +613,8 @@ def build(t: int, h: int, k: int, n: int, per_token: bool, cfg: TuningConfig, in
                  plgpu.Barrier(num_arrivals=2, num_barriers=cfg.a_buffers)]          # a_empty: both consumers
   return plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((t, h, n), jnp.bfloat16),
-      grid=(grid,), grid_names=("cta",),
+      out_type=out_type,
+      grid=(launch,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
       scratch_types=a_scratch + [
           plgpu.SMEM((cfg.stages, cfg.cta_n, CHUNK), FP8, transforms=swizzled(FP8, CHUNK)),   # B ring

@@ -56,7 +56,7 @@ from jax._src.lib.mlir.dialects import arith, llvm, math as math_dialect, scf, v
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, raw_mgpu
+from mla_pallas.kernels import common
 from mla_pallas.kernels.raw_mgpu import SCALAR_LAYOUT, THREADS, byte_ptr64, c32, c64, convert_vectors, i32
 from mla_pallas.kernels.raw_mgpu import scalar_array, scalar_value, thread_in_warpgroup, wide
 from mla_pallas.quant import FP8_MAX
@@ -506,9 +506,54 @@ def _raw_body(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, cta
     scf.yield_([])
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheWriteCTAs:
+  """The fused cache write (``build(fused=True)``) as extra CTAs of another kernel's launch: ``ctas`` CTAs whose
+  first warpgroup runs this kernel's body as CTA 0 .. ctas - 1 would (the host kernel's other warpgroups do
+  nothing there). ``kernels/bmm_fp8.build(side=...)`` takes it, so that the decode step's W_UK product and cache
+  write share one launch (:mod:`mla_pallas.ops.prologue`).
+
+  The host kernel passes ``N_INPUTS`` more inputs, in :func:`build`'s fused order (kv, q, positions, cos, sin, w,
+  eps, kv_scale, slots, pages ref), and returns :meth:`out_types` more outputs (q_out [T · H, 64] bf16). Only
+  modes without SMEM run this way: no bitmap duplicate check (:func:`uses_bitmap` False), else ValueError."""
+  num_tokens: int
+  heads: int
+  num_slots: int
+  cfg: TuningConfig
+  interleaved: bool = True
+  dedupe: bool = False
+
+  N_INPUTS = 10
+
+  def __post_init__(self):
+    if uses_bitmap(self.cfg, True, self.num_tokens, self.dedupe):
+      raise ValueError(f"CacheWriteCTAs: T = {self.num_tokens} needs the bitmap duplicate check (SMEM scratch); "
+                       f"it runs as its own kernel (build)")
+
+  @property
+  def ctas(self) -> int:
+    return sum(grid_for(self.cfg, self.num_tokens, self.heads))
+
+  def out_types(self):
+    return (jax.ShapeDtypeStruct((self.num_tokens * self.heads, D_ROPE), BF16),)
+
+  def run(self, cta, refs):
+    """Pallas level, in one warpgroup: CTA ``cta``'s (int32 scalar, traced) work on the 11 GMEM refs (inputs,
+    then q_out)."""
+    _run(True, self.num_tokens, self.heads, self.num_slots, self.cfg, self.interleaved, self.dedupe, cta, refs)
+
+
+def _run(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, cta, refs):
+  @plgpu.inline_mgpu(arg_types=(SCALAR_LAYOUT,) + (plgpu.RefType(),) * len(refs))
+  def f(ctx, cta_fa, *mrefs):
+    del ctx
+    _raw_body(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, scalar_value(cta_fa), mrefs)
+  f(scalar_array(cta), *refs)
+
+
 @functools.lru_cache(maxsize=64)
 def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningConfig | None = None,
-          interleaved: bool = True, dedupe: bool = False, l2_prefetch: bool = False):
+          interleaved: bool = True, dedupe: bool = False):
   """Build the kernel for T = num_tokens tokens of H = heads query heads (any H >= 1).
 
   Kernel arguments:
@@ -522,9 +567,6 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
           last token of a duplicated slot writes it (module docstring); without, no two in-range slots may be
           equal, e.g. the op's sanitised slots); pages ref [num_slots, 576] fp8 or bf16 (aliased, written; its
           dtype selects the row encoding).
-  With ``l2_prefetch``, one more argument *first*: ``pf [S, ...]`` (any dtype, each slab a multiple of 16 bytes),
-  whose slabs the CTAs ask into L2 (slab s by CTA s mod grid, ``cp.async.bulk.prefetch.L2``; a hint: the next
-  kernel's weights, e.g. W_UK's in the decode step).
   Returns q_out [T · H, 64] bf16, and (unfused) kv_out [T, 576] bf16.
   """
   if num_tokens < 1 or heads < 1:
@@ -543,20 +585,11 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
                               f"(T={num_tokens}, H={heads}, items_per_thread={cfg.items_per_thread})")
   scratch = [plgpu.SMEM(((1 << LOG_BITS) // 32,), jnp.int32), plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32),
              plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32)] if bitmap else []   # bitmap, own slots, drop flags
-  n_refs = (11 if fused else 9) + len(scratch)
 
   grid = kv_ctas + q_ctas
 
   def body(*refs):
-    pf, refs = (refs[0], refs[1:]) if l2_prefetch else (None, refs)
-
-    @plgpu.inline_mgpu(arg_types=(SCALAR_LAYOUT,) + (plgpu.RefType(),) * n_refs)
-    def f(ctx, cta_fa, *mrefs):
-      del ctx
-      _raw_body(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, scalar_value(cta_fa), mrefs)
-    f(scalar_array(lax.axis_index("c")), *refs)
-    if pf is not None:   # after this CTA's own work: the hint's requests do not delay it
-      raw_mgpu.l2_prefetch_slabs(pf, lax.axis_index("c"), grid)
+    _run(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, lax.axis_index("c"), refs)
 
   out_type = [jax.ShapeDtypeStruct((num_tokens * heads, D_ROPE), BF16)]
   if not fused:

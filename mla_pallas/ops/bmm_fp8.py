@@ -106,6 +106,10 @@ def _xla_bmm(a, w, w_scale, act_scale, weight_layout="hkn"):
     a8, a_s = quant.quantize_rows_fp8(a, axis=-1)              # [T, H, K] fp8, [T, H] f32
   else:
     a8, a_s = quant.quantize_tensor_fp8(a)                     # [] f32
+  # The barrier keeps a's e4m3 rounding: where XLA:GPU upcasts the fp8 operand rather than calling an FP8 GEMM
+  # (T = 1), its excess-precision simplification would fold f32 -> f8 -> f32 away and multiply unquantized a
+  # (rel-L2 2.6e-2 from the reference on the H200; benchmarks/xla_bmm_check_gpu.py).
+  a8 = lax.optimization_barrier(a8)
   # w_scale [H, KB, NB] -> per-column scales [H, KB, N]
   ws_cols = jnp.repeat(w_scale, BLOCK, axis=2)[:, :, :n]
   # a8 [T, H, K_kb] x w8 [H, K_kb, N]: batch H (a dim 1, w dim 0), contract K (a dim 2, w dim 1) -> [H, T, N]
@@ -270,22 +274,26 @@ def _kernel_supported(a_shape, n: int, fusable: bool, interpret):
   return check
 
 
-def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=(), l2_prefetch=None):
+def in_kernel_a(a):
+  """bf16 ``a [T, H, K]`` as the in-kernel-quantization designs read it: swizzled TMA boxes need a GMEM row count
+  below 8 or a multiple of 8, so zero rows (sliced off by the store) for T > 8 only; T < 8 (decode) launches no
+  pad kernel."""
+  t = a.shape[0]
+  t8 = t if t < 8 else -(-t // 8) * 8
+  return a if t8 == t else jnp.pad(a, ((0, t8 - t), (0, 0), (0, 0)))
+
+
+def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=()):
   from mla_pallas.kernels import bmm_fp8 as kbmm
   t, h, k = a.shape
   w_t = jnp.swapaxes(w, 1, 2) if weight_layout == "hkn" else w   # [H, N, K]; see the module doc for the cost
-  pf = () if l2_prefetch is None else (l2_prefetch,)             # the kernel's last input, if any
   n = w_t.shape[1]
   fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
   cfg = default_config(t, k, n, h, fusable=fusable, tuning=tuning)
   if cfg.quantize_k is not None:   # the kernel quantizes a (the float32 operations of quant.quantize_rows_fp8)
     if not fusable:
       raise NotImplementedError(f"{OP}: in-kernel quantization (quantize_k) needs bfloat16 a and per-token scales")
-    # Swizzled TMA boxes need a GMEM row count below 8 or a multiple of 8: zero rows (sliced off by the store)
-    # for T > 8 only, so T < 8 (decode) launches no pad kernel.
-    t8 = t if t < 8 else -(-t // 8) * 8
-    a_in = a if t8 == t else jnp.pad(a, ((0, t8 - t), (0, 0), (0, 0)))
-    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret, prefetch=bool(pf))(a_in, w_t, w_scale, *pf)
+    return kbmm.build(t, h, k, n, True, cfg, interpret=interpret)(in_kernel_a(a), w_t, w_scale)
   # Pre-pass (one fused XLA op): a quantized exactly as in the reference, zero-padded to a multiple of 8 rows.
   t8 = -(-t // 8) * 8
   if act_scale == "per_token":
@@ -296,22 +304,32 @@ def _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning=(), l
     a8, a_s = quant.quantize_tensor_fp8(a)
     scales = a_s.reshape(1)
   a8 = jnp.pad(a8, ((0, t8 - t), (0, 0), (0, 0)))
-  kern = kbmm.build(t, h, k, n, act_scale == "per_token", cfg, interpret=interpret, prefetch=bool(pf))
-  return kern(a8, scales, w_t, w_scale, *pf)
+  kern = kbmm.build(t, h, k, n, act_scale == "per_token", cfg, interpret=interpret)
+  return kern(a8, scales, w_t, w_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("act_scale", "weight_layout", "impl", "interpret", "tuning"))
-def _bmm_jit(a, w, w_scale, l2_prefetch=None, *, act_scale, weight_layout="hkn", impl="xla", interpret=False,
+def _bmm_jit(a, w, w_scale, *, act_scale, weight_layout="hkn", impl="xla", interpret=False,
              tuning=()):
   """``tuning``: tuple of (field, value) overrides of the kernel's TuningConfig (:func:`default_config`; tests,
-  :func:`sweep_configs`). ``l2_prefetch``: see :func:`quantize_and_bmm_fp8` (the XLA path ignores it)."""
+  :func:`sweep_configs`)."""
   if impl == "mosaic":
-    return _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning, l2_prefetch)
+    return _mosaic_bmm(a, w, w_scale, act_scale, weight_layout, interpret, tuning)
   return _xla_bmm(a, w, w_scale, act_scale, weight_layout)
 
 
+def checked_dispatch(a, w, w_scale, act_scale, weight_layout, impl, interpret) -> str:
+  """:func:`quantize_and_bmm_fp8`'s argument checks and its choice of path (recorded): "mosaic" or "xla"."""
+  _dispatch.check_impl(impl)
+  _check_args(a, w, w_scale, act_scale, weight_layout)
+  n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
+  fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
+  return _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, fusable, interpret),
+                          validated_on=("sm90",))
+
+
 def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_layout: str = "hkn",
-                         impl: str = "auto", interpret: bool = False, l2_prefetch=None):
+                         impl: str = "auto", interpret: bool = False):
   """Batched (per-head) FP8 GEMM with dynamic activation quantization.
 
   Args:
@@ -329,10 +347,6 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
       ``interpret=True``) for K % 64 == 0, K <= 2048, N % 128 == 0.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU): True, or a
       ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``).
-    l2_prefetch: optional array ``[H, ...]`` (any dtype; each ``[h]`` slab a multiple of 16 bytes) that the
-      kernel asks the GPU to bring into L2 while it runs, slab h from the first tile of head h: the weights of
-      the product that follows (the decode graph passes W_UV's to W_UK's product, so that W_UV reads them from
-      L2). A hint for latency only: the result never depends on it; the XLA path and interpret mode ignore it.
 
   Returns:
     [T, H, N] bfloat16: ``out[t, h] = deq(a8)[t, h] @ deq(w)[h]``, fp8 products accumulated in float32.
@@ -341,15 +355,8 @@ def quantize_and_bmm_fp8(a, w, w_scale, *, act_scale: str = "per_token", weight_
     ValueError: bad shape/dtype (the message names the argument), unknown act_scale, weight_layout or impl.
     NotImplementedError: ``impl="mosaic"`` when the kernel cannot run here or does not take these shapes.
   """
-  _dispatch.check_impl(impl)
-  _check_args(a, w, w_scale, act_scale, weight_layout)
-  if l2_prefetch is not None:
-    _checks.check_l2_prefetch(l2_prefetch, heads=a.shape[1])
-  n = w.shape[2] if weight_layout == "hkn" else w.shape[1]
-  fusable = act_scale == "per_token" and a.dtype == jnp.bfloat16
-  used = _dispatch.choose(OP, impl, interpret=interpret, supported=_kernel_supported(a.shape, n, fusable, interpret),
-                          validated_on=("sm90",))
-  return _bmm_jit(a, w, w_scale, l2_prefetch if used == "mosaic" else None, act_scale=act_scale,
+  used = checked_dispatch(a, w, w_scale, act_scale, weight_layout, impl, interpret)
+  return _bmm_jit(a, w, w_scale, act_scale=act_scale,
                   weight_layout=weight_layout, impl=used, interpret=interpret if used == "mosaic" else False)
 
 

@@ -196,8 +196,8 @@ def _dest_slots(slots, num_slots, unique_slots: bool, invalid: int):
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "tuning", "unique_slots"), donate_argnums=(0,))
-def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, l2_prefetch=None, *,
-                  interleaved, tuning=(), unique_slots=False):
+def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, *, interleaved,
+                  tuning=(), unique_slots=False):
   from mla_pallas.kernels import rope_direct as rd
   t, h, _ = q_rope.shape
   num_slots = pages.size // D_QK
@@ -205,11 +205,9 @@ def _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_s
   in_kernel = t <= cfg.warp_scan_max_tokens or cfg.bitmap_dedupe
   # raw slots where the kernel needs no help (one writer per slot promised, or its own last-writer check)
   dest = slots if unique_slots or in_kernel else _dest_slots(slots, num_slots, False, -1)
-  kern = rd.build(t, h, num_slots, True, cfg, interleaved=interleaved, dedupe=in_kernel and t > 1 and not unique_slots,
-                  l2_prefetch=l2_prefetch is not None)
+  kern = rd.build(t, h, num_slots, True, cfg, interleaved=interleaved, dedupe=in_kernel and t > 1 and not unique_slots)
   cache = jax.new_ref(pages.reshape(num_slots, D_QK))   # mutable ref: aliased in place by the kernel
-  pf = () if l2_prefetch is None else (l2_prefetch,)
-  (q_out,) = kern(*pf, kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
+  (q_out,) = kern(kv, q_rope.reshape(t * h, D_ROPE), positions, cos, sin, norm_weight,
                   eps.astype(jnp.float32).reshape(1), kv_scale.astype(jnp.float32).reshape(1), dest, cache)
   return jax.freeze(cache).reshape(pages.shape), q_out.reshape(t, h, D_ROPE)
 
@@ -358,9 +356,44 @@ def _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scal
   return flat.reshape(pages.shape), q_out
 
 
+def checked_fused_dispatch(pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots,
+                           interleaved, unique_slots, impl, interpret):
+  """:func:`fused_rope_rmsnorm_quantization`'s argument checks and its choice of path (recorded): returns
+  ("mosaic" | "xla", interleaved, unique_slots) as python values."""
+  _dispatch.check_impl(impl)
+  _checks.check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8, jnp.bfloat16),
+                      expect="[num_pages, page_size, 576] or [num_slots, 576]")
+  if pages.shape[-1] != D_QK:
+    raise ValueError("pages must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
+                     f"float8_e4m3fn or bfloat16; got shape {tuple(pages.shape)}")
+  interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
+  t = kv.shape[0]
+  _checks.check_array("slots", slots, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
+  _checks.check_scalar("kv_scale", kv_scale, positive=True)
+  unique_slots = _check_bool("unique_slots", unique_slots)
+  num_slots = pages.size // D_QK
+  used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
+                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype),
+                 _VALIDATED_ON if pages.dtype == quant.FP8 else _BF16_PAGES_VALIDATED_ON)
+  return used, interleaved, unique_slots
+
+
+def cache_write_ctas(t: int, h: int, num_slots: int, interleaved: bool, unique_slots: bool):
+  """The kernel's cache write for T tokens and H q heads as extra CTAs of another launch
+  (``kernels.rope_direct.CacheWriteCTAs``, the same work and bits as :func:`fused_rope_rmsnorm_quantization`'s
+  kernel with raw slots), or None where that kernel would need an XLA pre-pass or SMEM (the bitmap duplicate
+  check, T > its warp-scan limit)."""
+  from mla_pallas.kernels import rope_direct as rd
+  cfg = _config(t, h, True)
+  dedupe = t > 1 and not unique_slots
+  if t > cfg.warp_scan_max_tokens or rd.uses_bitmap(cfg, True, t, dedupe):
+    return None
+  return rd.CacheWriteCTAs(t, h, num_slots, cfg, bool(interleaved), dedupe)
+
+
 def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm_weight, *, eps, kv_scale,
                                     slots, interleaved: bool = True, unique_slots: bool = False,
-                                    impl: str = "auto", interpret: bool = False, l2_prefetch=None):
+                                    impl: str = "auto", interpret: bool = False):
   """Fused MLA cache write: :func:`rope_rmsnorm`, FP8 quantization and a scatter into the paged cache.
 
   Args:
@@ -390,10 +423,6 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
       by one bf16 ulp / e4m3 step in a few values (RMS summation order, FMA contraction).
     interpret: True (or a ``plgpu.InterpretGPUParams``): the XLA path under every impl, recorded as "xla" (the
       kernel is raw Mosaic GPU, which interpret mode cannot run; module docstring).
-    l2_prefetch: optional array ``[S, ...]`` (any dtype, each ``[s]`` slab a multiple of 16 bytes) that the kernel
-      asks the GPU to bring into L2 after its own work (``cp.async.bulk.prefetch.L2``, spread over its CTAs and
-      threads): the weights of the kernel that follows (the decode graph passes W_UK's). A hint for latency
-      only: the results never depend on it; the XLA path ignores it.
 
   Returns:
     (new_pages, q_rope_out): new_pages has pages' shape and dtype with
@@ -401,26 +430,12 @@ def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm
     ``row = rms_norm(kv[:, :512], norm_weight, eps) ‖ rope(kv[:, 512:], positions)`` is kept in float32 (not
     rounded to bfloat16 first); q_rope_out [T, H, 64] in q_rope's dtype = rope(q_rope, positions).
   """
-  _dispatch.check_impl(impl)
-  _checks.check_array("pages", pages, ndim=(2, 3), dtypes=(quant.FP8, jnp.bfloat16),
-                      expect="[num_pages, page_size, 576] or [num_slots, 576]")
-  if pages.shape[-1] != D_QK:
-    raise ValueError("pages must have shape [num_pages, page_size, 576] or [num_slots, 576] and dtype "
-                     f"float8_e4m3fn or bfloat16; got shape {tuple(pages.shape)}")
-  interleaved = _check_kv_rope(kv, q_rope, positions, cos, sin, norm_weight, eps, interleaved)
-  t = kv.shape[0]
-  _checks.check_array("slots", slots, ndim=1, shape=(t,), dtypes=(jnp.int32,), expect=f"[T] = [{t}]")
-  _checks.check_scalar("kv_scale", kv_scale, positive=True)
-  unique_slots = _check_bool("unique_slots", unique_slots)
-  if l2_prefetch is not None:
-    _checks.check_l2_prefetch(l2_prefetch)
-  num_slots = pages.size // D_QK
-  used = _choose("fused_rope_rmsnorm_quantization", impl, interpret,
-                 _kernel_supported("fused_rope_rmsnorm_quantization", kv, q_rope, num_slots, pages.dtype),
-                 _VALIDATED_ON if pages.dtype == quant.FP8 else _BF16_PAGES_VALIDATED_ON)
+  used, interleaved, unique_slots = checked_fused_dispatch(pages, kv, q_rope, positions, cos, sin, norm_weight, eps,
+                                                          kv_scale, slots, interleaved, unique_slots, impl,
+                                                          interpret)
   if used == "mosaic":
     return _fused_mosaic(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
-                         jnp.asarray(kv_scale, jnp.float32), slots, l2_prefetch, interleaved=interleaved,
+                         jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved,
                          unique_slots=unique_slots)
   return _fused_jit(pages, kv, q_rope, positions, cos, sin, norm_weight, jnp.asarray(eps, jnp.float32),
                     jnp.asarray(kv_scale, jnp.float32), slots, interleaved=interleaved, unique_slots=unique_slots)
