@@ -9,13 +9,12 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-second session, which ran t_merge, the step
-#   A/Bs, t_bi_branch, sweep_bmm_b1, steps_b1 and the bf16 peer run for D1 / F1): t_merge (the merge in W_UV, and
-#   now W_UK's L2 prefetch of W_UV's weights compiled and run inside the graph tests), ab_prefetch (the decode
-#   steps with / without that prefetch, weights cold: issue 24's DeepSeek-V3.2 B1 bar is 0.6-1.1 us away),
-#   xla_bmm_check (the XLA bmm path's accuracy on the GPU), steps_b1, t_qpair, t_fences, t_sparse, sweep_small;
-#   then the peer kit fp8 (C0,P1,P2,P3,P4,P5,D1) and the bf16
-#   cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
+# next (the order for the next device call; state after the twenty-third session, which ran t_merge, the step
+#   A/Bs with and without the L2 prefetches (deleted) and the co-launch (kept), t_prologue, the B1 / B8 steps,
+#   xla_bmm_check, t_qpair, t_fences): t_vt8 and sweep_vt8 (the fp8 P·V schedule written after the last call:
+#   GPU tests, then P1 / F1 against the default; if faster, the peer kit with it as the op's choice), t_bi_branch
+#   (batch invariance through the graph with the co-launch), t_sparse, sweep_small; then the peer kit fp8
+#   (C0,P1,P2,P3,P4,P5,D1) and the bf16 cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -102,6 +101,16 @@ t_prologue() {   # W_UK's product and the cache write in one launch: bitwise the
 ab_colaunch() {   # the co-launch, W_UK's prefetch of W_UV and the 2-tile plan in the decode steps, weights cold
   run ab_colaunch 300 $PY benchmarks/step_split_ab_gpu.py --sets 8 --co-launch-ab --two-tile \
     --batches 1,4
+}
+t_vt8() {   # "handoff_vt8" (fp8 P·V, P in e4m3): against the reference and "twin" (its P term), bitwise determinism
+  run t_vt8 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and handoff_vt8"
+}
+sweep_vt8() {   # "handoff_vt8" against the default at P1 (decode) and F1 (sparse prefill); the P1 rows' rel-L2 column
+                # is the accuracy trade (issue 20: <= 3.7e-2 against the bf16 rows at P1)
+  run sweep_vt8_P1 200 $B sparse_mla_decode --impl mosaic --sweep --sweep-only "schedule=handoff_vt8" \
+    --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768 "${common[@]}"
+  run sweep_vt8_F1 300 $B sparse_mla_prefill --impl mosaic --sweep --sweep-only "schedule=handoff_vt8" \
+    --shape T=4096,H=128,topk=2048,page=64,ctx=8192 "${common[@]}"
 }
 steps_b8() {   # the B8 decode steps (issue 24: no larger-batch row may get slower)
   run step_deepseek_B8 120 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=8,s_q=1 "${common[@]}"
@@ -193,7 +202,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_prologue,ab_colaunch,steps_b1,xla_bmm_check,xla_bmm_check_nox,t_fences,t_sparse,sweep_small"
+next="t_vt8,sweep_vt8,t_bi_branch,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -91,8 +91,8 @@ def test_side_job_needs_a_gpu():
     kbmm.build(1, 8, 128, 512, True, bmm_mod.default_config(1, 128, 512, 8), interpret=True, side=side)
 
 
-@pytest.mark.parametrize("t,h,launches", [(1, 128, True), (8, 128, True), (9, 128, False), (16, 8, True), (128, 8, False),
-                                          (128, 128, False)])
+@pytest.mark.parametrize("t,h,launches", [(1, 128, True), (8, 128, True), (9, 128, False), (16, 8, True),
+                                          (128, 8, False), (128, 128, False)])
 def test_launch_rule(monkeypatch, t, h, launches):
   """Where both ops would run their kernels, the pair shares a launch up to CO_LAUNCH_MAX_SIDE_CTAS cache-write CTAs
   (the measured range); above, None (two launches). Dispatch is mocked: this machine has no GPU."""

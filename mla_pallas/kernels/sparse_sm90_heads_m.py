@@ -52,6 +52,13 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
   V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
   paths).
+* "handoff_vt8": "handoff_vt" with an FP8 P·V. WG0 writes e4m3(P · P8_SCALE) into the slot ([64, 64] fp8,
+  64-byte swizzle, read as the K-major B), the Vᵀ fragments stay e4m3 (``vt_registers.block_operands8``: byte
+  transposes, no conversion), so Oᵀ takes m64n64k32 fp8 wgmmas (half the instructions of k16); 1 / P8_SCALE is
+  folded into kv_scale / l. P is rounded to e4m3 (relative 2^-4; the XLA path rounds P the same way; the error
+  model's ``p_fp8`` term) where the other schedules keep f16 P. Interpret mode runs "handoff_vt"'s stand-in on
+  the same rounded P (e4m3 values are exact in f16). Not the op's choice yet (measured by the sweep:
+  docs/kernels/sparse_decode_sm90.md).
 
 BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only)
 --------------------------------------------------------------------------------------
@@ -91,7 +98,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     total                                                200 192   (limit 232 448: one CTA per SM)
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
     "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
-    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
+    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices; "handoff_vt8": fp8 P
+    slots, − 8 192
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader: setmaxnreg moves
 registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is the most (a
@@ -117,6 +125,7 @@ LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
+P8_SCALE = 256.0     # "handoff_vt8": P (<= 1) is stored as e4m3(P · 256), so values down to 2^-17 keep a digit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +137,7 @@ class TuningConfig(common.SparseSm90Config):
   fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
   indices) fits both schedules. "twin" over an fp8 cache quantizes Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt", "handoff_vt8")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -165,15 +174,24 @@ class TuningConfig(common.SparseSm90Config):
     """P and alpha go from consumer 0 to consumer 1 through SMEM slots."""
     return self.schedule != "twin"
 
+  @property
+  def fp8_pv(self) -> bool:
+    """"handoff_vt8": P and Vᵀ in e4m3, fp8 P·V wgmmas (module docstring, "Schedules")."""
+    return self.schedule == "handoff_vt8"
+
   def v_tile(self, interpret: bool = False) -> bool:
-    """The f16 V tile exists unless "handoff_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
-    cache is bf16 (V is the K tile itself)."""
-    return (self.schedule != "handoff_vt" or interpret) and not self.bf16
+    """The f16 V tile exists unless a hand-off schedule reads Vᵀ into registers (interpret mode always upcasts) or
+    the cache is bf16 (V is the K tile itself)."""
+    return (not self.hand_off or interpret) and not self.bf16
+
+  def p_slot_dtype(self, interpret: bool = False):
+    """The P slots' dtype: e4m3 for "handoff_vt8" on hardware, f16 otherwise (bf16 over a bf16 cache)."""
+    return common.FP8 if self.fp8_pv and not interpret else jnp.bfloat16 if self.bf16 else jnp.float16
 
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
+    hand_off = (((P_BUFFERS, TILE, TILE), self.p_slot_dtype()), ((INV_SLOT + 1, TILE), jnp.float32)) \
         if self.hand_off else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
@@ -364,8 +382,18 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
+def _p_for_slot(cfg: TuningConfig, p, interpret: bool):
+  """Tile t's P as it goes into its slot: f16, or for "handoff_vt8" e4m3(P · P8_SCALE) (interpret mode: those
+  values in f16, exactly, for its f16 stand-in)."""
+  if not cfg.fp8_pv:
+    return p.astype(jnp.float16)
+  p8 = (p * P8_SCALE).astype(common.FP8)
+  return p8.astype(jnp.float16) if interpret else p8
+
+
 def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
-  """Consumer 0 hands tile t's P (f16 [64, 64]) and alpha to consumer 1 in slot pb once that slot is free."""
+  """Consumer 0 hands tile t's P ([64, 64] in the slot's dtype) and alpha to consumer 1 in slot pb once that slot
+  is free."""
   @pl.when(t >= P_BUFFERS)
   def _():
     plgpu.barrier_wait(r.p_empty.at[pb])   # WG1 is done with slot pb (tile t - 2)
@@ -376,8 +404,10 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
 
 
 def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
-  """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``), the lse,
-  the final observation of the P slots; returns kv_scale / l [64] (row layout)."""
+  """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``; with
+  "handoff_vt8" also / P8_SCALE), the lse, the final observation of the P slots; returns that [64] (row layout)."""
+  if cfg.fp8_pv:
+    kv_scale = kv_scale * (1.0 / P8_SCALE)
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
@@ -400,7 +430,7 @@ def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, ti
     s = _qk_and_upcast(k_tiles, lambda: common.stage_v16(k_tiles, r.v16, chunks=(0, 1)), r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    p16 = p.astype(jnp.float16)
+    p16 = _p_for_slot(cfg, p, True)
     _publish_p(t, pb, p16, alpha, r)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return _pv_half(acc, r.p_sw.at[pb], 0, True, r), m_new, l
@@ -440,12 +470,14 @@ def _zero_vt():
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * len(VT_BLOCKS[0])
 
 
-def _pv_vt(accs, words, pb, w: int, r: common.SparseRefs):
+def _pv_vt(cfg: TuningConfig, accs, words, pb, w: int, r: common.SparseRefs):
   """Consumer w's Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major
-  B, Vᵀ built in registers from ``words``)."""
+  B, Vᵀ built in registers from ``words``; "handoff_vt8": both e4m3)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), 2 * TILE,
-                                      blocks=VT_BLOCKS[w], p_rows=True))
+  accs = common.scale_columns(accs, alpha)
+  if cfg.fp8_pv:
+    return tuple(vt_registers.pv_wgmmas8(words, r.p_sw.at[pb], accs, blocks=VT_BLOCKS[w]))
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE, blocks=VT_BLOCKS[w], p_rows=True))
 
 
 def _store_vt(accs, w: int, tile_q, split, r: common.SparseRefs):
@@ -465,10 +497,10 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: co
     kb, pb, k_tiles = _landed(t, cfg, r)
     s = _qk_and_upcast(k_tiles, None, r)
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
-    words = vt_registers.load_v_words(k_tiles, word=0)
+    _publish_p(t, pb, _p_for_slot(cfg, p, False), alpha, r)
+    words = vt_registers.load_v_words(k_tiles, word=0, fp8=cfg.fp8_pv)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    return _pv_vt(accs, words, pb, 0, r), m_new, l
+    return _pv_vt(cfg, accs, words, pb, 0, r), m_new, l
 
   _, m0, l0 = _zero_state()
   accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (_zero_vt(), m0, l0))
@@ -483,10 +515,10 @@ def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
 
   def step(t, accs):
     kb, pb, k_tiles = _landed(t, cfg, r)
-    words = vt_registers.load_v_words(k_tiles, word=1)
+    words = vt_registers.load_v_words(k_tiles, word=1, fp8=cfg.fp8_pv)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
-    accs = _pv_vt(accs, words, pb, 1, r)
+    accs = _pv_vt(cfg, accs, words, pb, 1, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
@@ -563,8 +595,9 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
-  p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
-  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
+  p_dtype = cfg.p_slot_dtype(interp)
+  p_swizzle = TILE * jnp.dtype(p_dtype).itemsize      # one 64-key row: 128 bytes (16-bit), 64 (fp8)
+  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, p_swizzle))] \
       if (interp or hand_off) else []
   head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
