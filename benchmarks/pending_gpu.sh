@@ -102,6 +102,9 @@ ab_colaunch() {   # the co-launch, W_UK's prefetch of W_UV and the 2-tile plan i
   run ab_colaunch 300 $PY benchmarks/step_split_ab_gpu.py --sets 8 --co-launch-ab --two-tile \
     --batches 1,4
 }
+t_bmm_xla() {   # the XLA bmm path now asserted against the reference (every T, K / N pair of the test)
+  run t_bmm_xla 240 $T tests/test_bmm_fp8_kernel_gpu.py -k kernel_matches_reference
+}
 t_vt8() {   # "handoff_vt8" (fp8 P·V, P in e4m3): against the reference and "twin" (its P term), bitwise determinism
   run t_vt8 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and handoff_vt8"
 }
@@ -202,7 +205,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_vt8,sweep_vt8,t_bi_branch,t_sparse,sweep_small"
+next="t_vt8,sweep_vt8,t_bi_branch,t_bmm_xla,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
