@@ -19,7 +19,7 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    | ``no_qk`` | the five QKᵀ wgmmas of a tile (S = 0; the V upcast of "twin" still runs) |
    | ``no_softmax`` | the online softmax (P = S, alpha = 1) |
    | ``no_pv`` | the P·V wgmmas (every schedule) |
-   | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" (Vᵀ = 0) |
+   | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" / "handoff_vt8" (Vᵀ = 0) |
    | ``no_gather+no_pv`` | both |
 
 Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
@@ -95,8 +95,13 @@ def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BL
   return tuple(accs)
 
 
-def _zero_words(k_tile_ref, word=None):
-  del k_tile_ref, word
+def _pv_wgmmas8_identity(words, p_ref, accs, blocks=vt_registers.ALL_BLOCKS):
+  del words, p_ref, blocks
+  return tuple(accs)
+
+
+def _zero_words(k_tile_ref, word=None, fp8=False):
+  del k_tile_ref, word, fp8
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
 
 
@@ -105,10 +110,12 @@ ROWS = {
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
-    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
+              (vt_registers, "pv_wgmmas8"): _pv_wgmmas8_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
-                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
+                        (vt_registers, "pv_wgmmas8"): _pv_wgmmas8_identity},
 }
 
 
