@@ -68,6 +68,14 @@ fp8 bytes), and "registers" runs its register quantization and its fenced releas
 check covers them) but stores the fp8 chunks into the consumer's SMEM tile for SMEM-operand wgmmas; the register
 A operand and "producer" are checked by sm_90 lowering on the CPU and bitwise on the GPU.
 
+Another kernel's CTAs in the same launch (``build(side=...)``)
+------------------------------------------------------------
+An independent one-warpgroup job (the decode step's cache write, ``kernels.rope_direct.CacheWriteCTAs``) can run
+as ``side.ctas`` extra CTAs after the product's grid: their warpgroup 0 runs the job's body, the other two do
+nothing; they hold the product's SMEM allocation like every CTA of the launch (one CTA per SM at its budget), so
+the op keeps the job small (``ops.prologue.CO_LAUNCH_MAX_SIDE_CTAS``). No barrier or SMEM is shared with the
+product.
+
 Warpgroup roles (``num_threads=3``, Lane semantics)
 ---------------------------------------------------
 * WG2 — producer (40 registers; 56 with ``a_quant="producer"``, 120 when it merges): for every tile and K chunk (ring position g),
