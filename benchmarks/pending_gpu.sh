@@ -12,7 +12,8 @@
 # next (the order for the next device call; state after the twenty-third session, which ran t_merge, the step
 #   A/Bs with and without the L2 prefetches (deleted) and the co-launch (kept), t_prologue, the B1 / B8 steps,
 #   xla_bmm_check, t_qpair, t_fences): t_vt8 and sweep_vt8 (the fp8 P·V schedule written after the last call:
-#   GPU tests, then P1 / F1 against the default; if faster, the peer kit with it as the op's choice), t_bi_branch
+#   GPU tests, then P1 / F1 against the default; if faster, the peer kit with it in place of "handoff_vt":
+#   `SCHEDULE=handoff_vt8 CASES=P1,P5,F1,D1 OUT=$OUT/peers bash benchmarks/peers_with_schedule.sh`), t_bi_branch
 #   (batch invariance through the graph with the co-launch), t_sparse, sweep_small; then the peer kit fp8
 #   (C0,P1,P2,P3,P4,P5,D1) and the bf16 cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
