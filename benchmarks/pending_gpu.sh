@@ -116,6 +116,9 @@ sweep_vt8() {   # "handoff_vt8" against the default at P1 (decode) and F1 (spars
   run sweep_vt8_F1 300 $B sparse_mla_prefill --impl mosaic --sweep --sweep-only "schedule=handoff_vt8" \
     --shape T=4096,H=128,topk=2048,page=64,ctx=8192 "${common[@]}"
 }
+ab_colaunch_b128() {   # the co-launch at B128 (the op's rule keeps two launches there; "1 launch" lifts it)
+  run ab_colaunch_b128 240 $PY benchmarks/step_split_ab_gpu.py --sets 4 --co-launch-ab --batches 128
+}
 steps_b8() {   # the B8 decode steps (issue 24: no larger-batch row may get slower)
   run step_deepseek_B8 120 $B mla_decode_step --impl xla,mosaic --shape model=deepseek_v32,B=8,s_q=1 "${common[@]}"
   run step_glm5_tp8_B8 100 $B mla_decode_step --impl xla,mosaic --shape model=glm5,B=8,s_q=1,tp=8 "${common[@]}"

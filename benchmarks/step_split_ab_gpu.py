@@ -35,6 +35,8 @@ graph.cache_write_and_absorb to None). Prediction: DeepSeek-V3.2 B1 25.4 -> ~23.
 kernel goes; W_UK's 5.5 us grows by < 0.2: three more CTAs on idle SMs), B2-B8 likewise -1.5; GLM-5 B1 -1.5.
 Result: B1 26.76 -> 25.20 with W_UK's prefetch on (23.88 with the co-launch and no prefetch), B4 35.58 -> 33.46,
 GLM-5 B1 23.82 -> 22.12; the 2-tile plan stays behind (B1 25.37 vs 23.88, both without prefetch).
+At B128 (``--batches 128 --co-launch-ab``, not run yet) the "1 launch" row lifts the op's 18-CTA rule: whether the
+co-launch also pays with 288 cache-write CTAs (prediction: no, +1-3 us: three waves of full-SM CTAs).
 
 Usage (repository root, on the GPU):  PYTHONPATH=. python3 benchmarks/step_split_ab_gpu.py [--iters 20]
 Numbers go to benchmarks/RESULTS.md; the plan's rule changes only if the step is faster under the other plan.
@@ -50,7 +52,7 @@ import jax
 
 from mla_pallas import bench, bench_timing, graph
 from mla_pallas.kernels import bmm_fp8 as kbmm, bmm_row_quant
-from mla_pallas.ops import sparse_decode as sd
+from mla_pallas.ops import prologue, sparse_decode as sd
 
 PLANS = {   # label -> (HEADS_M_ONE_TILE_MAX_CTAS, HEADS_M_MIN_SPLIT_TILES)
     "1-tile (default)": (sd.HEADS_M_ONE_TILE_MAX_CTAS, sd.HEADS_M_MIN_SPLIT_TILES),
@@ -61,6 +63,7 @@ MERGES = ("in W_UV", "XLA")   # the graph's default (W_UV's producer merges the 
 # (bmm_row_quant.MERGE_SPLITS_PER_LOAD 4 -> 8, the producer's registers 120 -> 168, the consumers' 192 -> 168)
 WIDE = "W_UV x8"
 SEP = "2 launch"             # the cache write and W_UK's product as two kernels (--co-launch-ab)
+ONE = "1 launch"             # the co-launch at any size (CO_LAUNCH_MAX_SIDE_CTAS lifted; --co-launch-ab at B128)
 
 
 @contextlib.contextmanager
@@ -70,6 +73,8 @@ def plan(one_tile_max_ctas: int, min_split_tiles: int, merge: str):
     stack.enter_context(unittest.mock.patch.object(sd, "HEADS_M_MIN_SPLIT_TILES", min_split_tiles))
     if merge == "XLA":
       stack.enter_context(unittest.mock.patch.object(graph, "split_partials", lambda *a, **k: None))
+    if merge == ONE:
+      stack.enter_context(unittest.mock.patch.object(prologue, "CO_LAUNCH_MAX_SIDE_CTAS", 1 << 30))
     if merge == SEP:
       stack.enter_context(unittest.mock.patch.object(graph, "cache_write_and_absorb", lambda *a, **k: None))
     if merge == WIDE:
@@ -104,15 +109,16 @@ def main():
   args = ap.parse_args()
   step, op = bench.get_spec("mla_decode_step"), bench.get_spec("sparse_mla_decode")
   print(f"{'shape':<16} {'plan':<17} {'merge':<8} | {'step us':>8} {'op us':>8} | splits | step kernels (us)")
-  cases = [("deepseek_v32", 128, b, "1-tile (default)") for b in (1, 2, 4, 8)]
+  cases = [("deepseek_v32", 128, b, "1-tile (default)") for b in (1, 2, 4, 8, 128)]
   cases += [("deepseek_v32", 128, 1, "2-tile")] if args.two_tile else []
-  cases += [("glm5", 64, b, "1-tile (default)") for b in (1, 8)]
+  cases += [("glm5", 64, b, "1-tile (default)") for b in (1, 8, 128)]
   for model, h, b, label in cases:
     if str(b) not in args.batches.split(","):
       continue
     s_step = step.shape(dict(B=b, s_q=1, ctx=32768), preset=model)
     s_op = op.shape(dict(B=b, s_q=1, H=h, topk=2048, page=64, ctx=32768))
-    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()) + ((SEP,) if args.co_launch_ab else ()):
+    co = ((ONE,) if b > 8 else (SEP,)) if args.co_launch_ab else ()   # B128: the rule already runs two launches
+    for merge in MERGES + ((WIDE,) if b == 1 and args.x8 else ()) + co:
       with plan(*PLANS[label], merge):
         cfg = sd.default_config(h, b, 2048)
         t_step, kern = _time(step, s_step, args.iters, args.sets)
