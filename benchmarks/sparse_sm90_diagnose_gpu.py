@@ -90,13 +90,8 @@ def _pv_half_identity(acc, p_op, wg, interpret, r):
   return acc
 
 
-def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False):
-  del words, pt_ref, swizzle, blocks, p_rows     # the words' loads are side-effecting asm: they stay
-  return tuple(accs)
-
-
-def _pv_wgmmas8_identity(words, p_ref, accs, blocks=vt_registers.ALL_BLOCKS):
-  del words, p_ref, blocks
+def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False, fp8=False):
+  del words, pt_ref, swizzle, blocks, p_rows, fp8   # the words' loads are side-effecting asm: they stay
   return tuple(accs)
 
 
@@ -110,12 +105,10 @@ ROWS = {
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
-    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
-              (vt_registers, "pv_wgmmas8"): _pv_wgmmas8_identity},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
-                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
-                        (vt_registers, "pv_wgmmas8"): _pv_wgmmas8_identity},
+                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
 }
 
 

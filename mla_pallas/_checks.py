@@ -113,5 +113,3 @@ def check_page_size(name: str, page_size) -> int:
       or page_size % PAGE_MULTIPLE:
     raise ValueError(f"{name} must be a positive multiple of {PAGE_MULTIPLE}; got {page_size!r}")
   return int(page_size)
-
-

@@ -474,11 +474,11 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
   fp8 = _is_fp8(weights)
   b, s_q, h, nope = q_nope.shape
   t = b * s_q
-  write_args = (kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE), positions.reshape(t), slots.reshape(t))
+  kv_t, q_rope_t, positions_t, slots_t = (kv.reshape(t, D_QK), q_rope.reshape(t, h, D_ROPE), positions.reshape(t),
+                                          slots.reshape(t))
   both = None
   if fp8 and weights.w_uk_t is not None:
     # W_UK's product and the cache write in one launch where both run their kernels (ops.prologue)
-    kv_t, q_rope_t, positions_t, slots_t = write_args
     both = cache_write_and_absorb(
         pages, kv_t, q_rope_t, positions_t, cos, sin, weights.kv_norm_w, q_nope.reshape(t, h, nope), weights.w_uk_t,
         weights.w_uk_scale, eps=cfg.rms_norm_eps, kv_scale=kv_scale, slots=slots_t, interleaved=interleaved,
@@ -489,8 +489,8 @@ def _decode_body(weights, pages, kv_scale, q_nope, q_rope, kv, positions, slots,
     rec.op(f"rmsnorm+rope+{_cache_kind(pages)} cache write (in W_UK's launch)", "fused_rope_rmsnorm_quantization")
     rec.op("q_nope @ w_uk (absorb)", "quantize_and_bmm_fp8")
   else:
-    new_pages, q_rot = _cache_write(weights, pages, kv_scale, *write_args, cos, sin, cfg, impl, interpret,
-                                    interleaved, unique_slots, rec)
+    new_pages, q_rot = _cache_write(weights, pages, kv_scale, kv_t, q_rope_t, positions_t, slots_t, cos, sin, cfg,
+                                    impl, interpret, interleaved, unique_slots, rec)
     q_lat = _q_absorb(weights, q_nope.reshape(t, h, nope), fp8, impl, interpret, rec, per_row=batch_invariant)
   # q as the (latent, rope) pair: kernels that quantize q themselves read both where they are (no concatenation)
   q576 = (q_lat.reshape(b, s_q, h, -1), q_rot.astype(jnp.bfloat16).reshape(b, s_q, h, D_ROPE))

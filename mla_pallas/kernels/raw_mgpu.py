@@ -152,5 +152,3 @@ def when(cond, body) -> None:
   with ir.InsertionPoint(if_.then_block):
     body()
     scf.yield_([])
-
-

@@ -586,13 +586,11 @@ def build(num_tokens: int, heads: int, num_slots: int, fused: bool, cfg: TuningC
   scratch = [plgpu.SMEM(((1 << LOG_BITS) // 32,), jnp.int32), plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32),
              plgpu.SMEM((cfg.bitmap_tokens,), jnp.int32)] if bitmap else []   # bitmap, own slots, drop flags
 
-  grid = kv_ctas + q_ctas
-
   def body(*refs):
     _run(fused, num_tokens, heads, num_slots, cfg, interleaved, dedupe, lax.axis_index("c"), refs)
 
   out_type = [jax.ShapeDtypeStruct((num_tokens * heads, D_ROPE), BF16)]
   if not fused:
     out_type.append(jax.ShapeDtypeStruct((num_tokens, D_QK), BF16))
-  return plgpu.kernel(body, out_type=tuple(out_type), grid=(grid,), grid_names=("c",),
+  return plgpu.kernel(body, out_type=tuple(out_type), grid=(kv_ctas + q_ctas,), grid_names=("c",),
                       scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE))

@@ -188,6 +188,10 @@ class TuningConfig(common.SparseSm90Config):
     """The P slots' dtype: e4m3 for "handoff_vt8" on hardware, f16 otherwise (bf16 over a bf16 cache)."""
     return common.FP8 if self.fp8_pv and not interpret else jnp.bfloat16 if self.bf16 else jnp.float16
 
+  def p_slot_swizzle(self, interpret: bool = False) -> int:
+    """The P slots' swizzle: one 64-key row, 64 bytes (fp8) or 128 (16-bit)."""
+    return TILE * jnp.dtype(self.p_slot_dtype(interpret)).itemsize
+
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
@@ -474,10 +478,8 @@ def _pv_vt(cfg: TuningConfig, accs, words, pb, w: int, r: common.SparseRefs):
   """Consumer w's Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major
   B, Vᵀ built in registers from ``words``; "handoff_vt8": both e4m3)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  accs = common.scale_columns(accs, alpha)
-  if cfg.fp8_pv:
-    return tuple(vt_registers.pv_wgmmas8(words, r.p_sw.at[pb], accs, blocks=VT_BLOCKS[w]))
-  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE, blocks=VT_BLOCKS[w], p_rows=True))
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), cfg.p_slot_swizzle(),
+                                      blocks=VT_BLOCKS[w], p_rows=True, fp8=cfg.fp8_pv))
 
 
 def _store_vt(accs, w: int, tile_q, split, r: common.SparseRefs):
@@ -596,8 +598,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
   p_dtype = cfg.p_slot_dtype(interp)
-  p_swizzle = TILE * jnp.dtype(p_dtype).itemsize      # one 64-key row: 128 bytes (16-bit), 64 (fp8)
-  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, p_swizzle))] \
+  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, cfg.p_slot_swizzle(interp)))] \
       if (interp or hand_off) else []
   head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []

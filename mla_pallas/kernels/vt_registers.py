@@ -266,37 +266,28 @@ def _acc_types(accs):
   return tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
 
 
-def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False):
+def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, fp8: bool = False):
   """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
   B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
   of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators. Each
   block's operand is built (``prmt`` + ``cvt``) just before its wgmma is issued, so the conversions of block
   g + 1 run under the wgmma of block g.
 
+  ``fp8`` (with ``p_rows``, ``swizzle`` = 64): the fp8 product, Vᵀ e4m3 from ``load_v_words(..., fp8=True)``'s
+  words (:func:`block_operands8`) and P [N, 64 keys] float8_e4m3fn, 64-byte swizzled (an fp8 wgmma has no
+  transposed B, so P's rows are the only form).
+
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
   LLVM cannot move their uses above the wait."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(jnp.float16, swizzle)),
+  p_dtype = common.FP8 if fp8 else jnp.float16
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(p_dtype, swizzle)),
                                 tuple(plgpu.Layout.WGMMA for _ in accs)),
                      return_type=_acc_types(accs))
   def f(ctx, words, pt, accs):
     del ctx
-    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows)
+    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, fp8)
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
-
-
-def pv_wgmmas8(words, p_ref, accs, blocks=ALL_BLOCKS):
-  """:func:`pv_wgmmas` in fp8: accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ with Vᵀ e4m3
-  from ``words`` (``load_v_words(..., fp8=True)``) and P = ``p_ref`` [N heads, 64 keys] float8_e4m3fn, 64-byte
-  swizzled, read transposed (the K-major B of an fp8 wgmma); waited for. Returns the new accumulators."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(common.FP8, TILE)),
-                                tuple(plgpu.Layout.WGMMA for _ in accs)),
-                     return_type=_acc_types(accs))
-  def f(ctx, words, pt, accs):
-    del ctx
-    out = _issue_pv(words, pt, accs, TILE, blocks, p_rows=True, fp8=True)
-    _wait(0)
-    return tuple(fa.optimization_barrier(a.value) for a in out)
-  return f(words, p_ref, tuple(accs))

@@ -55,7 +55,8 @@ def cache_write_and_absorb(pages, kv, q_rope, positions, cos, sin, norm_weight, 
       pages, kv, q_rope, positions, cos, sin, norm_weight, eps, kv_scale, slots, interleaved, unique_slots,
       write_impl, interpret)
   absorb_used = bmm_fp8.checked_dispatch(q_nope, w_t, w_scale, "per_token", "hnk", absorb_impl, interpret)
-  if write_used != "mosaic" or absorb_used != "mosaic" or interpret or q_nope.dtype != jnp.bfloat16:
+  # (interpret mode: the raw cache write resolves to "xla", so None)
+  if write_used != "mosaic" or absorb_used != "mosaic" or q_nope.dtype != jnp.bfloat16:
     return None
   t, h, _ = q_rope.shape
   if q_nope.shape[0] != t:

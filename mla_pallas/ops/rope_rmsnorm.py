@@ -381,14 +381,13 @@ def checked_fused_dispatch(pages, kv, q_rope, positions, cos, sin, norm_weight, 
 def cache_write_ctas(t: int, h: int, num_slots: int, interleaved: bool, unique_slots: bool):
   """The kernel's cache write for T tokens and H q heads as extra CTAs of another launch
   (``kernels.rope_direct.CacheWriteCTAs``, the same work and bits as :func:`fused_rope_rmsnorm_quantization`'s
-  kernel with raw slots), or None where that kernel would need an XLA pre-pass or SMEM (the bitmap duplicate
-  check, T > its warp-scan limit)."""
+  kernel with raw slots), or None above its warp-scan limit (T > ``warp_scan_max_tokens``: the kernel's SMEM
+  bitmap duplicate check, or the XLA pre-pass)."""
   from mla_pallas.kernels import rope_direct as rd
   cfg = _config(t, h, True)
-  dedupe = t > 1 and not unique_slots
-  if t > cfg.warp_scan_max_tokens or rd.uses_bitmap(cfg, True, t, dedupe):
+  if t > cfg.warp_scan_max_tokens:
     return None
-  return rd.CacheWriteCTAs(t, h, num_slots, cfg, bool(interleaved), dedupe)
+  return rd.CacheWriteCTAs(t, h, num_slots, cfg, bool(interleaved), t > 1 and not unique_slots)
 
 
 def fused_rope_rmsnorm_quantization(pages, kv, q_rope, positions, cos, sin, norm_weight, *, eps, kv_scale,
