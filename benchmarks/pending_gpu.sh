@@ -106,14 +106,21 @@ ab_colaunch() {   # the co-launch, W_UK's prefetch of W_UV and the 2-tile plan i
 t_bmm_xla() {   # the XLA bmm path now asserted against the reference (every T, K / N pair of the test)
   run t_bmm_xla 240 $T tests/test_bmm_fp8_kernel_gpu.py -k kernel_matches_reference
 }
-t_vt8() {   # "handoff_vt8" (fp8 P·V, P in e4m3): against the reference and "twin" (its P term), bitwise determinism
-  run t_vt8 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and handoff_vt8"
+t_vt8() {   # "handoff_vt8" (fp8 P·V, P in e4m3) and the 4-warpgroup "producer_vt(8)": against the reference and
+            # "twin" (vt8: its P term), producer bitwise its handoff counterpart
+  run t_vt8 300 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and (vt8 or producer)"
 }
-sweep_vt8() {   # "handoff_vt8" against the default at P1 (decode) and F1 (sparse prefill); the P1 rows' rel-L2 column
-                # is the accuracy trade (issue 20: <= 3.7e-2 against the bf16 rows at P1)
-  run sweep_vt8_P1 200 $B sparse_mla_decode --impl mosaic --sweep --sweep-only "schedule=handoff_vt8" \
+probe_producer() {   # the 4-warpgroup schedules at H 128 s_q 2 first, under a short timeout (a hang costs 120 s)
+  run probe_producer 120 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer and 128-2"
+}
+sweep_vt8() {   # "handoff_vt8", "producer_vt(8)" (if probe_producer passed) against the default at P1 (decode) and
+                # F1 (sparse prefill); the P1 rows' rel-L2 column is the accuracy trade (issue 20: <= 3.7e-2 against
+                # the bf16 rows at P1)
+  local only="schedule=handoff_vt8"
+  [[ ${RC[probe_producer]:-1} == 0 ]] && only+=",schedule=producer"
+  run sweep_vt8_P1 240 $B sparse_mla_decode --impl mosaic --sweep --sweep-only "$only" \
     --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768 "${common[@]}"
-  run sweep_vt8_F1 300 $B sparse_mla_prefill --impl mosaic --sweep --sweep-only "schedule=handoff_vt8" \
+  run sweep_vt8_F1 300 $B sparse_mla_prefill --impl mosaic --sweep --sweep-only "$only" \
     --shape T=4096,H=128,topk=2048,page=64,ctx=8192 "${common[@]}"
 }
 ab_colaunch_b128() {   # the co-launch at B128 (the op's rule keeps two launches there; "1 launch" lifts it)
@@ -209,7 +216,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_vt8,sweep_vt8,t_bi_branch,t_bmm_xla,t_sparse,sweep_small"
+next="probe_producer,sweep_vt8,t_vt8,t_bi_branch,t_bmm_xla,t_sparse,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -109,6 +109,9 @@ ROWS = {
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    # register splits of the "producer" schedules (loader, producer, each multiplier; real variants, checked)
+    "regs_56_88_184": {(heads_m, "PRODUCER_REGS"): (56, 88, 184)},
+    "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
 }
 
 
@@ -164,7 +167,7 @@ def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> l
   results = []
   for row in rows:
     with patched(row):
-      res = run_spec(spec, (), full, candidates={row: tuning}, check=row == "none",
+      res = run_spec(spec, (), full, candidates={row: tuning}, check=row == "none" or row.startswith("regs"),
                      iters=iters, progress=False)
     results += res
   print(f"## {name} {shape}", flush=True)
