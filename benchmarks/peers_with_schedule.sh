@@ -4,12 +4,12 @@
 # sitecustomize.py patches ops.sparse_decode._heads_m_tuning in the kit's JAX worker. For a candidate that the
 # sweeps found faster, so that its FlashMLA ratios come from the kit as every claim must.
 #
-#   SCHEDULE=handoff_vt8 CASES=P1,P5,F1,D1 bash benchmarks/peers_with_schedule.sh   # on the GPU, OUT as for the kit
+#   SCHEDULE=twin CASES=P1,P5,F1,D1 bash benchmarks/peers_with_schedule.sh   # on the GPU, OUT as for the kit
 #
 # Needs the kit copied into .peers (benchmarks/pending_gpu.sh's header says how; carry .peers).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SCHEDULE=${SCHEDULE:?set SCHEDULE, e.g. handoff_vt8}
+SCHEDULE=${SCHEDULE:?set SCHEDULE, e.g. twin}
 PROJ_DIR=$(mktemp -d /tmp/proj_schedule.XXXXXX)
 ln -s "$PWD/mla_pallas" "$PROJ_DIR/mla_pallas"
 cat > "$PROJ_DIR/sitecustomize.py" <<PY

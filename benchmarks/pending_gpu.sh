@@ -9,13 +9,11 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-third session, which ran t_merge, the step
-#   A/Bs with and without the L2 prefetches (deleted) and the co-launch (kept), t_prologue, the B1 / B8 steps,
-#   xla_bmm_check, t_qpair, t_fences): t_vt8 and sweep_vt8 (the fp8 P·V schedule written after the last call:
-#   GPU tests, then P1 / F1 against the default; if faster, the peer kit with it in place of "handoff_vt":
-#   `SCHEDULE=handoff_vt8 CASES=P1,P5,F1,D1 OUT=$OUT/peers bash benchmarks/peers_with_schedule.sh`), t_bi_branch
-#   (batch invariance through the graph with the co-launch), t_sparse, sweep_small; then the peer kit fp8
-#   (C0,P1,P2,P3,P4,P5,D1) and the bf16 cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
+# next (the order for the next device call; state after the twenty-fourth session, which ran "handoff_vt8" and the
+#   4-warpgroup "producer_vt(8)" (commit 8ae6516; deleted after: docs/kernels/sparse_decode_sm90.md), the peer kit with
+#   producer_vt8, and ablations / ptxas of producer_vt): t_bmm_xla (cut by the deadline after 4 of its cases
+#   passed), t_sparse, sweep_small, ab_colaunch_b128; then the peer kit fp8 (C0,P1,P2,P3,P4,P5,D1) and the bf16
+#   cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -105,23 +103,6 @@ ab_colaunch() {   # the co-launch, W_UK's prefetch of W_UV and the 2-tile plan i
 }
 t_bmm_xla() {   # the XLA bmm path now asserted against the reference (every T, K / N pair of the test)
   run t_bmm_xla 240 $T tests/test_bmm_fp8_kernel_gpu.py -k kernel_matches_reference
-}
-t_vt8() {   # "handoff_vt8" (fp8 P·V, P in e4m3) and the 4-warpgroup "producer_vt(8)": against the reference and
-            # "twin" (vt8: its P term), producer bitwise its handoff counterpart
-  run t_vt8 300 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and (vt8 or producer)"
-}
-probe_producer() {   # the 4-warpgroup schedules at H 128 s_q 2 first, under a short timeout (a hang costs 120 s)
-  run probe_producer 120 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer and 128-2"
-}
-sweep_vt8() {   # "handoff_vt8", "producer_vt(8)" (if probe_producer passed) against the default at P1 (decode) and
-                # F1 (sparse prefill); the P1 rows' rel-L2 column is the accuracy trade (issue 20: <= 3.7e-2 against
-                # the bf16 rows at P1)
-  local only="schedule=handoff_vt8"
-  [[ ${RC[probe_producer]:-1} == 0 ]] && only+=",schedule=producer"
-  run sweep_vt8_P1 240 $B sparse_mla_decode --impl mosaic --sweep --sweep-only "$only" \
-    --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768 "${common[@]}"
-  run sweep_vt8_F1 300 $B sparse_mla_prefill --impl mosaic --sweep --sweep-only "$only" \
-    --shape T=4096,H=128,topk=2048,page=64,ctx=8192 "${common[@]}"
 }
 ab_colaunch_b128() {   # the co-launch at B128 (the op's rule keeps two launches there; "1 launch" lifts it)
   run ab_colaunch_b128 240 $PY benchmarks/step_split_ab_gpu.py --sets 4 --co-launch-ab --batches 128
@@ -216,7 +197,7 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="probe_producer,sweep_vt8,t_vt8,t_bi_branch,t_bmm_xla,t_sparse,sweep_small"
+next="t_bmm_xla,t_sparse,sweep_small,ab_colaunch_b128"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

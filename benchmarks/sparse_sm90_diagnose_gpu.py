@@ -19,7 +19,7 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    | ``no_qk`` | the five QKᵀ wgmmas of a tile (S = 0; the V upcast of "twin" still runs) |
    | ``no_softmax`` | the online softmax (P = S, alpha = 1) |
    | ``no_pv`` | the P·V wgmmas (every schedule) |
-   | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" / "handoff_vt8" (Vᵀ = 0) |
+   | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" (Vᵀ = 0) |
    | ``no_gather+no_pv`` | both |
 
 Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
@@ -90,13 +90,13 @@ def _pv_half_identity(acc, p_op, wg, interpret, r):
   return acc
 
 
-def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False, fp8=False):
-  del words, pt_ref, swizzle, blocks, p_rows, fp8   # the words' loads are side-effecting asm: they stay
+def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False):
+  del words, pt_ref, swizzle, blocks, p_rows     # the words' loads are side-effecting asm: they stay
   return tuple(accs)
 
 
-def _zero_words(k_tile_ref, word=None, fp8=False):
-  del k_tile_ref, word, fp8
+def _zero_words(k_tile_ref, word=None):
+  del k_tile_ref, word
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
 
 
@@ -109,9 +109,6 @@ ROWS = {
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
-    # register splits of the "producer" schedules (loader, producer, each multiplier; real variants, checked)
-    "regs_56_88_184": {(heads_m, "PRODUCER_REGS"): (56, 88, 184)},
-    "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
 }
 
 
@@ -167,7 +164,7 @@ def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> l
   results = []
   for row in rows:
     with patched(row):
-      res = run_spec(spec, (), full, candidates={row: tuning}, check=row == "none" or row.startswith("regs"),
+      res = run_spec(spec, (), full, candidates={row: tuning}, check=row == "none",
                      iters=iters, progress=False)
     results += res
   print(f"## {name} {shape}", flush=True)

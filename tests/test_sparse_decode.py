@@ -140,9 +140,6 @@ def _interpret_budget(case):
     (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
     (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
-    # WG0 only produces P, WG1 / WG2 multiply (interpret mode: the f16 V tile), 4 warpgroups
-    (64, (("schedule", "producer_vt"), ("k_buffers", 3))),
-    (128, (("schedule", "producer_vt"), ("tiles_per_split", 2))),
     # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
     (8, (("tiles_per_split", 1),)),
     (128, (("tiles_per_split", 1),)),
@@ -154,43 +151,6 @@ def test_kernel_tuning_interpret(rng, H, tuning):
   out, lse = run_kernel(case, interpret=RACES, tuning=tuning)
   assert not testing.races_found()
   _check_against_reference(case, out, lse, _interpret_budget(case))
-
-
-@pytest.mark.parametrize("H,tuning", [
-    (64, (("schedule", "handoff_vt8"), ("k_buffers", 3))),
-    (128, (("schedule", "handoff_vt8"), ("tiles_per_split", 2))),   # two query tiles per token, slots reused
-    (128, (("schedule", "producer_vt8"), ("tiles_per_split", 2))),
-])
-def test_fp8_pv_schedule_interpret(rng, H, tuning):
-  """"handoff_vt8" (P rounded to e4m3 · 256 in its slot; interpret mode multiplies those values in f16, exactly)
-  against the reference within the error model with its P term (races checked), with the lse bitwise that of
-  "handoff_vt" (the softmax sums use the unrounded P), and the output within that P term of "handoff_vt"'s."""
-  case = make_case(rng, B=2, s_q=1, H=H, topk=200, page_size=16, num_pages=64)
-  testing.reset_interpreter()
-  out, lse = run_kernel(case, interpret=RACES, tuning=tuning)
-  assert not testing.races_found()
-  budget = testing.fp8_error_budget(split_partials_bf16=True, logit_std=logit_std(case),
-                                    pv_length=case.indices.shape[-1], fp8_mma=False, quantized_p=True)
-  _check_against_reference(case, out, lse, budget)
-  base, base_lse = run_kernel(case, interpret=True, tuning=(("schedule", "handoff_vt"),) + tuning[1:])
-  np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
-  # the two differ by P's e4m3 rounding only (plus both outputs' bf16 rounding)
-  testing.assert_close_fp8(out, base, what=f"{tuning[0][1]} vs handoff_vt", rel_l2=testing.fp8_error_budget(
-      quantized_q=False, quantized_p=True, fp8_mma=False, pv_length=case.indices.shape[-1]))
-
-
-@pytest.mark.parametrize("schedule", ["producer_vt", "producer_vt8"])
-def test_producer_schedule_interpret(rng, schedule):
-  """"producer_vt(8)" (WG0 only S, softmax and P; WG1 / WG2 each multiply one half of the output) runs in
-  interpret mode the same products in the same order as "handoff_vt(8)" (whose WG0 / WG1 multiply the same
-  halves), so outputs and lse are bitwise equal; two query tiles per token, two splits, P slots reused."""
-  case = make_case(rng, B=2, s_q=2, H=128, topk=300, page_size=16, num_pages=64)
-  tuning = (("schedule", schedule), ("tiles_per_split", 3))
-  out, lse = run_kernel(case, interpret=True, tuning=tuning)
-  base, base_lse = run_kernel(case, interpret=True,
-                              tuning=(("schedule", schedule.replace("producer", "handoff")),) + tuning[1:])
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(base))
-  np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
 
 
 @pytest.mark.parametrize("B,s_q,H,topk,page", [
@@ -317,8 +277,6 @@ def test_tuning_errors():
   # "handoff_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
   assert heads_m.TuningConfig(schedule="handoff_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
   assert heads_m.TuningConfig(schedule="handoff_vt", k_buffers=3).smem_budget() == 193024
-  # "handoff_vt8": its P slots in fp8 (two 4 KB slots instead of 8 KB)
-  assert heads_m.TuningConfig(schedule="handoff_vt8").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536 - 8192
 
 
 def test_registers_fit_the_launch_allocation():
@@ -428,8 +386,6 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "handoff_vt"), (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
     (128, 1, 16384, 2, 2, "handoff_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
-    (128, 2, 2048, 1, 2, "handoff_vt8"), (64, 1, 2051, 2, 3, "handoff_vt8"),   # fp8 P·V
-    (128, 2, 2048, 1, 3, "producer_vt"), (64, 1, 2051, 2, 2, "producer_vt8"),  # 4 warpgroups
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
     (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
@@ -459,24 +415,9 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   q_args = (q_aval,) if qs_aval is None else (q_aval, qs_aval)
   low = testing.lower_for_cuda(kern, *q_args, kv, idx, S((1,), jnp.float32), arch=(9, 0))
   # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
-  fp8_pv = schedule is not None and schedule.endswith("vt8")
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20 + (16 if fp8_pv else 0)
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    if schedule is not None and schedule.startswith("producer"):
-      # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
-      assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
-      assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
-      assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == 2
-    if fp8_pv:
-      # Oᵀ in fp8: per consumer 4 blocks x 2 k32 steps of m64n64k32 (with QKᵀ's 20 above: 36 e4m3 wgmmas); Vᵀ:
-      # the same 32 word loads, a 4 x 4 byte transpose (8 permutes) per (key group, half), no conversion; P to
-      # e4m3 (32 values per thread: 16 paired conversions) in consumer 0
-      assert low.count(r"m64n64k32\.f32\.e4m3\.e4m3") == 20 + 2 * 8
-      assert low.count(r"ld\.shared\.b32 ") == 2 * 32 + 4
-      assert low.count(r"prmt\.b32") == 2 * 4 * 2 * 8 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 0
-      assert low.count(r"cvt\.rn\.satfinite\.e4m3x2") == 16
-      assert low.count(r"\{alignment = 8 : i64\} : vector<4xbf16>") == 2 * 8 * 2 * 2
-    elif schedule in ("handoff_vt", "producer_vt"):
+    if schedule == "handoff_vt":
       # Oᵀ: per consumer 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 32 32-bit loads of its
       # word of each (key, half), 32 byte permutes, 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
       assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 16

@@ -72,39 +72,26 @@ def test_cache_past_2gib(rng, H):
   testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what=f"H={H}, cache past 2 GiB")
 
 
-SCHEDULE_VARIANTS = {"twin": ((), (("k_buffers", 1),)), "handoff_vt": ((), (("k_buffers", 3),)),
-                     "handoff_vt8": ((), (("k_buffers", 3),)), "producer_vt": ((), (("k_buffers", 3),)),
-                     "producer_vt8": ((), (("k_buffers", 3),))}
+SCHEDULE_VARIANTS = {"twin": ((), (("k_buffers", 1),)), "handoff_vt": ((), (("k_buffers", 3),))}
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("twin", marks=pytest.mark.slow), "handoff_vt", "handoff_vt8",
-                                      "producer_vt", "producer_vt8"])
+@pytest.mark.parametrize("schedule", [pytest.param("twin", marks=pytest.mark.slow), "handoff_vt"])
 @pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), (32, 4)])
 def test_heads_m_schedules(rng, H, s_q, schedule):
   """Each heads-on-M schedule (the op picks one by split length; the others are sweep candidates) against the
   reference (the error model of the default: the same fp8 products and f16 P), and against "twin" on the same
   case with each of its K-buffer variants: the same products summed in another order, so about one bf16 ulp
-  (2^-8 relative) apart; "handoff_vt8" (P in e4m3) within the error model's P term of it. "producer_vt(8)" runs
-  the products of "handoff_vt(8)" in the same order on other warpgroups: bitwise equal to it. top-k 2051: a
-  partial last tile."""
+  (2^-8 relative) apart. top-k 2051: a partial last tile."""
   tuning = (("schedule", schedule),)
-  fp8_p = schedule.endswith("vt8")
-  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=fp8_p, tuning=tuning)
+  checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64)
   base, base_lse = run_kernel(case, interpret=False, tuning=(("schedule", "twin"),))
   for extra in SCHEDULE_VARIANTS[schedule]:
     out, lse = run_kernel(case, interpret=False, tuning=tuning + extra)
-    tol = testing.fp8_error_budget(quantized_q=False, quantized_p=True, fp8_mma=True, pv_length=2051) if fp8_p \
-        else 2.0 ** -8
-    testing.assert_close_fp8(out, base, rel_l2=tol, what=f"{schedule}{extra} vs twin")
+    testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"{schedule}{extra} vs twin")
     fin = np.isfinite(np.asarray(base_lse))
     assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
-    if schedule.startswith("producer"):
-      hand_out, hand_lse = run_kernel(case, interpret=False,
-                                      tuning=(("schedule", schedule.replace("producer", "handoff")),) + extra)
-      np.testing.assert_array_equal(np.asarray(out), np.asarray(hand_out))
-      np.testing.assert_array_equal(np.asarray(lse), np.asarray(hand_lse))
 
 
 @pytest.mark.parametrize("H,s_q,q_dtype", [(128, 1, jnp.bfloat16), (64, 2, jnp.float32), (32, 4, jnp.bfloat16)])

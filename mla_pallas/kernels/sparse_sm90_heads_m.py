@@ -52,13 +52,6 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
   V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
   paths).
-* "handoff_vt8": "handoff_vt" with an FP8 P·V. WG0 writes e4m3(P · P8_SCALE) into the slot ([64, 64] fp8,
-  64-byte swizzle, read as the K-major B), the Vᵀ fragments stay e4m3 (``vt_registers.block_operands8``: byte
-  transposes, no conversion), so Oᵀ takes m64n64k32 fp8 wgmmas (half the instructions of k16); 1 / P8_SCALE is
-  folded into kv_scale / l. P is rounded to e4m3 (relative 2^-4; the XLA path rounds P the same way; the error
-  model's ``p_fp8`` term) where the other schedules keep f16 P. Interpret mode runs "handoff_vt"'s stand-in on
-  the same rounded P (e4m3 values are exact in f16). Not the op's choice yet (measured by the sweep:
-  docs/kernels/sparse_decode_sm90.md).
 
 BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only)
 --------------------------------------------------------------------------------------
@@ -98,8 +91,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     total                                                200 192   (limit 232 448: one CTA per SM)
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
     "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
-    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices; "handoff_vt8": fp8 P
-    slots, − 8 192
+    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader: setmaxnreg moves
 registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is the most (a
@@ -120,16 +112,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mla_pallas.kernels import common, q_quant, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
-LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1 (the "producer" schedules: 3; multipliers 1, 2)
-# "producer" schedules: loader, producer, each multiplier (24 + 88 + 2 · 200 = 4 · 128). ptxas 13.0 on this kernel's
-# PTX: with the multipliers at 184 it serializes their wgmmas (C7511) and spills 72 bytes; at 200 no serialization
-# (84 bytes of spills); the loader needs no more than 24, the producer spills below 88.
-PRODUCER_REGS = (24, 88, 200)
+LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
 
 
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
-P8_SCALE = 256.0     # "handoff_vt8": P (<= 1) is stored as e4m3(P · 256), so values down to 2^-17 keep a digit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +128,7 @@ class TuningConfig(common.SparseSm90Config):
   fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
   indices) fits both schedules. "twin" over an fp8 cache quantizes Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt", "handoff_vt8", "producer_vt", "producer_vt8")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -178,38 +165,15 @@ class TuningConfig(common.SparseSm90Config):
     """P and alpha go from consumer 0 to consumer 1 through SMEM slots."""
     return self.schedule != "twin"
 
-  @property
-  def fp8_pv(self) -> bool:
-    """"handoff_vt8" / "producer_vt8": P and Vᵀ in e4m3, fp8 P·V wgmmas (module docstring, "Schedules")."""
-    return self.schedule.endswith("vt8")
-
-  @property
-  def producer(self) -> bool:
-    """"producer_vt(8)": WG0 only computes S, the softmax and P; WG1 and WG2 only multiply (module docstring)."""
-    return self.schedule.startswith("producer")
-
-  @property
-  def loader(self) -> int:
-    """The loader's warpgroup index (the last one)."""
-    return LOADER + 1 if self.producer else LOADER
-
   def v_tile(self, interpret: bool = False) -> bool:
-    """The f16 V tile exists unless a hand-off schedule reads Vᵀ into registers (interpret mode always upcasts) or
-    the cache is bf16 (V is the K tile itself)."""
-    return (not self.hand_off or interpret) and not self.bf16
-
-  def p_slot_dtype(self, interpret: bool = False):
-    """The P slots' dtype: e4m3 for "handoff_vt8" on hardware, f16 otherwise (bf16 over a bf16 cache)."""
-    return common.FP8 if self.fp8_pv and not interpret else jnp.bfloat16 if self.bf16 else jnp.float16
-
-  def p_slot_swizzle(self, interpret: bool = False) -> int:
-    """The P slots' swizzle: one 64-key row, 64 bytes (fp8) or 128 (16-bit)."""
-    return TILE * jnp.dtype(self.p_slot_dtype(interpret)).itemsize
+    """The f16 V tile exists unless "handoff_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
+    cache is bf16 (V is the K tile itself)."""
+    return (self.schedule != "handoff_vt" or interpret) and not self.bf16
 
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    hand_off = (((P_BUFFERS, TILE, TILE), self.p_slot_dtype()), ((INV_SLOT + 1, TILE), jnp.float32)) \
+    hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
         if self.hand_off else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
@@ -222,9 +186,9 @@ class TuningConfig(common.SparseSm90Config):
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
-  """WG2 (WG3 in the "producer" schedules): Q (its chunks, quantized by the op's pre-pass) and the split's
-  indices, then the gathers of every tile (``common.gather_tiles``)."""
-  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
+  """WG2: Q (its chunks, quantized by the op's pre-pass) and the split's indices, then the gathers of every tile
+  (``common.gather_tiles``)."""
+  plgpu.set_max_registers(LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -289,11 +253,11 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase")):
-  """A softmax consumer's start: its registers (``regs``: count and setmaxnreg action), Q and the indices landed;
-  returns (row_scale [64], kv_scale). ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale,
-  interpret), this consumer quantizes its half of the tile's rows first (:func:`_quantize_q_half`)."""
-  plgpu.set_max_registers(regs[0], action=regs[1])
+def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None):
+  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale).
+  ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale, interpret), this consumer quantizes its half
+  of the tile's rows first (:func:`_quantize_q_half`)."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   if q_in is not None:
     wg, heads, softmax_scale, interpret = q_in
     _quantize_q_half(tile_q, r, wg, heads, softmax_scale, interpret)
@@ -400,18 +364,8 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
-def _p_for_slot(cfg: TuningConfig, p, interpret: bool):
-  """Tile t's P as it goes into its slot: f16, or for "handoff_vt8" e4m3(P · P8_SCALE) (interpret mode: those
-  values in f16, exactly, for its f16 stand-in)."""
-  if not cfg.fp8_pv:
-    return p.astype(jnp.float16)
-  p8 = (p * P8_SCALE).astype(common.FP8)
-  return p8.astype(jnp.float16) if interpret else p8
-
-
 def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
-  """Consumer 0 hands tile t's P ([64, 64] in the slot's dtype) and alpha to consumer 1 in slot pb once that slot
-  is free."""
+  """Consumer 0 hands tile t's P (f16 [64, 64]) and alpha to consumer 1 in slot pb once that slot is free."""
   @pl.when(t >= P_BUFFERS)
   def _():
     plgpu.barrier_wait(r.p_empty.at[pb])   # WG1 is done with slot pb (tile t - 2)
@@ -422,10 +376,8 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
 
 
 def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
-  """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``; with
-  "handoff_vt8" also / P8_SCALE), the lse, the final observation of the P slots; returns that [64] (row layout)."""
-  if cfg.fp8_pv:
-    kv_scale = kv_scale * (1.0 / P8_SCALE)
+  """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``), the lse,
+  the final observation of the P slots; returns kv_scale / l [64] (row layout)."""
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
@@ -448,7 +400,7 @@ def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, ti
     s = _qk_and_upcast(k_tiles, lambda: common.stage_v16(k_tiles, r.v16, chunks=(0, 1)), r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    p16 = _p_for_slot(cfg, p, True)
+    p16 = p.astype(jnp.float16)
     _publish_p(t, pb, p16, alpha, r)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return _pv_half(acc, r.p_sw.at[pb], 0, True, r), m_new, l
@@ -458,28 +410,27 @@ def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, ti
   _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
 
 
-def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int = 1):
-  """The multiplying consumer of a hand-off schedule in interpret mode ("handoff_vt": WG1, ``half`` 1; "producer":
-  WG1 / WG2, ``half`` 0 / 1): per tile the upcast of V chunks 2 half, 2 half + 1, the K buffer's release, then
-  after slot t % 2 arrives the rescale by WG0's alpha and P·V into output columns 256 half ... 256 half + 255
-  with P from the slot, and the slot's release; at the end its half of O, scaled by WG0's kv_scale / l."""
-  plgpu.set_max_registers(PRODUCER_REGS[2] if cfg.producer else CONSUMER_REGS, action="increase")
+def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs):
+  """"handoff_vt" in interpret mode, WG1: per tile the upcast of V chunks 2-3, the K buffer's release, then after
+  slot t % 2 arrives the rescale by WG0's alpha and P·V into output columns 256-511 with P from the slot, and the
+  slot's release; at the end its half of O, scaled by WG0's kv_scale / l."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
-    common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
+    common.stage_v16(k_tiles, r.v16, chunks=(2, 3))
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
     alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], half, True, r)
+    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], 1, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
 
   acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
   plgpu.barrier_wait(r.p_full.at[INV_SLOT])
   inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-  _store_half(acc, inv, half, out_dtype, tile_q, split, r)
+  _store_half(acc, inv, 1, out_dtype, tile_q, split, r)
 
 
 VT_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))   # "handoff_vt": the Oᵀ M blocks of consumer 0 / 1 (latent 8r + g)
@@ -489,12 +440,12 @@ def _zero_vt():
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * len(VT_BLOCKS[0])
 
 
-def _pv_vt(cfg: TuningConfig, accs, words, pb, w: int, r: common.SparseRefs):
+def _pv_vt(accs, words, pb, w: int, r: common.SparseRefs):
   """Consumer w's Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major
-  B, Vᵀ built in registers from ``words``; "handoff_vt8": both e4m3)."""
+  B, Vᵀ built in registers from ``words``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), cfg.p_slot_swizzle(),
-                                      blocks=VT_BLOCKS[w], p_rows=True, fp8=cfg.fp8_pv))
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), 2 * TILE,
+                                      blocks=VT_BLOCKS[w], p_rows=True))
 
 
 def _store_vt(accs, w: int, tile_q, split, r: common.SparseRefs):
@@ -514,10 +465,10 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: co
     kb, pb, k_tiles = _landed(t, cfg, r)
     s = _qk_and_upcast(k_tiles, None, r)
     p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, _p_for_slot(cfg, p, False), alpha, r)
-    words = vt_registers.load_v_words(k_tiles, word=0, fp8=cfg.fp8_pv)
+    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
+    words = vt_registers.load_v_words(k_tiles, word=0)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    return _pv_vt(cfg, accs, words, pb, 0, r), m_new, l
+    return _pv_vt(accs, words, pb, 0, r), m_new, l
 
   _, m0, l0 = _zero_state()
   accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (_zero_vt(), m0, l0))
@@ -525,44 +476,23 @@ def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: co
   _store_vt(accs, 0, tile_q, split, r)
 
 
-def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int = 1):
-  """The multiplying consumer of a hand-off schedule (hardware; "handoff_vt": WG1, ``half`` 1; "producer": WG1 /
-  WG2, ``half`` 0 / 1): its 32-bit word ``half`` of Vᵀ from the K tile, release, then after slot t % 2 arrives
-  Oᵀ blocks ``VT_BLOCKS[half]`` += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
-  plgpu.set_max_registers(PRODUCER_REGS[2] if cfg.producer else CONSUMER_REGS, action="increase")
+def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
+  """schedule "handoff_vt" (hardware), WG1: its 32-bit word of Vᵀ from the K tile, release, then after slot t % 2
+  arrives Oᵀ blocks 4-7 += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
 
   def step(t, accs):
     kb, pb, k_tiles = _landed(t, cfg, r)
-    words = vt_registers.load_v_words(k_tiles, word=half, fp8=cfg.fp8_pv)
+    words = vt_registers.load_v_words(k_tiles, word=1)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
-    accs = _pv_vt(cfg, accs, words, pb, half, r)
+    accs = _pv_vt(accs, words, pb, 1, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
   accs = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_vt())
   plgpu.barrier_wait(r.p_full.at[INV_SLOT])
-  _store_vt(accs, half, tile_q, split, r)
-
-
-def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs):
-  """schedule "producer_vt(8)", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
-  themselves), the online softmax, P and alpha into slot t % 2 (``_publish_p``: it runs up to two tiles ahead of
-  the multipliers); at the end kv_scale / l for WG1 / WG2 and the lse. It holds no O (88 registers)."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r, regs=(PRODUCER_REGS[1], "decrease"))
-
-  def step(t, carry):
-    m, l = carry
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    s = _qk_and_upcast(k_tiles, None, r)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, _p_for_slot(cfg, p, interpret), alpha, r)
-    return m_new, l
-
-  _, m0, l0 = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
-  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+  _store_vt(accs, 1, tile_q, split, r)
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):
@@ -585,22 +515,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   split = lax.axis_index("split")
   token = lax.div(tile_q, tiles_per_token)
 
-  @pl.when(wg == cfg.loader)
+  @pl.when(wg == LOADER)
   def _():
     _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
-  if cfg.producer:
-    @pl.when(wg == 0)
-    def _():
-      _producer(cfg, num_slots, interpret, tile_q, split, r)
-
-    multiply = functools.partial(_pv_consumer_interpret, cfg, out_dtype) if interpret else \
-        functools.partial(_pv_vt_consumer, cfg)
-    for half in range(2):
-      @pl.when(wg == 1 + half)
-      def _():
-        multiply(tile_q, split, r, half=half)
-  elif hand_off and not interpret:
+  if hand_off and not interpret:
     @pl.when(wg == 0)
     def _():
       _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
@@ -644,20 +563,19 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   hand_off = cfg.hand_off
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
-  p_dtype = cfg.p_slot_dtype(interp)
-  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, cfg.p_slot_swizzle(interp)))] \
+  p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
+  p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if (interp or hand_off) else []
   head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
-                       plgpu.Barrier(num_arrivals=2 if cfg.producer else 1,
-                                     num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
+                       plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=cfg.loader + 1, thread_name="wg",
+      num_threads=LOADER + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE, cfg.layout),                                              # Q
           common.k_scratch(cfg.k_buffers, cfg.layout),                                     # K
@@ -670,7 +588,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full
-          plgpu.Barrier(num_arrivals=3 if cfg.producer else 2, num_barriers=cfg.k_buffers),  # k_empty
+          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
           *hand_off_barriers,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),

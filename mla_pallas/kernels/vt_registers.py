@@ -23,15 +23,6 @@ m64nNk16 wgmmas (8 M blocks x 4 k16 steps). What it measured: docs/kernels/spars
 The heads-on-M design's hand-off schedules (``kernels/sparse_sm90_heads_m.py``) use the same operand with N = 64
 heads and half of the M blocks per consumer (``word``, ``blocks``, ``p_rows``).
 
-FP8 P·V (``fp8=True``; the heads-on-M "handoff_vt8" schedule): Vᵀ stays e4m3 and P is e4m3 too, so the product is
-an fp8 wgmma (m64nNk32, half the tensor instructions of k16, no conversions). The fp8 A fragment
-(``Layout.WGMMA_8BIT``) gives thread (w, 4q + t) rows 16w + q and 16w + 8 + q with keys 16c + 4t + [0, 4)
-(c = 0..3) as K, four bytes of four keys per register; with the same row permutation the thread loads the same
-latent bytes, of keys 16c + 4t + j instead of 8c + 2t + j, and a 4 x 4 byte transpose of four keys' 32-bit words
-(8 ``prmt``) yields the registers of four M blocks. Per thread and 64 x 512 tile: 32 ``ld.shared.v2.b32``, 128
-``prmt``, no ``cvt``, 16 m64nNk32 wgmmas. P is read as the K-major B operand from an fp8 [N, 64 keys] tile
-(64-byte swizzle; fp8 wgmma has no transposed B).
-
 Everything here is raw Mosaic GPU (``plgpu.inline_mgpu``, inline PTX). Interpret mode has no ``inline_mgpu``: the
 kernel keeps the SMEM upcast there (same products, natural row order), so this module is checked by lowering on
 the CPU and numerically on the GPU (tests/test_vt_registers.py, tests/test_sparse_decode_gpu.py).
@@ -73,15 +64,7 @@ def _thread():
 ALL_BLOCKS = tuple(range(M_BLOCKS))
 
 
-def _key_of(i: int, t, fp8: bool):
-  """Key (K column) of this thread's register pair i (0..15): 8 (i // 2) + 2t + i % 2 for the f16 fragment,
-  16 (i // 4) + 4t + i % 4 for the fp8 one."""
-  if fp8:
-    return arith.addi(arith.muli(t, _i32(4)), _i32(16 * (i // 4) + i % 4))
-  return arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
-
-
-def load_words(k_tile, word: int | None = None, fp8: bool = False):
+def load_words(k_tile, word: int | None = None):
   """This thread's bytes of V from the K tile ``k_tile`` (Mosaic memref [5, 8, 1, 8, 128] fp8: chunks 0-3 hold
   latent columns 0-511, 128-byte rows, 128-byte swizzle), as an int32 (64, 128) array in WGMMA layout used as a
   plain container: register (i, h) (i = 0..15, h = 0..1) holds the 8 bytes of key 8 (i // 2) + 2t + i % 2 at
@@ -89,8 +72,7 @@ def load_words(k_tile, word: int | None = None, fp8: bool = False):
   LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that follows them).
 
   ``word`` (0 or 1): load only that 32-bit word (latent columns + 4 word + [0, 4): the bytes of M blocks
-  4 word ... 4 word + 3), one ``ld.shared.b32`` per (key, h), into both lanes of the register.
-  ``fp8``: register i holds key 16 (i // 4) + 4t + i % 4 instead (the fp8 fragment's keys, :func:`_key_of`)."""
+  4 word ... 4 word + 3), one ``ld.shared.b32`` per (key, h), into both lanes of the register."""
   i32 = ir.IntegerType.get_signless(32)
   w, q, t = _thread()
   base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
@@ -102,7 +84,7 @@ def load_words(k_tile, word: int | None = None, fp8: bool = False):
   half = arith.muli(arith.remui(q, _i32(2)), _i32(8))
   unit = arith.divui(q, _i32(2))
   for i in range(KEYS_PER_THREAD):
-    key = _key_of(i, t, fp8)
+    key = arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
     key8 = arith.remui(key, _i32(8))
     row = arith.addi(arith.addi(row0, arith.muli(key, _i32(ROW_BYTES))), half)
     for h in range(2):
@@ -154,44 +136,6 @@ def block_operands(words, blocks=ALL_BLOCKS):
   return [fa.FragmentedArray(_registers=out[g], _layout=fa.WGMMA_LAYOUT, _is_signed=None) for g in blocks]
 
 
-# 4 x 4 byte transpose of four keys' 32-bit words a_j (byte b = M block 4 word + b): pair keys (0, 1) and (2, 3)
-# bytewise, then halves: out_b = [a_0.b, a_1.b, a_2.b, a_3.b] (``prmt`` selector nibble i picks result byte i).
-_PAIR_LO, _PAIR_HI = 0x5140, 0x7362     # [x.0, y.0, x.1, y.1], [x.2, y.2, x.3, y.3]
-_HALF_LO, _HALF_HI = 0x5410, 0x7632     # [x.0, x.1, y.0, y.1], [x.2, x.3, y.2, y.3]
-
-
-def _prmt(a, b, sel: int):
-  i32 = ir.IntegerType.get_signless(32)
-  return _asm(i32, [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
-
-
-def block_operands8(words, blocks=ALL_BLOCKS):
-  """The fp8 A operands Vᵀ[M block g] for g in ``blocks`` (float8_e4m3fn (64, 64) arrays, ``WGMMA_LAYOUT_8BIT``)
-  from ``load_words(..., fp8=True)``'s container; ``blocks``: the 4 of one 32-bit word, or all 8. Register (c, h)
-  of block g holds byte g of keys 16c + 4t + [0, 4) at half h: one 4 x 4 byte transpose per (c, h, word)."""
-  f8 = ir.Float8E4M3FNType.get()
-  v4f8 = ir.VectorType.get((4,), f8)
-  v1i32 = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
-  regs_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape((TILE, TILE))
-  out = {g: np.empty(regs_shape, dtype=object) for g in blocks}
-  wreg = words.registers
-  for c in range(4):
-    for h in range(2):
-      for word in sorted({g // 4 for g in blocks}):
-        a = [vector.extract(wreg[0, 4 * c + j, 0, 0, h, 0, 0, 0, 0], [], [word]) for j in range(4)]
-        lo01, hi01 = _prmt(a[0], a[1], _PAIR_LO), _prmt(a[0], a[1], _PAIR_HI)
-        lo23, hi23 = _prmt(a[2], a[3], _PAIR_LO), _prmt(a[2], a[3], _PAIR_HI)
-        cols = {0: _prmt(lo01, lo23, _HALF_LO), 1: _prmt(lo01, lo23, _HALF_HI),
-                2: _prmt(hi01, hi23, _HALF_LO), 3: _prmt(hi01, hi23, _HALF_HI)}
-        for b, val in cols.items():
-          g = 4 * word + b
-          if g in out:
-            idx = [0] * len(regs_shape)
-            idx[1], idx[4] = c, h
-            out[g][tuple(idx)] = vector.bitcast(v4f8, vector.from_elements(v1i32, [val]))
-  return [fa.FragmentedArray(_registers=out[g], _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None) for g in blocks]
-
-
 def store_rows(accs, o, blocks=ALL_BLOCKS):
   """Stores Oᵀ: accs[g] (f32 (64, N) WGMMA-layout arrays, row r = latent column 8r + g) to ``o`` (GMEM memref
   [out_heads, 512], bf16 or f32; out_heads a multiple of 8, <= N). Across the 8 blocks a thread holds, for each of
@@ -229,22 +173,22 @@ def store_o(accs, o_ref, blocks=ALL_BLOCKS):
   f(tuple(accs), o_ref)
 
 
-def load_v_words(k_tile_ref, word: int | None = None, fp8: bool = False):
+def load_v_words(k_tile_ref, word: int | None = None):
   """Pallas-level :func:`load_words` of the K tile ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)),),
                      return_type=plgpu.ShapeDtypeStruct((TILE, 2 * TILE), jnp.int32, layout=plgpu.Layout.WGMMA))
   def f(ctx, k_tile):
     del ctx
-    return load_words(k_tile, word, fp8)
+    return load_words(k_tile, word)
   return f(k_tile_ref)
 
 
-def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, fp8: bool = False):
+def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool):
   """Inside an ``inline_mgpu`` body: issue (and commit) accs[i] += Vᵀ[M block blocks[i]] · Pᵀ, one wgmma group per
   block; returns the accumulators (their wgmmas in flight)."""
   if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
     pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
-  a_ops = block_operands8(words, blocks) if fp8 else block_operands(words, blocks)
+  a_ops = block_operands(words, blocks)
   out = []
   for a, acc in zip(a_ops, accs):
     acc = mgpu.WGMMAAccumulator.from_registers(acc)
@@ -266,28 +210,22 @@ def _acc_types(accs):
   return tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
 
 
-def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, fp8: bool = False):
+def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False):
   """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
   B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
   of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators. Each
   block's operand is built (``prmt`` + ``cvt``) just before its wgmma is issued, so the conversions of block
   g + 1 run under the wgmma of block g.
 
-  ``fp8`` (with ``p_rows``, ``swizzle`` = 64): the fp8 product, Vᵀ e4m3 from ``load_v_words(..., fp8=True)``'s
-  words (:func:`block_operands8`) and P [N, 64 keys] float8_e4m3fn, 64-byte swizzled (an fp8 wgmma has no
-  transposed B, so P's rows are the only form).
-
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
   LLVM cannot move their uses above the wait."""
-  p_dtype = common.FP8 if fp8 else jnp.float16
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(p_dtype, swizzle)),
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(jnp.float16, swizzle)),
                                 tuple(plgpu.Layout.WGMMA for _ in accs)),
                      return_type=_acc_types(accs))
   def f(ctx, words, pt, accs):
     del ctx
-    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, fp8)
+    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows)
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
