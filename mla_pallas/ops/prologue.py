@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mla_pallas.ops import bmm_fp8, rope_rmsnorm
-
-D_QK, D_ROPE = 576, 64
+from mla_pallas.ops.rope_rmsnorm import D_QK, D_ROPE
 # The most cache-write CTAs measured to gain from sharing W_UK's launch (B8 H128: 18, of which 14 wait for a product
 # CTA to retire, one CTA per SM at the product's SMEM); B128 H128 would add 288 (three waves of full-SM CTAs) and
 # has not been measured, so larger cache writes keep their own kernel (docs/kernels/bmm_fp8.md).
