@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The peer kit (FlashMLA beside mla-pallas, one run, one table) with a heads-on-M schedule candidate in place of the
-# op's "handoff_vt" (the long-split choice), without changing the library: a throw-away project folder whose
+# op's "producer_vt" (its choice from 8-tile splits), without changing the library: a throw-away project folder whose
 # sitecustomize.py patches ops.sparse_decode._heads_m_tuning in the kit's JAX worker. For a candidate that the
 # sweeps found faster, so that its FlashMLA ratios come from the kit as every claim must.
 #
@@ -19,7 +19,7 @@ assert "$SCHEDULE" in _hm.TuningConfig.SCHEDULES, "$SCHEDULE"
 _orig = _sd._heads_m_tuning
 def _patched(tiles_per_split):
   t = dict(_orig(tiles_per_split))
-  if t.get("schedule") == "handoff_vt":
+  if t.get("schedule") == "producer_vt":
     t["schedule"] = "$SCHEDULE"
   return t
 _sd._heads_m_tuning = _patched

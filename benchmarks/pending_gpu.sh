@@ -9,11 +9,12 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-fourth session, which ran "handoff_vt8" and the
-#   4-warpgroup "producer_vt(8)" (commit 8ae6516; deleted after: docs/kernels/sparse_decode_sm90.md), the peer kit with
-#   producer_vt8, and ablations / ptxas of producer_vt): t_bmm_xla (cut by the deadline after 4 of its cases
-#   passed), t_sparse, sweep_small, ab_colaunch_b128; then the peer kit fp8 (C0,P1,P2,P3,P4,P5,D1) and the bf16
-#   cases not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
+# next (the order for the next device call; state after the twenty-fifth session, which made the 4-warpgroup
+#   "producer_vt" the op's heads-on-M schedule from 8-tile splits and ran t_sparse up to its last 4 cases (the bf16
+#   cache kernel at H 64 / 16 / 8 / 32, cut by the timeout; 19 passed, 22 slow skipped), and the peer kit in two runs):
+#   t_sparse (whole), t_bi_branch (batch invariance: 16-tile splits now run "producer_vt"), t_bmm_xla, diag_producer,
+#   sweep_small, ab_colaunch_b128; then the peer kit fp8 in one run (C0,P1,P2,P3,P4,P5,F1,D1) and the bf16 cases
+#   not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -119,7 +120,7 @@ xla_bmm_check_nox() {   # the XLA check again without excess precision
 t_qrows() {   # the raw-PTX Q quantization of the heads-on-N kernel, bytes and scales against the XLA pre-pass
   run t_qrows 120 $T tests/test_q_quant.py -k head_rows
 }
-t_qm() {   # heads on M "twin" (the consumers quantize Q in raw PTX) against "handoff_vt" and the reference
+t_qm() {   # heads on M "twin" (the consumers quantize Q in raw PTX) against "producer_vt" and the reference
   run t_qm 240 $T tests/test_sparse_decode_gpu.py -k heads_m_twin_quantizes_q
 }
 t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass;
@@ -196,8 +197,24 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
     run "layer_glm5_tp8_B${b}" 150 $B mla_layer_decode --impl xla,auto --shape model=glm5,B=$b,tp=8 "${common[@]}"
   done
 }
+t_producer() {   # "producer_vt" (the op's heads-on-M schedule from 8-tile splits) against the reference and "twin"
+  run t_producer 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer"
+}
+diag_producer() {   # "producer_vt" at P1 / F1 beside its P·V with all A fragments built first (pv_all_blocks: the
+                    # form that ptxas serialized) and the 184-register split; ptxas report at P1
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
+  run diag_prod_P1 240 $py --cases P1 --ptxas --rows none,pv_all_blocks,regs_56_88_184 --out "$OUT/diag_producer"
+  run diag_prod_F1 240 $py --cases F1 --rows none,no_qk,no_softmax,no_pv,no_gather --out "$OUT/diag_prod_F1"
+}
+sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
+  local shape
+  for shape in B=8,s_q=2,H=128,ctx=4096 B=32,s_q=1,H=128,ctx=32768 B=64,s_q=1,H=64,ctx=32768; do
+    run "sweep_prod_${shape//[=,]/_}" 100 $B sparse_mla_decode --impl mosaic --sweep --sweep-only schedule=producer_vt \
+      --shape "$shape,topk=2048,page=64" "${common[@]}"
+  done
+}
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_bmm_xla,t_sparse,sweep_small,ab_colaunch_b128"
+next="t_sparse,t_bi_branch,t_bmm_xla,diag_producer,sweep_small,ab_colaunch_b128"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

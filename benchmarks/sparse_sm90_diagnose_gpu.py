@@ -90,9 +90,20 @@ def _pv_half_identity(acc, p_op, wg, interpret, r):
   return acc
 
 
-def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False):
-  del words, pt_ref, swizzle, blocks, p_rows     # the words' loads are side-effecting asm: they stay
+def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False,
+                        pipelined=False):
+  del words, pt_ref, swizzle, blocks, p_rows, pipelined  # the words' loads are side-effecting asm: they stay
   return tuple(accs)
+
+
+_PV_WGMMAS = vt_registers.pv_wgmmas
+
+
+def _pv_forced(pipelined: bool):
+  """``vt_registers.pv_wgmmas`` with its A fragments built one block at a time (``pipelined``) or all first."""
+  def pv(*args, **kwargs):
+    return _PV_WGMMAS(*args, **{**kwargs, "pipelined": pipelined})
+  return pv
 
 
 def _zero_words(k_tile_ref, word=None):
@@ -109,7 +120,15 @@ ROWS = {
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    # real variants (checked): every P·V from registers with its A fragments built one block at a time (wait_group
+    # 1 between blocks; "producer_vt"'s form) or all first (the others' form)
+    "pv_pipelined": {(vt_registers, "pv_wgmmas"): _pv_forced(True)},
+    "pv_all_blocks": {(vt_registers, "pv_wgmmas"): _pv_forced(False)},
+    # register splits of "producer_vt" (loader, producer, each multiplier)
+    "regs_56_88_184": {(heads_m, "PRODUCER_REGS"): (56, 88, 184)},
+    "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
 }
+CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208")
 
 
 @contextlib.contextmanager
@@ -164,7 +183,7 @@ def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> l
   results = []
   for row in rows:
     with patched(row):
-      res = run_spec(spec, (), full, candidates={row: tuning}, check=row == "none",
+      res = run_spec(spec, (), full, candidates={row: tuning}, check=row in CHECKED,
                      iters=iters, progress=False)
     results += res
   print(f"## {name} {shape}", flush=True)

@@ -23,7 +23,12 @@ from __future__ import annotations
 import hashlib
 import os
 
-import jax
+# Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits on a thread of XLA's CPU pool
+# (PJRT_NPROC threads, else one per CPU): the 4-warpgroup "producer_vt" kernel can deadlock with fewer pool
+# threads than warpgroups (it did on the 2-CPU CI machine). Set before JAX creates its CPU client.
+os.environ.setdefault("PJRT_NPROC", "8")
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

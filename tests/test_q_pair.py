@@ -39,9 +39,9 @@ def _assert_same(got, want):
     assert np.array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("H,schedule", [(16, None), (128, None), (64, "handoff_vt")])
+@pytest.mark.parametrize("H,schedule", [(16, None), (128, None), (64, "producer_vt")])
 def test_sparse_decode_pair_is_bitwise_the_concatenation(rng, H, schedule):
-  """Heads on N (H 16) and heads on M "twin" (H 128) read the pair in the kernel (race-checked), "handoff_vt"
+  """Heads on N (H 16) and heads on M "twin" (H 128) read the pair in the kernel (race-checked), "producer_vt"
   (H 64) concatenates it into its pre-pass: each gives the bits of the [.., 576] q."""
   case = make_case(rng, B=2, s_q=2, H=H, topk=75, page_size=16, num_pages=32)
   tuning = () if schedule is None else (("schedule", schedule),)

@@ -65,12 +65,12 @@ def test_lowers_for_sm90(dtype):
 
 @pytest.mark.parametrize("H", [64, 128])
 def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
-  """sparse_mla_decode's pre-pass kernel (its default from 2048 q rows under the "handoff_vt" schedule; "twin"
+  """sparse_mla_decode's pre-pass kernel (its default from 2048 q rows under the "producer_vt" schedule; "twin"
   quantizes Q in the attention kernel) feeds the attention kernel the same Q bytes and scales as the XLA pre-pass:
   the op's outputs are bitwise equal with the kernel replaced by the XLA ops."""
   monkeypatch.setattr(sd, "PREPASS_KERNEL_MIN_ROWS", 0)     # the kernel from the first row (default: 2048 rows)
   case = make_case(rng, B=2, s_q=1, H=H, topk=200, page_size=16, num_pages=64)
-  tuning = (("schedule", "handoff_vt"),)                    # the schedule that takes a pre-quantized Q
+  tuning = (("schedule", "producer_vt"),)                   # the schedule that takes a pre-quantized Q
   out = run_kernel(case, interpret=True, tuning=tuning)
   calls = []
 

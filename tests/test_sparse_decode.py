@@ -136,9 +136,10 @@ def _interpret_budget(case):
     (8, (("k_buffers", 2),)),       # heads on N, two and three K buffers
     (16, (("k_buffers", 3),)),
     (32, (("tiles_per_split", 2),)),   # a split-length override: 4 tiles -> 2 splits of 2
-    # heads on M, one softmax warpgroup handing P to the other (interpret mode: with the f16 V tile)
-    (64, (("schedule", "handoff_vt"), ("k_buffers", 3))),
-    (128, (("schedule", "handoff_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
+    # heads on M, the producer warpgroup handing P to two multipliers (4 warpgroups; interpret mode: with the f16
+    # V tile)
+    (64, (("schedule", "producer_vt"), ("k_buffers", 3))),
+    (128, (("schedule", "producer_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
     (8, (("tiles_per_split", 1),)),
@@ -184,7 +185,7 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
   """Heads on M, "twin" over an fp8 cache: the two consumers quantize their halves of the tile's q rows
   (interpret mode: q_quant.quantize_head_rows_interpret; its 16-row form is bitwise the XLA pre-pass in
   tests/test_q_quant.py, this half-tile form was bitwise the pre-pass's twin on the H200 before that path went) with
-  races checked; an all-zero row and a 300x row among them; against the reference, and against "handoff_vt"
+  races checked; an all-zero row and a 300x row among them; against the reference, and against "producer_vt"
   (which takes the op's pre-pass Q) within the schedules' one bf16 ulp of f32 summation order."""
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=0.5)
   q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
@@ -193,8 +194,8 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
   out, lse = run_kernel(case, interpret=RACES, tuning=(("schedule", "twin"),) + tuning)
   assert not testing.races_found()
   _check_against_reference(case, out, lse, _interpret_budget(case))
-  base, base_lse = run_kernel(case, interpret=True, tuning=(("schedule", "handoff_vt"),) + tuning)
-  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="twin vs handoff_vt")
+  base, base_lse = run_kernel(case, interpret=True, tuning=(("schedule", "producer_vt"),) + tuning)
+  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="twin vs producer_vt")
   fin = np.isfinite(np.asarray(base_lse))
   assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
@@ -204,7 +205,7 @@ def test_heads_m_twin_q_config():
   """"twin" over an fp8 cache quantizes q in the kernel (needs H and softmax_scale, one more SMEM row); the other
   schedule and a bf16 cache do not."""
   assert heads_m.TuningConfig().q_in_kernel
-  assert not heads_m.TuningConfig(schedule="handoff_vt").q_in_kernel
+  assert not heads_m.TuningConfig(schedule="producer_vt").q_in_kernel
   assert not heads_m.TuningConfig(cache_dtype="bfloat16", tiles_per_split=16).q_in_kernel
   with pytest.raises(ValueError, match="heads and softmax_scale"):
     heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig())
@@ -234,11 +235,15 @@ def test_default_config_rules():
     cfg = sd.default_config(h, 512, 2048)
     assert cfg.design == "sm90_heads_n" and cfg.module is heads_n
     assert cfg.kernel == heads_n.TuningConfig(tiles_per_split=32, k_buffers=4) and cfg.num_splits == 1
-  for h in (32, 64, 128):     # a full 32-tile split: the hand-off with Vᵀ in registers; shorter ones: "twin"
+  for h in (32, 64, 128):     # splits of 8 tiles and more: "producer_vt"; shorter ones: "twin"
     cfg = sd.default_config(h, 256, 2048)
     assert cfg.design == "sm90_heads_m"
-    assert cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule="handoff_vt")
-  assert sd.default_config(64, 64, 2048).kernel == heads_m.TuningConfig(tiles_per_split=16, k_buffers=2)
+    assert cfg.kernel == heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule="producer_vt")
+  assert sd.default_config(64, 64, 2048).kernel == heads_m.TuningConfig(tiles_per_split=16, k_buffers=2,
+                                                                        schedule="producer_vt")
+  assert sd.default_config(128, 16, 2048).kernel == heads_m.TuningConfig(tiles_per_split=8, k_buffers=2,
+                                                                         schedule="producer_vt")
+  assert sd.default_config(128, 2, 2048).kernel == heads_m.TuningConfig(tiles_per_split=2, k_buffers=2)
   # one token, 8 tiles: heads on M splits down to 1 tile (_min_split_tiles: 8 CTAs)
   assert sd.default_config(64, 1, 512).num_splits == 8 and sd.default_config(64, 1, 512).kernel.tiles_per_split == 1
   assert sd.default_config(8, 4, 2048, arch="sm100").design == "sm100"
@@ -274,9 +279,9 @@ def test_tuning_errors():
   assert heads_m.TuningConfig().smem_budget() == 200192 + 1024 and heads_n.TuningConfig().smem_budget() == 190976
   with pytest.raises(ValueError, match="schedule"):
     heads_m.TuningConfig(schedule="triple")
-  # "handoff_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
-  assert heads_m.TuningConfig(schedule="handoff_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
-  assert heads_m.TuningConfig(schedule="handoff_vt", k_buffers=3).smem_budget() == 193024
+  # "producer_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
+  assert heads_m.TuningConfig(schedule="producer_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
+  assert heads_m.TuningConfig(schedule="producer_vt", k_buffers=3).smem_budget() == 193024
 
 
 def test_registers_fit_the_launch_allocation():
@@ -284,6 +289,9 @@ def test_registers_fit_the_launch_allocation():
   rounded down to 8: 168 per thread); asking for more hangs the kernel on the GPU."""
   r0 = 65536 // 384 // 8 * 8
   assert common.LOADER_REGS + 2 * common.CONSUMER_REGS <= 3 * r0 and common.CONSUMER_REGS % 8 == 0
+  # "producer_vt": 512 threads, 128 each at launch; loader + producer + two multipliers
+  loader, producer, multiplier = heads_m.PRODUCER_REGS
+  assert loader + producer + 2 * multiplier <= 4 * (65536 // 512) and all(r % 8 == 0 for r in heads_m.PRODUCER_REGS)
 
 
 @pytest.mark.parametrize("tokens,tiles_per_token,topk,plan", [
@@ -384,8 +392,8 @@ def test_xla_masking_fuzz(idx_list, tl):
 
 @pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,schedule", [
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
-    (128, 2, 2048, 1, 2, "handoff_vt"), (128, 2, 2048, 1, 3, "handoff_vt"), (64, 1, 2051, 2, 2, "handoff_vt"),
-    (128, 1, 16384, 2, 2, "handoff_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
+    (128, 2, 2048, 1, 2, "producer_vt"), (128, 2, 2048, 1, 3, "producer_vt"), (64, 1, 2051, 2, 2, "producer_vt"),
+    (128, 1, 16384, 2, 2, "producer_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
     (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
@@ -417,12 +425,20 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    if schedule == "handoff_vt":
+    if schedule == "producer_vt":
+      # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
+      assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
+      assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
+      assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == 2
+    if schedule == "producer_vt":
       # Oᵀ: per consumer 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 32 32-bit loads of its
-      # word of each (key, half), 32 byte permutes, 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
+      # word of each (key, half), one byte permute per A register (one block at a time: 64; block i - 2 retired
+      # by a wait_group 1 before block i is built), 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
       assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 16
       assert low.count(r"ld\.shared\.b32 ") == 2 * 32 + 4        # + the thread gather's 4 row-id loads
-      assert low.count(r"prmt\.b32") == 2 * 32 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 64
+      assert low.count(r"prmt\.b32") == 2 * 64
+      assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 64
+      assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == 2 * 2
       # O: per consumer 8 head groups x 2 heads x 2 halves, 4 consecutive latent columns each
       assert low.count(r"\{alignment = 8 : i64\} : vector<4xbf16>") == 2 * 8 * 2 * 2
     else:
@@ -440,7 +456,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     # (24 more butterflies are the softmax's reductions, as with the XLA pre-pass)
     assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 24 + 4 * 5
     assert low.count(r"cp\.async\.bulk\.tensor") == 1    # the indices only (Q and its scales: none)
-  if H > sd.HEADS_ON_N_MAX:   # the indices, and with "handoff_vt" Q's five boxes (its row scales: a plain load)
+  if H > sd.HEADS_ON_N_MAX:   # the indices, and with "producer_vt" Q's five boxes (its row scales: a plain load)
     assert low.count(r"cp\.async\.bulk\.tensor") == (1 if schedule == "twin" else 6)
   # K gather by the loader's threads: 4 passes x 5 chunks of 16-byte cp.async per thread and tile, one group per
   # tile; a wait leaving k_buffers - 2 tiles in flight in the loop and a final wait for all
@@ -499,7 +515,7 @@ def test_bf16_cache_configs():
   with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
     sd.default_config(128, 8, 2048, "sm100", "bfloat16")
   with pytest.raises(ValueError, match="twin"):
-    sd._config(128, 256, 2048, "sm90", (("schedule", "handoff_vt"),), "bfloat16")
+    sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"),), "bfloat16")
   with pytest.raises(ValueError, match="SMEM"):
     sd._config(128, 256, 2048, "sm90", (("tiles_per_split", 32),), "bfloat16")
   assert sd.validated_on(jnp.bfloat16) == ("sm90",) and sd.validated_on(FP8) == ("sm90",)
@@ -542,3 +558,15 @@ def test_impl_choice_on_cpu(rng):
     _run(case12, "mosaic", interpret=True)
   _run(case12, "auto", interpret=True)
   assert _dispatch.last_impl("sparse_mla_decode") == "xla"
+
+
+def test_producer_interpret_needs_pool_threads(monkeypatch):
+  """Interpret mode of the 4-warpgroup "producer_vt" with fewer XLA CPU pool threads than warpgroups raises
+  (naming PJRT_NPROC) instead of risking a deadlock; "twin" (3 warpgroups) is not refused."""
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  heads_m.build.cache_clear()
+  with pytest.raises(RuntimeError, match="PJRT_NPROC=8"):
+    heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(schedule="producer_vt"), interpret=True)
+  heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(), interpret=True, heads=64, softmax_scale=0.1)
+  heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(schedule="producer_vt"), interpret=False)
+  heads_m.build.cache_clear()

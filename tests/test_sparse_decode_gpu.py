@@ -72,10 +72,10 @@ def test_cache_past_2gib(rng, H):
   testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what=f"H={H}, cache past 2 GiB")
 
 
-SCHEDULE_VARIANTS = {"twin": ((), (("k_buffers", 1),)), "handoff_vt": ((), (("k_buffers", 3),))}
+SCHEDULE_VARIANTS = {"twin": ((), (("k_buffers", 1),)), "producer_vt": ((), (("k_buffers", 3),))}
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("twin", marks=pytest.mark.slow), "handoff_vt"])
+@pytest.mark.parametrize("schedule", [pytest.param("twin", marks=pytest.mark.slow), "producer_vt"])
 @pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), (32, 4)])
 def test_heads_m_schedules(rng, H, s_q, schedule):
   """Each heads-on-M schedule (the op picks one by split length; the others are sweep candidates) against the
@@ -98,7 +98,7 @@ def test_heads_m_schedules(rng, H, s_q, schedule):
 def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype):
   """"twin" (the consumers quantize the tile's q rows in raw PTX, 32 each; the bytes of the XLA pre-pass:
   tests/test_q_quant.py for the 16-row form) with one and several splits, an all-zero row and a 300x row, H 32 leaving the second
-  consumer's rows all padding: against "handoff_vt" (the op's pre-pass Q) within the schedules' one bf16 ulp,
+  consumer's rows all padding: against "producer_vt" (the op's pre-pass Q) within the schedules' one bf16 ulp,
   and against the reference. (Bitwise equal to "twin" with the pre-pass on the H200 before that path was
   deleted: docs/kernels/sparse_decode_sm90.md, "Q in the heads-on-M twin".)"""
   import dataclasses
@@ -107,8 +107,8 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype):
   case = dataclasses.replace(case, q=q)
   for tps in (4, 2):
     out, lse = run_kernel(case, interpret=False, tuning=(("tiles_per_split", tps),))
-    base, base_lse = run_kernel(case, interpret=False, tuning=(("tiles_per_split", tps), ("schedule", "handoff_vt")))
-    testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"twin vs handoff_vt, {tps}-tile splits")
+    base, base_lse = run_kernel(case, interpret=False, tuning=(("tiles_per_split", tps), ("schedule", "producer_vt")))
+    testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"twin vs producer_vt, {tps}-tile splits")
     fin = np.isfinite(np.asarray(base_lse))
     assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)

@@ -22,7 +22,7 @@ def diag():
   return mod
 
 
-@pytest.mark.parametrize("H,tuning", [(128, (("schedule", "handoff_vt"),)), (64, (("schedule", "twin"),)),
+@pytest.mark.parametrize("H,tuning", [(128, (("schedule", "producer_vt"),)), (64, (("schedule", "twin"),)),
                                       (8, ())])
 def test_rows_patch_the_kernel(diag, H, tuning):
   spec = bench.get_spec("sparse_mla_decode")
@@ -34,10 +34,12 @@ def test_rows_patch_the_kernel(diag, H, tuning):
       return "".join(testing.lower_for_cuda(spec.tuned_op(full, tuning, False), *avals).mosaic)
   base = ir("none")
   # which rows reach which schedule: the QKᵀ and softmax patches are heads-on-M functions, the Vᵀ words exist
-  # in "handoff_vt" and the heads-on-N design
+  # in "producer_vt" and the heads-on-N design
   rows = ["no_gather", "no_pv"]
   rows += ["no_qk", "no_softmax"] if H > 16 else []
-  rows += ["no_vt_words"] if H <= 16 or tuning == (("schedule", "handoff_vt"),) else []
+  vt = H <= 16 or tuning == (("schedule", "producer_vt"),)
+  rows += ["no_vt_words", "pv_all_blocks" if tuning and tuning[0][1] == "producer_vt" else "pv_pipelined"] if vt else []
+  rows += ["regs_56_88_184", "regs_24_72_208"] if tuning == (("schedule", "producer_vt"),) else []
   for row in rows:
     assert ir(row) != base, row
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import ClassVar
 
 from jax import lax
@@ -148,6 +149,27 @@ def interpret_kwargs(interpret) -> dict:
   if not interpret:
     return {}
   return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
+
+
+def cpu_pool_threads() -> int:
+  """The threads of XLA's CPU client pool as XLA sizes it (``PJRT_NPROC``, else ``NPROC``, else the CPUs this
+  process may run on), read from the environment of this process."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = os.environ.get(name, "")
+    if value.strip().isdigit():
+      return int(value)
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def check_interpret_threads(interpret, warpgroups: int, what: str) -> None:
+  """Interpret mode runs each warpgroup as a thread that blocks in barrier waits on a thread of XLA's CPU pool;
+  with fewer pool threads than warpgroups the kernel can deadlock (a 4-warpgroup kernel on 2 CPUs did). Raises
+  RuntimeError naming the fix instead of hanging."""
+  if interpret and cpu_pool_threads() < warpgroups:
+    raise RuntimeError(
+        f"interpret mode of {what} runs {warpgroups} warpgroup threads, but XLA's CPU pool has "
+        f"{cpu_pool_threads()} threads and the run can deadlock; set PJRT_NPROC={max(8, warpgroups)} in the "
+        "environment before JAX starts")
 
 
 # ----------------------------------------------------------------------------------------------------------------

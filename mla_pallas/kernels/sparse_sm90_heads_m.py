@@ -40,18 +40,25 @@ Warpgroup roles (3 warpgroups, Lane semantics)
 Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sparse_decode._heads_m_tuning``)
 --------------------------------------------------------------------------------------------------------------
 * "twin": as above, both consumers compute the same S and run the same softmax; nothing crosses between them.
-  The op's choice for splits shorter than 32 tiles.
-* "handoff_vt": WG0 alone computes S (one QKᵀ per tile instead of two), runs the softmax and writes P (f16
-  [64, 64], 128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``); the output is
-  transposed, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built from the fp8 K tile
-  (``kernels/vt_registers.py``: one 32-bit SMEM load per key and half, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the
-  K-major view of P's slot. Each consumer holds 4 Oᵀ blocks of 64 latent rows (latent column 8r + g in row r of
-  block g: WG0 g = 0-3, WG1 g = 4-7; 4 × 32 f32 registers) and stores 8-byte (bf16) row pieces. WG1 waits for
-  the slot, rescales by alpha, multiplies and releases the slot (``p_empty``); after the last tile WG0 publishes
-  kv_scale / l (``p_full[2]``). No f16 V tile and no upcast pass (k_buffers up to 3). The op's choice for 32-tile
-  splits. Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead (WG0 multiplies
-  V columns 0-255 with P from its slot, WG1 upcasts and multiplies columns 256-511; README: interpret-only code
-  paths).
+  Over an fp8 cache no longer the op's choice (slower than "producer_vt" at 8-128-tile splits; a sweep
+  candidate); the schedule of the bf16 cache.
+* "producer_vt" (4 warpgroups; the op's choice over an fp8 cache): WG0 — the *producer* (88 registers) — alone
+  computes S (one QKᵀ per tile), releases the K buffer, runs the online softmax and writes P (f16 [64, 64],
+  128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles
+  ahead); after the last tile it publishes kv_scale / l (``p_full[2]``) and writes the lse. WG1 and WG2 — the
+  *multipliers* (200 registers) — each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is
+  the register A operand built from the fp8 K tile (``kernels/vt_registers.py``: one 32-bit SMEM load per key
+  and half, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows
+  each (latent column 8r + g in row r of block g: WG1 g = 0-3, WG2 g = 4-7; 4 × 32 f32 registers). Per tile a
+  multiplier loads its Vᵀ words, releases the K buffer, waits for the slot, rescales by alpha, issues its 16
+  m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments live,
+  so ptxas does not serialize the wgmmas at 200 registers) and releases the slot (``p_empty``, two arrivals);
+  at the end it stores its half of O in 8-byte (bf16) row pieces. WG3 loads. No f16 V tile and no upcast pass
+  (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead
+  (each multiplier upcasts its two V chunks and multiplies P from the slot; README: interpret-only code paths).
+  Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
+  pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
+  ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
 
 BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only)
 --------------------------------------------------------------------------------------
@@ -71,7 +78,7 @@ their first QKᵀ each consumer quantizes 32 of the tile's 64 rows (WG0 rows 0-3
 zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32 SMEM row (raw PTX,
 ``q_quant.quantize_head_rows``: the pre-pass's bytes), fences and arrives on ``q_bar`` (two arrivals); both wait
 for it and take the row scales as ``q_quant.row_scales(amax)``. The loader then TMAs only the indices. SMEM: +1 024
-(the amax row). "handoff_vt" and the bf16 cache take the pre-pass's Q (``q8``, ``qs`` above) by TMA.
+(the amax row). "producer_vt" and the bf16 cache take the pre-pass's Q (``q8``, ``qs`` above) by TMA.
 
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
@@ -90,12 +97,13 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
-    "handoff_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
+    "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
     1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
-Registers: 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader: setmaxnreg moves
-registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is the most (a
-64-register loader deadlocked the consumers' increase on the H200).
+Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
+setmaxnreg moves registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is
+the most (a 64-register loader deadlocked the consumers' increase on the H200). "producer_vt" (512 threads, 128 per
+thread at launch): loader 24, producer 88, multipliers 200 each (``PRODUCER_REGS``).
 """
 from __future__ import annotations
 
@@ -112,7 +120,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mla_pallas.kernels import common, q_quant, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
-LOADER = 2   # warpgroup index of the loader; consumers are 0 and 1
+LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("producer_vt": 3; multipliers 1, 2)
+# "producer_vt": loader, producer, each multiplier (24 + 88 + 2 · 200 = 4 · 128). ptxas 13.0 on this kernel's PTX:
+# with the multipliers at 184 it serializes their wgmmas (C7511); at 200 it does not; the loader needs no more than
+# 24, the producer spills below 88.
+PRODUCER_REGS = (24, 88, 200)
 
 
 P_BUFFERS = 2        # P / alpha slots of the hand-off
@@ -123,12 +135,13 @@ INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 class TuningConfig(common.SparseSm90Config):
   """Config of the heads-on-M design: ``tiles_per_split``, ``k_buffers`` (1-3, within the SMEM budget: a third K
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
-  consumers compute the same S and run the same softmax; "handoff_vt" — consumer 0 alone does and hands P (f16)
-  and alpha to consumer 1 through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register operand read from the
-  fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split`` up to 128 (32 KB of
-  indices) fits both schedules. "twin" over an fp8 cache quantizes Q in the kernel (:attr:`q_in_kernel`)."""
+  consumers compute the same S and run the same softmax; "producer_vt" — warpgroup 0 alone does and hands P (f16)
+  and alpha to two multiplying warpgroups through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
+  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split``
+  up to 128 (32 KB of indices) fits both schedules. "twin" over an fp8 cache quantizes Q in the kernel
+  (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "handoff_vt")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -161,34 +174,40 @@ class TuningConfig(common.SparseSm90Config):
     return common.tile_layout(self.cache_dtype)
 
   @property
-  def hand_off(self) -> bool:
-    """P and alpha go from consumer 0 to consumer 1 through SMEM slots."""
-    return self.schedule != "twin"
+  def producer(self) -> bool:
+    """"producer_vt": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and WG2, which only
+    multiply (module docstring)."""
+    return self.schedule == "producer_vt"
+
+  @property
+  def loader(self) -> int:
+    """The loader's warpgroup index (the last one)."""
+    return LOADER + 1 if self.producer else LOADER
 
   def v_tile(self, interpret: bool = False) -> bool:
-    """The f16 V tile exists unless "handoff_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
+    """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
     cache is bf16 (V is the K tile itself)."""
-    return (self.schedule != "handoff_vt" or interpret) and not self.bf16
+    return (not self.producer or interpret) and not self.bf16
 
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    hand_off = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
-        if self.hand_off else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
+    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
+        if self.producer else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
         *v_tile,                                                # V f16
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
-        *hand_off,                                              # P slots, alpha / (kv_scale / l) rows
+        *slots,                                                 # P slots, alpha / (kv_scale / l) rows
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
-  """WG2: Q (its chunks, quantized by the op's pre-pass) and the split's indices, then the gathers of every tile
-  (``common.gather_tiles``)."""
-  plgpu.set_max_registers(LOADER_REGS, action="decrease")
+  """WG2 (WG3 in "producer_vt"): Q (its chunks, quantized by the op's pre-pass) and the split's indices, then the
+  gathers of every tile (``common.gather_tiles``)."""
+  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -253,11 +272,11 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None):
-  """A softmax consumer's start: its registers, Q and the indices landed; returns (row_scale [64], kv_scale).
-  ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale, interpret), this consumer quantizes its half
-  of the tile's rows first (:func:`_quantize_q_half`)."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase")):
+  """A softmax consumer's start: its registers (``regs``: count and setmaxnreg action), Q and the indices landed;
+  returns (row_scale [64], kv_scale). ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale,
+  interpret), this consumer quantizes its half of the tile's rows first (:func:`_quantize_q_half`)."""
+  plgpu.set_max_registers(regs[0], action=regs[1])
   if q_in is not None:
     wg, heads, softmax_scale, interpret = q_in
     _quantize_q_half(tile_q, r, wg, heads, softmax_scale, interpret)
@@ -358,17 +377,18 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
 
 
 def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
-  """A hand-off consumer's tile t once its K tile has landed: (K buffer, P slot, the K tiles ref)."""
+  """"producer_vt": tile t once its K tile has landed: (K buffer, P slot, the K tiles ref)."""
   kb = lax.rem(t, cfg.k_buffers)
   plgpu.barrier_wait(r.k_full.at[kb])
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
 def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
-  """Consumer 0 hands tile t's P (f16 [64, 64]) and alpha to consumer 1 in slot pb once that slot is free."""
+  """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
+  (both multipliers released it)."""
   @pl.when(t >= P_BUFFERS)
   def _():
-    plgpu.barrier_wait(r.p_empty.at[pb])   # WG1 is done with slot pb (tile t - 2)
+    plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   r.p_sw.at[pb][...] = p16
   r.head_smem.at[pb][...] = alpha
   plgpu.commit_smem()
@@ -376,123 +396,99 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
 
 
 def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
-  """Consumer 0 after the last tile of a hand-off schedule: kv_scale / l for consumer 1 (``p_full[2]``), the lse,
-  the final observation of the P slots; returns kv_scale / l [64] (row layout)."""
+  """The producer after the last tile: kv_scale / l for the multipliers (``p_full[2]``), the lse, the final
+  observation of the P slots."""
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
   common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
-  return inv
 
 
-def _softmax_consumer_interpret(cfg: TuningConfig, num_slots: int, out_dtype, tile_q, split,
-                                r: common.SparseRefs):
-  """"handoff_vt" in interpret mode, WG0: QKᵀ with the upcast of V chunks 0-1, the online softmax, P (f16) and
-  alpha into P slot t % 2 for WG1, P·V into output columns 0-255 with P from its slot; at the end kv_scale / l for
-  WG1, its half of O and the lse."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
-
-  def step(t, carry):
-    acc, m, l = carry
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    s = _qk_and_upcast(k_tiles, lambda: common.stage_v16(k_tiles, r.v16, chunks=(0, 1)), r)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    p16 = p.astype(jnp.float16)
-    _publish_p(t, pb, p16, alpha, r)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return _pv_half(acc, r.p_sw.at[pb], 0, True, r), m_new, l
-
-  acc, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state())
-  inv = _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
-  _store_half(acc, inv, 0, out_dtype, tile_q, split, r)
-
-
-def _pv_consumer_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs):
-  """"handoff_vt" in interpret mode, WG1: per tile the upcast of V chunks 2-3, the K buffer's release, then after
-  slot t % 2 arrives the rescale by WG0's alpha and P·V into output columns 256-511 with P from the slot, and the
-  slot's release; at the end its half of O, scaled by WG0's kv_scale / l."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int):
+  """"producer_vt" in interpret mode, multiplier WG1 + ``half``: per tile the upcast of V chunks 2 half,
+  2 half + 1, the K buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha and P·V
+  into output columns 256 half ... 256 half + 255 with P from the slot, and the slot's release; at the end its
+  half of O, scaled by the producer's kv_scale / l."""
+  plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
-    common.stage_v16(k_tiles, r.v16, chunks=(2, 3))
+    common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
     alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], 1, True, r)
+    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], half, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
 
   acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
   plgpu.barrier_wait(r.p_full.at[INV_SLOT])
   inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-  _store_half(acc, inv, 1, out_dtype, tile_q, split, r)
+  _store_half(acc, inv, half, out_dtype, tile_q, split, r)
 
 
-VT_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))   # "handoff_vt": the Oᵀ M blocks of consumer 0 / 1 (latent 8r + g)
+VT_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))   # the Oᵀ M blocks of multiplier WG1 / WG2 (latent 8r + g)
 
 
 def _zero_vt():
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * len(VT_BLOCKS[0])
 
 
-def _pv_vt(accs, words, pb, w: int, r: common.SparseRefs):
-  """Consumer w's Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major
-  B, Vᵀ built in registers from ``words``)."""
+def _pv_vt(accs, words, pb, half: int, r: common.SparseRefs):
+  """Multiplier ``half``'s Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as
+  K-major B, Vᵀ built in registers from ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
   return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), 2 * TILE,
-                                      blocks=VT_BLOCKS[w], p_rows=True))
+                                      blocks=VT_BLOCKS[half], p_rows=True, pipelined=True))
 
 
-def _store_vt(accs, w: int, tile_q, split, r: common.SparseRefs):
-  """Consumer w's Oᵀ blocks times kv_scale / l (``head_smem`` row 2) into O (16- or 8-byte row pieces)."""
+def _store_vt(accs, half: int, tile_q, split, r: common.SparseRefs):
+  """Multiplier ``half``'s Oᵀ blocks times kv_scale / l (``head_smem`` row 2) into O (8-byte row pieces)."""
   inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
-  vt_registers.store_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[w])
+  vt_registers.store_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[half])
 
 
-def _softmax_vt_consumer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
-  """schedule "handoff_vt" (hardware), WG0: QKᵀ, the online softmax, P and alpha into slot t % 2, its 32-bit
-  word of Vᵀ from the K tile, release of the K buffer, Oᵀ blocks 0-3 += Vᵀ · Pᵀ; at the end kv_scale / l, the
-  lse and its half of O."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r)
-
-  def step(t, carry):
-    accs, m, l = carry
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    s = _qk_and_upcast(k_tiles, None, r)
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
-    words = vt_registers.load_v_words(k_tiles, word=0)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    return _pv_vt(accs, words, pb, 0, r), m_new, l
-
-  _, m0, l0 = _zero_state()
-  accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (_zero_vt(), m0, l0))
-  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
-  _store_vt(accs, 0, tile_q, split, r)
-
-
-def _pv_vt_consumer(cfg: TuningConfig, tile_q, split, r: common.SparseRefs):
-  """schedule "handoff_vt" (hardware), WG1: its 32-bit word of Vᵀ from the K tile, release, then after slot t % 2
-  arrives Oᵀ blocks 4-7 += Vᵀ · Pᵀ and the release of the slot; at the end its half of O."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int):
+  """"producer_vt" (hardware), multiplier WG1 + ``half``: per tile its 32-bit word ``half`` of Vᵀ from the K tile,
+  the K buffer's release, then after slot t % 2 arrives Oᵀ blocks ``VT_BLOCKS[half]`` += Vᵀ · Pᵀ and the release
+  of the slot; at the end its half of O."""
+  plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
 
   def step(t, accs):
     kb, pb, k_tiles = _landed(t, cfg, r)
-    words = vt_registers.load_v_words(k_tiles, word=1)
+    words = vt_registers.load_v_words(k_tiles, word=half)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
-    accs = _pv_vt(accs, words, pb, 1, r)
+    accs = _pv_vt(accs, words, pb, half, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
   accs = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_vt())
   plgpu.barrier_wait(r.p_full.at[INV_SLOT])
-  _store_vt(accs, 1, tile_q, split, r)
+  _store_vt(accs, half, tile_q, split, r)
+
+
+def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
+  """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
+  themselves), the online softmax, P (f16) and alpha into slot t % 2 (``_publish_p``: it runs up to two tiles
+  ahead of the multipliers); at the end kv_scale / l for WG1 / WG2 and the lse. It holds no O (88 registers)."""
+  row_scale, kv_scale = _softmax_prologue(tile_q, r, regs=(PRODUCER_REGS[1], "decrease"))
+
+  def step(t, carry):
+    m, l = carry
+    kb, pb, k_tiles = _landed(t, cfg, r)
+    s = _qk_and_upcast(k_tiles, None, r)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
+    return m_new, l
+
+  _, m0, l0 = _zero_state()
+  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
+  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):
@@ -501,13 +497,13 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   if cfg.q_in_kernel:   # q as it is, no row-scale input
     refs = refs[:1] + (None,) + refs[1:]
   q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
-  hand_off = cfg.hand_off
+  producer = cfg.producer
   v16, rest = (rest[0], rest[1:]) if cfg.v_tile(interpret) else (None, rest)
-  p_sw, rest = (rest[0], rest[1:]) if (interpret or hand_off) else (None, rest)
+  p_sw, rest = (rest[0], rest[1:]) if (interpret or producer) else (None, rest)
   idx_smem, lse_smem, *rest = rest
-  head_smem, rest = (rest[0], rest[1:]) if hand_off or cfg.q_in_kernel else (None, rest)
+  head_smem, rest = (rest[0], rest[1:]) if producer or cfg.q_in_kernel else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
-  p_full, p_empty = rest if hand_off else (None, None)
+  p_full, p_empty = rest if producer else (None, None)
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
             lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
@@ -515,26 +511,22 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   split = lax.axis_index("split")
   token = lax.div(tile_q, tiles_per_token)
 
-  @pl.when(wg == LOADER)
+  @pl.when(wg == cfg.loader)
   def _():
     _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
-  if hand_off and not interpret:
+  if producer:
     @pl.when(wg == 0)
     def _():
-      _softmax_vt_consumer(cfg, num_slots, tile_q, split, r)
+      _producer(cfg, num_slots, tile_q, split, r)
 
-    @pl.when(wg == 1)
-    def _():
-      _pv_vt_consumer(cfg, tile_q, split, r)
-  elif hand_off:    # interpret mode's stand-in for "handoff_vt" (the same products, V upcast in SMEM)
-    @pl.when(wg == 0)
-    def _():
-      _softmax_consumer_interpret(cfg, num_slots, out_dtype, tile_q, split, r)
-
-    @pl.when(wg == 1)
-    def _():
-      _pv_consumer_interpret(cfg, out_dtype, tile_q, split, r)
+    # interpret mode's multipliers: the same products with V upcast in SMEM
+    multiply = functools.partial(_multiplier_interpret, cfg, out_dtype) if interpret else \
+        functools.partial(_multiplier, cfg)
+    for half in range(2):
+      @pl.when(wg == 1 + half)
+      def _():
+        multiply(tile_q, split, r, half=half)
   else:
     @pl.when(wg < LOADER)
     def _():
@@ -558,24 +550,26 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
                      f"over an fp8 cache); got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
+  if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
+    common.check_interpret_threads(interp, cfg.loader + 1, "schedule 'producer_vt'")
   q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split))
-  hand_off = cfg.hand_off
+  producer = cfg.producer
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
   p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
-      if (interp or hand_off) else []
-  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if hand_off else \
+      if (interp or producer) else []
+  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if producer else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
-  hand_off_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
-                       plgpu.Barrier(num_barriers=P_BUFFERS)] if hand_off else []     # p_empty
+  producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
+                       plgpu.Barrier(num_arrivals=2, num_barriers=P_BUFFERS)] if producer else []   # p_empty
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
                 jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
       grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=LOADER + 1, thread_name="wg",
+      num_threads=cfg.loader + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE, cfg.layout),                                              # Q
           common.k_scratch(cfg.k_buffers, cfg.layout),                                     # K
@@ -588,8 +582,8 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full
-          plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                       # k_empty
-          *hand_off_barriers,
+          plgpu.Barrier(num_arrivals=3 if cfg.producer else 2, num_barriers=cfg.k_buffers),  # k_empty
+          *producer_barriers,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
       **common.interpret_kwargs(interpret),

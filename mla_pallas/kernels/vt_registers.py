@@ -136,6 +136,29 @@ def block_operands(words, blocks=ALL_BLOCKS):
   return [fa.FragmentedArray(_registers=out[g], _layout=fa.WGMMA_LAYOUT, _is_signed=None) for g in blocks]
 
 
+def block_operand(words, g: int):
+  """The A operand Vᵀ[M block g] alone (f16 (64, 64), WGMMA layout) from ``load_words``' container: per register
+  one ``prmt`` (block g's byte of the two keys' words) and one ``cvt`` (:func:`block_operands` shares one
+  ``prmt`` between the blocks of a pair)."""
+  i32 = ir.IntegerType.get_signless(32)
+  f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
+  out = np.empty(regs_shape, dtype=object)
+  b, word = g % 4, g // 4
+  wreg = words.registers
+  for c in range(8):
+    for h in range(2):
+      a_w = vector.extract(wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0], [], [word])       # key 8c + 2t
+      b_w = vector.extract(wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0], [], [word])   # key 8c + 2t + 1
+      val = _asm(i32, [a_w, b_w], "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
+                 f"prmt.b32 p, $1, $2, {b | (4 + b) << 4:#x};\nmov.b32 {{lo, hi}}, p;\n"
+                 "cvt.rn.f16x2.e4m3x2 $0, lo;\n}", "=r,r,r")
+      idx = [0] * len(regs_shape)
+      idx[1], idx[4] = c, h
+      out[tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
+  return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
 def store_rows(accs, o, blocks=ALL_BLOCKS):
   """Stores Oᵀ: accs[g] (f32 (64, N) WGMMA-layout arrays, row r = latent column 8r + g) to ``o`` (GMEM memref
   [out_heads, 512], bf16 or f32; out_heads a multiple of 8, <= N). Across the 8 blocks a thread holds, for each of
@@ -183,16 +206,19 @@ def load_v_words(k_tile_ref, word: int | None = None):
   return f(k_tile_ref)
 
 
-def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool):
+def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bool):
   """Inside an ``inline_mgpu`` body: issue (and commit) accs[i] += Vᵀ[M block blocks[i]] · Pᵀ, one wgmma group per
-  block; returns the accumulators (their wgmmas in flight)."""
+  block; returns the accumulators (the last group's wgmmas in flight). ``pipelined``: block i's A fragments are
+  built only after ``wgmma.wait_group 1`` has retired block i - 2's group (:func:`pv_wgmmas`)."""
   if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
     pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
-  a_ops = block_operands(words, blocks)
+  a_ops = None if pipelined else block_operands(words, blocks)
   out = []
-  for a, acc in zip(a_ops, accs):
-    acc = mgpu.WGMMAAccumulator.from_registers(acc)
-    out.append(mgpu.wgmma(acc, a, pt, swizzle=swizzle))
+  for i, (g, acc) in enumerate(zip(blocks, accs)):
+    if pipelined and i >= 2:
+      _wait(1)     # block i - 2 done: its A registers are free for block i's
+    a = block_operand(words, g) if pipelined else a_ops[i]
+    out.append(mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc), a, pt, swizzle=swizzle))
     _commit()
   return out
 
@@ -210,12 +236,17 @@ def _acc_types(accs):
   return tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
 
 
-def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False):
+def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, pipelined: bool = False):
   """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
   B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
-  of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators. Each
-  block's operand is built (``prmt`` + ``cvt``) just before its wgmma is issued, so the conversions of block
-  g + 1 run under the wgmma of block g.
+  of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators.
+
+  Default: the A fragments of all ``blocks`` are built (``prmt`` + ``cvt``, two blocks per ``prmt``) and then
+  the wgmmas issued, one group per block; with many accumulator registers live ptxas keeps every block's A alive
+  across the wgmmas (16 registers per block). ``pipelined``: block i's fragments are built (one ``prmt`` per
+  register) while block i - 1's wgmmas run, after a ``wgmma.wait_group 1`` has retired block i - 2, so at most
+  two blocks' A are live: the form for a warpgroup with fewer registers than its accumulators and all A
+  fragments need ("producer_vt"'s multipliers at 200; docs/kernels/sparse_decode_sm90.md measures both forms).
 
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
@@ -225,7 +256,7 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
                      return_type=_acc_types(accs))
   def f(ctx, words, pt, accs):
     del ctx
-    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows)
+    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, pipelined)
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))

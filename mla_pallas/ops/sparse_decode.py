@@ -317,14 +317,17 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
 # batch_invariant=True: every split is this many 64-key tiles whatever the batch (the split plan otherwise depends on
 # the number of query tokens, and with it the order of each row's sums); 16 fits every design's limits.
 INVARIANT_SPLIT_TILES = 16
-HANDOFF_MIN_TILES = 32  # heads on M: "handoff_vt" from splits this long; "twin" below (equal at 16, slower at 8)
+PRODUCER_MIN_TILES = 8  # heads on M: "producer_vt" from splits this long; "twin" (Q quantized in the kernel) below
 
 
 def _heads_m_tuning(tiles_per_split: int) -> dict:
-  """The heads-on-M schedule for a split length (measured 2026-12-02, docs/kernels/sparse_decode_sm90.md): the
-  hand-off with Vᵀ in registers wins on long splits (P1 403 -> 347 us, F1 6013 -> 5178), costs at short ones."""
-  if tiles_per_split >= HANDOFF_MIN_TILES:
-    return dict(schedule="handoff_vt")
+  """The heads-on-M schedule for a split length (fp8 cache; docs/kernels/sparse_decode_sm90.md, "A P-producer
+  warpgroup"): "producer_vt" was faster than "twin" at every split length measured, 8 to 128 tiles (C0 38.8 ->
+  35.9 us, B32 H128 61.5 -> 53.5, B64 H64 61.6 -> 54.2), and than the earlier "handoff_vt" at 32 (P1 339.6 ->
+  304.5); the 1-4-tile splits of small batches keep "twin", whose consumers quantize Q themselves (no pre-pass
+  launch), not measured against it."""
+  if tiles_per_split >= PRODUCER_MIN_TILES:
+    return dict(schedule="producer_vt")
   return {}
 
 
@@ -505,7 +508,7 @@ def _partials_dtype(splits: int, bf16_cache: bool, twin: bool = False) -> str:
   ~2^-9 relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``partials_bf16``), for
   half the bytes the kernel writes and :func:`combine_splits` reads. Measured on the H200 against f32 partials
   (benchmarks/sparse_merge_ab_gpu.py; docs/kernels/sparse_decode_sm90.md, "Small batches"): heads on N B8 H8
-  12.1 -> 10.8 us, B8 H16 13.4 -> 11.1, B4 s_q6 H8 19.5 -> 17.8; heads on M "handoff_vt" P5 2801 -> 2746; but
+  12.1 -> 10.8 us, B8 H16 13.4 -> 11.1, B4 s_q6 H8 19.5 -> 17.8; heads on M, the hand-off of the time, P5 2801 -> 2746; but
   "twin" (the short splits of small batches) got slower, its kernel by 2.3-2.6 us (B1 H128 17.5 -> 18.6, B8 H128
   29.5 -> 30.2, C0 43.7 -> 44.4): it stores O straight from the wgmma registers, 2 values per thread and row,
   which in bf16 fill half of each 32-byte sector. BF16 attention (a bfloat16 cache) keeps f32 partials, as
