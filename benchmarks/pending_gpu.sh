@@ -12,8 +12,8 @@
 # next (the order for the next device call; state after the twenty-fifth session, which made the 4-warpgroup
 #   "producer_vt" the op's heads-on-M schedule from 8-tile splits and ran t_sparse up to its last 4 cases (the bf16
 #   cache kernel at H 64 / 16 / 8 / 32, cut by the timeout; 19 passed, 22 slow skipped), and the peer kit in two runs):
-#   t_sparse (whole), t_bi_branch (batch invariance: 16-tile splits now run "producer_vt"), t_bmm_xla, diag_producer,
-#   sweep_small, ab_colaunch_b128; then the peer kit fp8 in one run (C0,P1,P2,P3,P4,P5,F1,D1) and the bf16 cases
+#   timeline_producer (the in-kernel profiler: which warpgroup waits for which), t_sparse (whole), t_bi_branch
+#   (batch invariance: 16-tile splits now run "producer_vt"), diag_producer, t_bmm_xla, sweep_small, ab_colaunch_b128; then the peer kit fp8 in one run (C0,P1,P2,P3,P4,P5,F1,D1) and the bf16 cases
 #   not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
@@ -200,11 +200,18 @@ b_layer() {   # one FP8 layer's decode (K-major weights; "mosaic" is refused at 
 t_producer() {   # "producer_vt" (the op's heads-on-M schedule from 8-tile splits) against the reference and "twin"
   run t_producer 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer"
 }
-diag_producer() {   # "producer_vt" at P1 / F1 beside its P·V with all A fragments built first (pv_all_blocks: the
-                    # form that ptxas serialized) and the 184-register split; ptxas report at P1
+timeline_producer() {   # the in-kernel profiler's per-warpgroup region times of "producer_vt" (which warpgroup waits
+                        # for which: the limiter) at P1 and at F1's per-CTA work (decode form, 4 waves)
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline"
+  run timeline_P1 150 $py --cases P1 --out "$OUT/timeline"
+  run timeline_F1 150 $py --shape B=264,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline_f1"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json    # tens of MB each; the summary is in the group's text
+}
+diag_producer() {   # "producer_vt" at P1 / F1 beside three P slots and the (24, 72, 208) register split (real
+                    # variants, checked); ptxas report at P1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_prod_P1 240 $py --cases P1 --ptxas --rows none,pv_all_blocks,regs_56_88_184 --out "$OUT/diag_producer"
-  run diag_prod_F1 240 $py --cases F1 --rows none,no_qk,no_softmax,no_pv,no_gather --out "$OUT/diag_prod_F1"
+  run diag_prod_P1 240 $py --cases P1 --ptxas --rows none,p_slots_3,regs_24_72_208 --out "$OUT/diag_producer"
+  run diag_prod_F1 240 $py --cases F1 --rows none,p_slots_3 --out "$OUT/diag_prod_F1"
 }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
@@ -214,7 +221,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_sparse,t_bi_branch,t_bmm_xla,diag_producer,sweep_small,ab_colaunch_b128"
+next="timeline_producer,t_sparse,t_bi_branch,diag_producer,t_bmm_xla,sweep_small,ab_colaunch_b128"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

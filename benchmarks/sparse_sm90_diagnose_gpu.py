@@ -28,6 +28,16 @@ Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
     python3 benchmarks/sparse_sm90_diagnose_gpu.py --shape B=64,s_q=1,H=64 --rows none,no_gather
     python3 benchmarks/sparse_sm90_diagnose_gpu.py --cases P1 --tuning schedule=twin    # another schedule
 
+3. **timeline** (``--timeline``): the op's heads-on-M kernel built with Mosaic GPU's in-kernel profiler
+   (``CompilerParams(profile_space=..., profile_dir=...)``), whose spans are the kernel's ``jax.named_scope``
+   regions ("producer_vt": producer ``p_wait_k``, ``p_qk``, ``p_softmax``, ``p_wait_slot``, ``p_store``; each
+   multiplier ``m_wait_k``, ``m_words``, ``m_wait_p``, ``m_pv``; loader ``l_wait_empty``, ``l_gather``), run once;
+   prints per warpgroup the mean cycles per CTA and per tile of each region and the CTA's span, so that which
+   warpgroup waits for which says the limiter (a producer waiting in ``p_wait_slot``: the multipliers limit;
+   multipliers waiting in ``m_wait_p``: the producer does). The trace JSON stays in ``<out>/timeline_<case>``.
+   Profiling adds ~12 cycles and one SMEM store per span edge. Large grids make large traces: F1's per-CTA work
+   is ``--shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192`` (the same kernel at 16 waves).
+
 On a CPU, ``--lower-only`` lowers every row for sm_90a at a small shape (a check that each patch still traces;
 nothing is timed). Timing: the bench engine's CUPTI timer (median of ``--iters``, input sets rotated past L2).
 """
@@ -127,8 +137,10 @@ ROWS = {
     # register splits of "producer_vt" (loader, producer, each multiplier)
     "regs_56_88_184": {(heads_m, "PRODUCER_REGS"): (56, 88, 184)},
     "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
+    # "producer_vt" with three P slots (the producer up to three tiles ahead of the multipliers; + 8 KB of SMEM)
+    "p_slots_3": {(heads_m, "P_BUFFERS"): 3, (heads_m, "INV_SLOT"): 3},
 }
-CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208")
+CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3")
 
 
 @contextlib.contextmanager
@@ -178,6 +190,82 @@ def ptxas_report(name: str, op: str, shape: dict, out: str, tuning=()) -> dict:
               warnings=[ln for ln in lines if "serializ" in ln.lower() or "performance" in ln.lower()])
 
 
+class _ProfiledPlgpu:
+  """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with the in-kernel profiler switched on in its CompilerParams."""
+
+  def __init__(self, space: int, folder: str):
+    self._space, self._folder = space, folder
+
+  def __getattr__(self, name):
+    return getattr(plgpu, name)
+
+  def CompilerParams(self, **kwargs):  # noqa: N802 (plgpu's name)
+    return plgpu.CompilerParams(**kwargs, profile_space=self._space, profile_dir=self._folder,
+                                profile_bounds_check=True)
+
+
+def timeline_summary(trace: dict, roles=("producer", "multiplier 0", "multiplier 1", "loader")) -> list[dict]:
+  """Per warpgroup (``tid`` - 1 modulo the warpgroups of a block) and region: mean cycles per CTA, mean count per
+  CTA, mean cycles per span; plus each warpgroup's span per CTA (first begin to last end). The profiler's
+  timestamps are ``(globaltimer start + clock cycles) / 1e3``, so differences within a trace are cycles / 1e3."""
+  import collections
+  opened, per = {}, collections.defaultdict(lambda: collections.defaultdict(list))
+  first, last = {}, {}
+  for ev in trace["traceEvents"]:
+    tid, name, ts = ev["tid"], ev["name"], ev["ts"] * 1e3
+    first.setdefault(tid, ts)
+    last[tid] = ts
+    if ev["ph"] == "B":
+      opened[(tid, name)] = ts
+    elif (tid, name) in opened:
+      per[tid][name].append(ts - opened.pop((tid, name)))
+  n_wg = len(roles)
+  rows = []
+  for wg in range(n_wg):
+    tids = [t for t in first if (t - 1) % n_wg == wg]
+    if not tids:
+      continue
+    names = sorted({n for t in tids for n in per[t]})
+    span = sum(last[t] - first[t] for t in tids) / len(tids)
+    for name in names:
+      spans = [sum(per[t][name]) for t in tids]
+      counts = [len(per[t][name]) for t in tids]
+      total = sum(spans) / len(tids)
+      rows.append(dict(warpgroup=wg, role=roles[wg], region=name, cycles_per_cta=total,
+                       count_per_cta=sum(counts) / len(tids), cycles_per_span=total / max(1e-9, sum(counts) / len(tids)),
+                       share_of_span=total / span if span else 0.0, span_cycles=span, ctas=len(tids)))
+  return rows
+
+
+def timeline(name: str, op: str, shape: dict, out: str, space: int, tuning=()) -> list[dict]:
+  """Run one call of the op with the profiled heads-on-M kernel; print and return :func:`timeline_summary`."""
+  spec, full = _full_shape(op, shape)
+  folder = os.path.join(out, f"timeline_{name}")
+  os.makedirs(folder, exist_ok=True)
+  with unittest.mock.patch.object(heads_m, "plgpu", _ProfiledPlgpu(space, folder)):
+    _fresh()
+    inputs = spec.make_inputs(full, jax.random.key(0))
+    jax.block_until_ready(spec.tuned_op(full, tuning, False)(*inputs))
+  _fresh()
+  files = sorted(glob.glob(os.path.join(folder, "*trace.json")))
+  if not files:
+    print(f"## timeline {name}: no trace written (the case does not run the heads-on-M kernel?)", flush=True)
+    return []
+  with open(files[-1]) as f:
+    rows = timeline_summary(json.load(f))
+  print(f"## timeline {name} {shape} ({files[-1]})", flush=True)
+  print(f"{'warpgroup':<14} {'region':<14} {'cycles/CTA':>11} {'spans/CTA':>9} {'cycles/span':>11} "
+        f"{'of span':>7}", flush=True)
+  for r in rows:
+    print(f"{r['role']:<14} {r['region']:<14} {r['cycles_per_cta']:>11.0f} {r['count_per_cta']:>9.1f} "
+          f"{r['cycles_per_span']:>11.0f} {r['share_of_span']:>7.1%}", flush=True)
+  spans = {r["role"]: r["span_cycles"] for r in rows}
+  print("spans per CTA (cycles): " + ", ".join(f"{k} {v:.0f}" for k, v in spans.items()), flush=True)
+  for r in rows:
+    r["case"] = name
+  return rows
+
+
 def time_rows(name: str, op: str, shape: dict, rows, iters: int, tuning=()) -> list:
   spec, full = _full_shape(op, shape)
   results = []
@@ -207,6 +295,21 @@ def lower_rows(op: str, shape: dict, rows, tuning=()) -> None:
     print(f"{row}: lowered ({sum(len(m) for m in low.mosaic)} characters of Mosaic GPU IR)", flush=True)
 
 
+def lower_timeline(op: str, shape: dict, out: str, space: int, tuning=()) -> None:
+  """CPU check: the profiled kernel (named regions, profiler buffers) lowers for sm_90a."""
+  spec, full = _full_shape(op, shape)
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in spec.make_inputs(full, jax.random.key(0))]
+  with unittest.mock.patch.object(heads_m, "plgpu", _ProfiledPlgpu(space, out)):
+    _fresh()
+    try:
+      testing.lower_for_cuda(spec.tuned_op(full, tuning, False), *avals)
+    except ValueError as e:   # the kernel lowered; the dump is a host callback, which needs a CUDA backend
+      if "different from the lowering platform cuda" not in str(e):
+        raise
+  _fresh()
+  print("timeline: the profiled kernel lowered (its trace dump, a host callback, lowers only on a GPU)", flush=True)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cases", default="P1,F1", help=f"comma-separated among {','.join(CASES)}")
@@ -217,6 +320,10 @@ def main(argv=None) -> int:
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--out", default="results/diagnose")
   p.add_argument("--lower-only", action="store_true", help="CPU: lower every row for sm_90a, time nothing")
+  p.add_argument("--timeline", action="store_true",
+                 help="instead of the rows: one profiled call per case, per-warpgroup region times")
+  p.add_argument("--timeline-space", type=int, default=200,
+                 help="profiler spans per warpgroup (5 per tile; longer traces are truncated)")
   a = p.parse_args(argv)
   rows = a.rows.split(",")
   value = lambda v: int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v)
@@ -232,6 +339,15 @@ def main(argv=None) -> int:
   if a.lower_only:
     for name, (op, shape) in cases.items():
       lower_rows(op, shape, rows, tuning)
+      if a.timeline:
+        lower_timeline(op, shape, a.out, a.timeline_space, tuning)
+    return 0
+  if a.timeline:
+    report = []
+    for name, (op, shape) in cases.items():
+      report += timeline(name, op, shape, a.out, a.timeline_space, tuning)
+      with open(os.path.join(a.out, "timeline.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
     return 0
   report = []
   for name, (op, shape) in cases.items():

@@ -39,7 +39,7 @@ def test_rows_patch_the_kernel(diag, H, tuning):
   rows += ["no_qk", "no_softmax"] if H > 16 else []
   vt = H <= 16 or tuning == (("schedule", "producer_vt"),)
   rows += ["no_vt_words", "pv_all_blocks" if tuning and tuning[0][1] == "producer_vt" else "pv_pipelined"] if vt else []
-  rows += ["regs_56_88_184", "regs_24_72_208"] if tuning == (("schedule", "producer_vt"),) else []
+  rows += ["regs_56_88_184", "regs_24_72_208", "p_slots_3"] if tuning == (("schedule", "producer_vt"),) else []
   for row in rows:
     assert ir(row) != base, row
 
@@ -47,3 +47,30 @@ def test_rows_patch_the_kernel(diag, H, tuning):
 def test_cli_lower_only(diag, capsys):
   assert diag.main(["--lower-only", "--shape", "B=2,s_q=1,H=64,topk=256,ctx=512", "--rows", "none,no_pv"]) == 0
   assert "no_pv: lowered" in capsys.readouterr().out
+
+
+def test_timeline_summary(diag):
+  """The timeline's per-warpgroup table from a trace in the profiler's format (tid = 1 + warpgroup + 4 · block,
+  ts = (start ns + cycles) / 1e3): two blocks, the producer's regions twice per block, a multiplier's once."""
+  ev = []
+  for block in range(2):
+    t0 = 1000.0 * block
+    for i, (name, a, b) in enumerate([("p_qk", 0, 100), ("p_softmax", 100, 250), ("p_qk", 300, 400)]):
+      ev += [dict(name=name, ph="B", ts=(t0 + a) / 1e3, tid=1 + 4 * block, pid=1),
+             dict(name=name, ph="E", ts=(t0 + b) / 1e3, tid=1 + 4 * block, pid=1)]
+    ev += [dict(name="m_wait_p", ph="B", ts=(t0 + 10) / 1e3, tid=2 + 4 * block, pid=1),
+           dict(name="m_wait_p", ph="E", ts=(t0 + 60) / 1e3, tid=2 + 4 * block, pid=1)]
+  rows = {(r["role"], r["region"]): r for r in diag.timeline_summary({"traceEvents": ev})}
+  qk = rows[("producer", "p_qk")]
+  assert qk["cycles_per_cta"] == pytest.approx(200) and qk["count_per_cta"] == 2 and qk["ctas"] == 2
+  assert qk["cycles_per_span"] == pytest.approx(100) and qk["share_of_span"] == pytest.approx(0.5)
+  assert rows[("producer", "p_softmax")]["cycles_per_cta"] == pytest.approx(150)
+  assert rows[("multiplier 0", "m_wait_p")]["share_of_span"] == pytest.approx(1.0)
+  assert not any(r["role"] == "loader" for r in rows.values())
+
+
+def test_timeline_lowers(diag, capsys):
+  """The profiled "producer_vt" kernel (named regions, profiler buffers) lowers for sm_90a."""
+  assert diag.main(["--lower-only", "--timeline", "--shape", "B=2,s_q=1,H=128,topk=1024,ctx=4096",
+                    "--rows", "none", "--tuning", "schedule=producer_vt"]) == 0
+  assert "timeline: the profiled kernel lowered" in capsys.readouterr().out

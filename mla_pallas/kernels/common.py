@@ -18,6 +18,7 @@ import math
 import os
 from typing import ClassVar
 
+import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -316,11 +317,13 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
     def _(t):
       kb = lax.rem(t, k_buffers)
 
-      @pl.when(t >= k_buffers)
-      def _():
-        plgpu.barrier_wait(k_empty.at[kb])
+      with jax.named_scope("l_wait_empty"):     # named regions: spans of the in-kernel profiler (no-ops without it)
+        @pl.when(t >= k_buffers)
+        def _():
+          plgpu.barrier_wait(k_empty.at[kb])
       before_gather(t)
-      gather(t, kb)
+      with jax.named_scope("l_gather"):
+        gather(t, kb)
 
   if not interpret:
     from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used

@@ -386,12 +386,14 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
 def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
   """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
   (both multipliers released it)."""
-  @pl.when(t >= P_BUFFERS)
-  def _():
-    plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
-  r.p_sw.at[pb][...] = p16
-  r.head_smem.at[pb][...] = alpha
-  plgpu.commit_smem()
+  with jax.named_scope("p_wait_slot"):
+    @pl.when(t >= P_BUFFERS)
+    def _():
+      plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
+  with jax.named_scope("p_store"):
+    r.p_sw.at[pb][...] = p16
+    r.head_smem.at[pb][...] = alpha
+    plgpu.commit_smem()
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
@@ -458,37 +460,48 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
 
   def step(t, accs):
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    words = vt_registers.load_v_words(k_tiles, word=half)
+    with jax.named_scope("m_wait_k"):
+      kb, pb, k_tiles = _landed(t, cfg, r)
+    with jax.named_scope("m_words"):
+      words = vt_registers.load_v_words(k_tiles, word=half)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    plgpu.barrier_wait(r.p_full.at[pb])
-    accs = _pv_vt(accs, words, pb, half, r)
+    with jax.named_scope("m_wait_p"):
+      plgpu.barrier_wait(r.p_full.at[pb])
+    with jax.named_scope("m_pv"):
+      accs = _pv_vt(accs, words, pb, half, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
   accs = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_vt())
-  plgpu.barrier_wait(r.p_full.at[INV_SLOT])
-  _store_vt(accs, half, tile_q, split, r)
+  with jax.named_scope("m_store"):
+    plgpu.barrier_wait(r.p_full.at[INV_SLOT])
+    _store_vt(accs, half, tile_q, split, r)
 
 
 def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
   """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
   themselves), the online softmax, P (f16) and alpha into slot t % 2 (``_publish_p``: it runs up to two tiles
   ahead of the multipliers); at the end kv_scale / l for WG1 / WG2 and the lse. It holds no O (88 registers)."""
-  row_scale, kv_scale = _softmax_prologue(tile_q, r, regs=(PRODUCER_REGS[1], "decrease"))
+  with jax.named_scope("p_prologue"):
+    row_scale, kv_scale = _softmax_prologue(tile_q, r, regs=(PRODUCER_REGS[1], "decrease"))
 
   def step(t, carry):
     m, l = carry
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    s = _qk_and_upcast(k_tiles, None, r)
+    with jax.named_scope("p_wait_k"):
+      kb, pb, k_tiles = _landed(t, cfg, r)
+    with jax.named_scope("p_qk"):
+      s = _qk_and_upcast(k_tiles, None, r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-    _publish_p(t, pb, p.astype(jnp.float16), alpha, r)
+    with jax.named_scope("p_softmax"):
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+      p16 = p.astype(jnp.float16)
+    _publish_p(t, pb, p16, alpha, r)
     return m_new, l
 
   _, m0, l0 = _zero_state()
   m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
-  _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+  with jax.named_scope("p_finish"):
+    _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):

@@ -20,8 +20,8 @@ two 64-bit loads (conflict-free: the four keys of one load instruction pair up o
 Per thread and 64 x 512 tile: 32 ``ld.shared.v2.b32``, 64 ``prmt``, 128 ``cvt.rn.f16x2.e4m3x2`` and the 32
 m64nNk16 wgmmas (8 M blocks x 4 k16 steps). What it measured: docs/kernels/sparse_decode_sm90.md (v8).
 
-The heads-on-M design's hand-off schedules (``kernels/sparse_sm90_heads_m.py``) use the same operand with N = 64
-heads and half of the M blocks per consumer (``word``, ``blocks``, ``p_rows``).
+The heads-on-M design's "producer_vt" (``kernels/sparse_sm90_heads_m.py``) uses the same operand with N = 64
+heads and half of the M blocks per multiplier (``word``, ``blocks``, ``p_rows``; ``pv_wgmmas(pipelined=True)``).
 
 Everything here is raw Mosaic GPU (``plgpu.inline_mgpu``, inline PTX). Interpret mode has no ``inline_mgpu``: the
 kernel keeps the SMEM upcast there (same products, natural row order), so this module is checked by lowering on
