@@ -231,9 +231,10 @@ def timeline_summary(trace: dict, roles=("producer", "multiplier 0", "multiplier
       spans = [sum(per[t][name]) for t in tids]
       counts = [len(per[t][name]) for t in tids]
       total = sum(spans) / len(tids)
-      rows.append(dict(warpgroup=wg, role=roles[wg], region=name, cycles_per_cta=total,
-                       count_per_cta=sum(counts) / len(tids), cycles_per_span=total / max(1e-9, sum(counts) / len(tids)),
-                       share_of_span=total / span if span else 0.0, span_cycles=span, ctas=len(tids)))
+      count = sum(counts) / len(tids)
+      rows.append(dict(warpgroup=wg, role=roles[wg], region=name, cycles_per_cta=total, count_per_cta=count,
+                       cycles_per_span=total / max(1e-9, count), share_of_span=total / span if span else 0.0,
+                       span_cycles=span, ctas=len(tids)))
   return rows
 
 

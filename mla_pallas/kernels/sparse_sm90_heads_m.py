@@ -24,8 +24,8 @@ Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.op
     Returns o [num_q_tiles, num_splits, 64, 512] out_dtype and lse [num_q_tiles, num_splits, 64] f32 (natural
     log), each split normalised by its own softmax sum (the op merges splits by lse).
 
-Warpgroup roles (3 warpgroups, Lane semantics)
-----------------------------------------------
+Warpgroup roles of "twin" (3 warpgroups, Lane semantics; "producer_vt": see Schedules)
+--------------------------------------------------------------------------------------
 * WG2 — loader (56 registers): TMA of Q (five 128-column boxes) and of the split's indices, then per 64-key tile,
   once the consumers have released K buffer ``t % k_buffers`` (``k_empty``), the gather of its 64 rows straight
   into the 128-byte-swizzled K tiles by the warpgroup's 128 threads, 20 16-byte ``cp.async`` each
@@ -40,8 +40,8 @@ Warpgroup roles (3 warpgroups, Lane semantics)
 Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sparse_decode._heads_m_tuning``)
 --------------------------------------------------------------------------------------------------------------
 * "twin": as above, both consumers compute the same S and run the same softmax; nothing crosses between them.
-  Over an fp8 cache no longer the op's choice (slower than "producer_vt" at 8-128-tile splits; a sweep
-  candidate); the schedule of the bf16 cache.
+  Over an fp8 cache the op's choice only for the 1-4-tile splits of small batches (its consumers quantize Q: no
+  pre-pass launch); slower than "producer_vt" at 8-128-tile splits. The schedule of the bf16 cache.
 * "producer_vt" (4 warpgroups; the op's choice over an fp8 cache): WG0 — the *producer* (88 registers) — alone
   computes S (one QKᵀ per tile), releases the K buffer, runs the online softmax and writes P (f16 [64, 64],
   128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles
@@ -51,11 +51,12 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   and half, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows
   each (latent column 8r + g in row r of block g: WG1 g = 0-3, WG2 g = 4-7; 4 × 32 f32 registers). Per tile a
   multiplier loads its Vᵀ words, releases the K buffer, waits for the slot, rescales by alpha, issues its 16
-  m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments live,
-  so ptxas does not serialize the wgmmas at 200 registers) and releases the slot (``p_empty``, two arrivals);
-  at the end it stores its half of O in 8-byte (bf16) row pieces. WG3 loads. No f16 V tile and no upcast pass
-  (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off with an f16 V tile instead
-  (each multiplier upcasts its two V chunks and multiplies P from the slot; README: interpret-only code paths).
+  m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments live;
+  with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
+  (``p_empty``, two arrivals); at the end it stores its half of O in 8-byte (bf16) row pieces. WG3 loads. No
+  f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
+  with an f16 V tile instead (each multiplier upcasts its two V chunks and multiplies P from the slot; README:
+  interpret-only code paths).
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -121,9 +122,10 @@ from mla_pallas.kernels import common, q_quant, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
 LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("producer_vt": 3; multipliers 1, 2)
-# "producer_vt": loader, producer, each multiplier (24 + 88 + 2 · 200 = 4 · 128). ptxas 13.0 on this kernel's PTX:
-# with the multipliers at 184 it serializes their wgmmas (C7511); at 200 it does not; the loader needs no more than
-# 24, the producer spills below 88.
+# "producer_vt": loader, producer, each multiplier (24 + 88 + 2 · 200 = 4 · 128). With all four blocks' A fragments
+# built before the P·V wgmmas, ptxas 13.0 serialized them at 184 (C7511) and at 200 (C7512); built one block at a
+# time (pv_wgmmas(pipelined=True)) the kernel at 200 ran 11 % faster (docs/kernels/sparse_decode_sm90.md). The
+# loader needs no more than 24, the producer spills below 88.
 PRODUCER_REGS = (24, 88, 200)
 
 

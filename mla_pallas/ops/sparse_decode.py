@@ -504,15 +504,15 @@ def _partials_dtype(splits: int, bf16_cache: bool, twin: bool = False) -> str:
   """The attention kernel's output dtype: bfloat16, except split partials over a bfloat16 cache or from the
   heads-on-M "twin" schedule (``twin``), which are float32.
 
-  With an fp8 cache each split's normalised partial O is rounded to bf16 before the merge: one more rounding of
-  ~2^-9 relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``partials_bf16``), for
-  half the bytes the kernel writes and :func:`combine_splits` reads. Measured on the H200 against f32 partials
-  (benchmarks/sparse_merge_ab_gpu.py; docs/kernels/sparse_decode_sm90.md, "Small batches"): heads on N B8 H8
-  12.1 -> 10.8 us, B8 H16 13.4 -> 11.1, B4 s_q6 H8 19.5 -> 17.8; heads on M, the hand-off of the time, P5 2801 -> 2746; but
-  "twin" (the short splits of small batches) got slower, its kernel by 2.3-2.6 us (B1 H128 17.5 -> 18.6, B8 H128
-  29.5 -> 30.2, C0 43.7 -> 44.4): it stores O straight from the wgmma registers, 2 values per thread and row,
-  which in bf16 fill half of each 32-byte sector. BF16 attention (a bfloat16 cache) keeps f32 partials, as
-  FlashMLA does, so that its error stays at bf16 rounding of P and the output."""
+  With an fp8 cache each split's normalised partial O is rounded to bf16 before the merge: one more rounding of ~2^-9
+  relative, a tenth of the FP8 terms of the error model (``testing.fp8_error_terms``, ``partials_bf16``), for half the
+  bytes the kernel writes and :func:`combine_splits` reads. Measured on the H200 against f32 partials
+  (benchmarks/sparse_merge_ab_gpu.py; docs/kernels/sparse_decode_sm90.md, "Small batches"): heads on N B8 H8 12.1 ->
+  10.8 us, B8 H16 13.4 -> 11.1, B4 s_q6 H8 19.5 -> 17.8; heads on M, the hand-off of the time, P5 2801 -> 2746; but
+  "twin" (the short splits of small batches) got slower, its kernel by 2.3-2.6 us (B1 H128 17.5 -> 18.6, B8 H128 29.5
+  -> 30.2, C0 43.7 -> 44.4): it stores O straight from the wgmma registers, 2 values per thread and row, which in bf16
+  fill half of each 32-byte sector. BF16 attention (a bfloat16 cache) keeps f32 partials, as FlashMLA does, so that
+  its error stays at bf16 rounding of P and the output."""
   return "float32" if splits > 1 and (bf16_cache or twin) else "bfloat16"
 
 
