@@ -44,6 +44,7 @@ nothing is timed). Timing: the bench engine's CUPTI timer (median of ``--iters``
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import glob
 import json
@@ -208,7 +209,6 @@ def timeline_summary(trace: dict, roles=("producer", "multiplier 0", "multiplier
   """Per warpgroup (``tid`` - 1 modulo the warpgroups of a block) and region: mean cycles per CTA, mean count per
   CTA, mean cycles per span; plus each warpgroup's span per CTA (first begin to last end). The profiler's
   timestamps are ``(globaltimer start + clock cycles) / 1e3``, so differences within a trace are cycles / 1e3."""
-  import collections
   opened, per = {}, collections.defaultdict(lambda: collections.defaultdict(list))
   first, last = {}, {}
   for ev in trace["traceEvents"]:

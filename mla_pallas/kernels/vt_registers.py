@@ -105,58 +105,47 @@ def load_words(k_tile, word: int | None = None):
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
 
 
-def block_operands(words, blocks=ALL_BLOCKS):
-  """The A operands Vᵀ[M block g] for g in ``blocks`` (f16 (64, 64) arrays, WGMMA layout) from ``load_words``'
-  container; ``blocks`` is a run of whole pairs (2i, 2i + 1), e.g. all 8 or the 4 of one 32-bit word."""
+def _fragments(words, blocks, per_prmt: int):
+  """The A operands Vᵀ[M block g] for g in ``blocks`` from ``load_words``' container. Per (key pair, half) one
+  ``prmt`` gathers byte b = g % 4 and b + 1 of the two keys' 32-bit words g // 4 into two (key, key) byte pairs,
+  each converted by one ``cvt.rn.f16x2.e4m3x2``; ``per_prmt`` = 2 converts both (blocks g, g + 1: ``blocks`` a run
+  of whole pairs), 1 only block g's."""
   i32 = ir.IntegerType.get_signless(32)
   f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
   regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
-  out = [np.empty(regs_shape, dtype=object) for _ in range(M_BLOCKS)]
+  out = {g: np.empty(regs_shape, dtype=object) for g in blocks}
   wreg = words.registers
+  cvt = "cvt.rn.f16x2.e4m3x2 $0, lo;\n" + ("cvt.rn.f16x2.e4m3x2 $1, hi;\n" if per_prmt == 2 else "")
+  result = llvm.StructType.get_literal([i32, i32]) if per_prmt == 2 else i32
   for c in range(8):
     for h in range(2):
       wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
       wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
-      for g in blocks[::2]:
-        b = g % 4
-        word = g // 4
-        a_w = vector.extract(wa, [], [word])
-        b_w = vector.extract(wb, [], [word])
+      for g in blocks[::per_prmt]:
+        b, word = g % 4, g // 4
         sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
-        both = _asm(llvm.StructType.get_literal([i32, i32]), [a_w, b_w],
+        conv = _asm(result, [vector.extract(wa, [], [word]), vector.extract(wb, [], [word])],
                     "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
-                    f"prmt.b32 p, $2, $3, {sel:#x};\nmov.b32 {{lo, hi}}, p;\n"
-                    "cvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
-                    "=r,=r,r,r")
-        for j in range(2):
-          val = llvm.extractvalue(i32, both, [j])
+                    f"prmt.b32 p, ${per_prmt}, ${per_prmt + 1}, {sel:#x};\nmov.b32 {{lo, hi}}, p;\n{cvt}}}",
+                    ",".join(["=r"] * per_prmt + ["r", "r"]))
+        vals = [llvm.extractvalue(i32, conv, [j]) for j in range(2)] if per_prmt == 2 else [conv]
+        for j, val in enumerate(vals):
           idx = [0] * len(regs_shape)
           idx[1], idx[4] = c, h
           out[g + j][tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
   return [fa.FragmentedArray(_registers=out[g], _layout=fa.WGMMA_LAYOUT, _is_signed=None) for g in blocks]
 
 
+def block_operands(words, blocks=ALL_BLOCKS):
+  """The A operands Vᵀ[M block g] for g in ``blocks`` (f16 (64, 64) arrays, WGMMA layout) from ``load_words``'
+  container; ``blocks`` is a run of whole pairs (2i, 2i + 1), e.g. all 8 or the 4 of one 32-bit word (one
+  ``prmt`` per register pair of the two blocks)."""
+  return _fragments(words, blocks, per_prmt=2)
+
+
 def block_operand(words, g: int):
-  """The A operand Vᵀ[M block g] alone (f16 (64, 64), WGMMA layout) from ``load_words``' container: per register
-  one ``prmt`` (block g's byte of the two keys' words) and one ``cvt`` (:func:`block_operands` shares one
-  ``prmt`` between the blocks of a pair)."""
-  i32 = ir.IntegerType.get_signless(32)
-  f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
-  out = np.empty(regs_shape, dtype=object)
-  b, word = g % 4, g // 4
-  wreg = words.registers
-  for c in range(8):
-    for h in range(2):
-      a_w = vector.extract(wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0], [], [word])       # key 8c + 2t
-      b_w = vector.extract(wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0], [], [word])   # key 8c + 2t + 1
-      val = _asm(i32, [a_w, b_w], "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
-                 f"prmt.b32 p, $1, $2, {b | (4 + b) << 4:#x};\nmov.b32 {{lo, hi}}, p;\n"
-                 "cvt.rn.f16x2.e4m3x2 $0, lo;\n}", "=r,r,r")
-      idx = [0] * len(regs_shape)
-      idx[1], idx[4] = c, h
-      out[tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
-  return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+  """The A operand Vᵀ[M block g] alone (f16 (64, 64), WGMMA layout): one ``prmt`` and one ``cvt`` per register."""
+  return _fragments(words, (g,), per_prmt=1)[0]
 
 
 def store_rows(accs, o, blocks=ALL_BLOCKS):
