@@ -9,16 +9,15 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-fifth session, which made the 4-warpgroup
-#   "producer_vt" the op's heads-on-M schedule from 8-tile splits and ran t_sparse up to its last 4 cases (the bf16
-#   cache kernel at H 64 / 16 / 8 / 32, cut by the timeout; 19 passed, 22 slow skipped), and the peer kit in two runs):
-#   timeline_producer (the in-kernel profiler: which warpgroup waits for which), t_sparse (whole), t_bi_branch
-#   (batch invariance: 16-tile splits now run "producer_vt"), diag_producer, t_bmm_xla, sweep_small, ab_colaunch_b128; then the peer kit fp8 in one run (C0,P1,P2,P3,P4,P5,F1,D1) and the bf16 cases
-#   not yet run (PEERS_CACHE_DTYPE=bf16 CASES=D2,P1,P3).
+# next (the order for the next device call; state after the twenty-sixth session, which gave "producer_vt"'s
+#   multipliers one 64-bit V load per key and Q quantized in the kernel, ran t_vt and t_producer (passed) and the
+#   peer kit in one run): the GPU test files that route through the sparse kernel, not run since the defaults
+#   changed: t_sparse (whole, ~5 min), t_bi_branch, t_batch_invariance, t_dense, t_qrows, t_qm, t_prefill_kernel;
+#   then timeline_producer (where the per-tile time goes now) and sweep_small.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
-#   q_prepass (benchmarks/q_prepass_gpu.py), b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
+#   b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
 #   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 / steps_small.
 # Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows, and
 #   issue 22's BF16 rows with mla-pallas on a bf16 cache: apply benchmarks/peers_bf16_cache_option.diff to the
@@ -49,7 +48,6 @@ B="$PY -m mla_pallas.cli bench"
 common=(--no-plot --no-progress --out "$OUT")
 t_sparse() { run t_sparse 300 $T tests/test_sparse_decode_gpu.py; }
 ab_merge() { run ab_merge 300 $PY benchmarks/sparse_merge_ab_gpu.py; }
-q_prepass() { run q_prepass 120 $PY benchmarks/q_prepass_gpu.py; }
 sweep_bmm_b1() {   # the decode step's two BMMs at B1 with weights cold in HBM (5.3 us each in the step; 4.1 / 3.8 us
                    # was measured with 2 input sets, i.e. from L2): is another tile or ring depth faster cold?
   run sweep_bmm_uk 150 $B quantize_and_bmm_fp8 --impl xla,mosaic --sweep --preset deepseek_v32 --shape T=1 \
@@ -213,6 +211,7 @@ diag_producer() {   # "producer_vt" at P1 / F1 beside three P slots and the (24,
   run diag_prod_P1 240 $py --cases P1 --ptxas --rows none,p_slots_3,regs_24_72_208 --out "$OUT/diag_producer"
   run diag_prod_F1 240 $py --cases F1 --rows none,p_slots_3 --out "$OUT/diag_prod_F1"
 }
+t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
   for shape in B=8,s_q=2,H=128,ctx=4096 B=32,s_q=1,H=128,ctx=32768 B=64,s_q=1,H=64,ctx=32768; do
@@ -221,7 +220,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="timeline_producer,t_sparse,t_bi_branch,diag_producer,t_bmm_xla,sweep_small,ab_colaunch_b128"
+next="t_sparse,t_bi_branch,t_batch_invariance,t_dense,t_qrows,t_qm,t_prefill_kernel,timeline_producer,sweep_small"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -19,7 +19,7 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    | ``no_qk`` | the five QKᵀ wgmmas of a tile (S = 0; the V upcast of "twin" still runs) |
    | ``no_softmax`` | the online softmax (P = S, alpha = 1) |
    | ``no_pv`` | the P·V wgmmas (every schedule) |
-   | ``no_vt_words`` | the 32-bit SMEM loads of Vᵀ in "handoff_vt" (Vᵀ = 0) |
+   | ``no_vt_words`` | the SMEM loads of Vᵀ in the heads-on-N kernel and "producer_vt"'s multipliers (Vᵀ = 0) |
    | ``no_gather+no_pv`` | both |
 
 Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
@@ -61,6 +61,7 @@ from mla_pallas.bench_engine import format_table, run_spec
 from mla_pallas.kernels import common, gather_threads, vt_registers
 from mla_pallas.kernels import sparse_sm90_heads_m as heads_m
 from mla_pallas.kernels import sparse_sm90_heads_n as heads_n
+from mla_pallas.ops import sparse_decode as sd
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -108,6 +109,7 @@ def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BL
 
 
 _PV_WGMMAS = vt_registers.pv_wgmmas
+_HEADS_M_TUNING = sd._heads_m_tuning
 
 
 def _pv_forced(pipelined: bool):
@@ -117,9 +119,13 @@ def _pv_forced(pipelined: bool):
   return pv
 
 
-def _zero_words(k_tile_ref, word=None):
-  del k_tile_ref, word
+def _zero_words(k_tile_ref, *args):
+  del k_tile_ref, args
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
+
+
+def _producer_k3(tiles_per_split: int) -> dict:
+  return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
 ROWS = {
@@ -128,7 +134,7 @@ ROWS = {
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
     "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
-    "no_vt_words": {(vt_registers, "load_v_words"): _zero_words},
+    "no_vt_words": {(vt_registers, "load_v_words"): _zero_words, (vt_registers, "load_v_half_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     # real variants (checked): every P·V from registers with its A fragments built one block at a time (wait_group
@@ -140,8 +146,11 @@ ROWS = {
     "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
     # "producer_vt" with three P slots (the producer up to three tiles ahead of the multipliers; + 8 KB of SMEM)
     "p_slots_3": {(heads_m, "P_BUFFERS"): 3, (heads_m, "INV_SLOT"): 3},
+    # "producer_vt" with three K buffers (slower: 285.9 against 278.3 us at P1, twenty-sixth session)
+    "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
 }
-CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3")
+CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
+           "k_buffers_3")
 
 
 @contextlib.contextmanager
@@ -346,16 +355,21 @@ def main(argv=None) -> int:
   if a.timeline:
     report = []
     for name, (op, shape) in cases.items():
-      report += timeline(name, op, shape, a.out, a.timeline_space, tuning)
+      for row in [r for r in rows if r in CHECKED]:
+        with patched(row):
+          report += timeline(name if row == "none" else f"{name}_{row}", op, shape, a.out, a.timeline_space,
+                             tuning)
       with open(os.path.join(a.out, "timeline.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     return 0
   report = []
   for name, (op, shape) in cases.items():
     if a.ptxas:
-      rep = ptxas_report(name, op, shape, a.out, tuning)
-      print(json.dumps(rep, indent=1), flush=True)
-      report.append(rep)
+      for row in [r for r in rows if r in CHECKED]:
+        with patched(row):
+          rep = ptxas_report(name if row == "none" else f"{name}_{row}", op, shape, a.out, tuning)
+        print(json.dumps(rep, indent=1), flush=True)
+        report.append(rep)
     report += time_rows(name, op, shape, rows, a.iters, tuning)
     with open(os.path.join(a.out, "diagnose.json"), "w") as f:
       json.dump(report, f, indent=1, default=str)

@@ -1,8 +1,6 @@
-"""kernels/q_quant.py: the heads-on-N kernel's in-kernel Q quantization (quantize_head_rows) and the sparse heads-on-M
-kernels' Q pre-pass in one kernel, bitwise against the XLA pre-pass
-(quant.quantize_rows_fp8, the zero columns, the row scale max(|q| · k)) in interpret mode with race detection, lowered for
-sm_90a, and natively on a GPU; at the op level (where it is the default pre-pass for H a multiple of 64) the kernel gives bitwise the outputs of
-the XLA pre-pass."""
+"""kernels/q_quant.py: the attention kernels' in-kernel Q quantization (quantize_head_rows), bitwise against the XLA
+pre-pass (quant.quantize_rows_fp8, the zero columns, the row scale max(|q| · k)) in interpret mode with race
+detection, lowered for sm_90a, and natively on a GPU."""
 from __future__ import annotations
 
 import jax
@@ -14,7 +12,6 @@ from mla_pallas import testing
 from mla_pallas.kernels import common, q_quant
 from mla_pallas.ops import sparse_decode as sd
 
-from _sparse_inputs import make_case, run_kernel
 
 RACES = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
 
@@ -36,61 +33,6 @@ def _assert_bitwise(got, want):
   assert q8.shape == w8.shape and q8.dtype == w8.dtype and rs.shape == wrs.shape
   assert np.array_equal(np.asarray(q8).view(np.uint8), np.asarray(w8).view(np.uint8))
   assert np.array_equal(np.asarray(rs), np.asarray(wrs))
-
-
-@pytest.mark.parametrize("T,H,dtype,kv_scale", [(3, 128, jnp.bfloat16, 0.5), (2, 64, jnp.float32, 1.0)])
-def test_bitwise_interpret(rng, T, H, dtype, kv_scale):
-  q = _inputs(rng, T, H, dtype)
-  testing.reset_interpreter()
-  got = q_quant.quantize_q(q, kv_scale, 192 ** -0.5, interpret=RACES)
-  assert not testing.races_found()
-  _assert_bitwise(got, _xla(q, kv_scale, 192 ** -0.5))
-
-
-def test_errors():
-  with pytest.raises(NotImplementedError, match="multiples of 64"):
-    q_quant.quantize_q(jnp.zeros((2, 32, 576), jnp.bfloat16), 1.0, 0.1)
-  with pytest.raises(ValueError, match="576"):
-    q_quant.quantize_q(jnp.zeros((2, 64, 512), jnp.bfloat16), 1.0, 0.1)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_sm90(dtype):
-  S = jax.ShapeDtypeStruct
-  low = testing.lower_for_cuda(q_quant.build(4, 128, jnp.dtype(dtype).name, 0.04), S((4, 128, 576), dtype),
-                               S((1,), jnp.float32))
-  txt = "".join(low.mosaic)
-  assert txt.count("cp.async.bulk.tensor") >= 3 + 5 + 1 or txt.count("cp.async.bulk") >= 9   # 3 in, 5 + 1 out
-
-
-@pytest.mark.parametrize("H", [64, 128])
-def test_op_prepass_kernel_is_bitwise_the_xla_prepass(rng, H, monkeypatch):
-  """sparse_mla_decode's pre-pass kernel (its default from 2048 q rows under the "producer_vt" schedule; "twin"
-  quantizes Q in the attention kernel) feeds the attention kernel the same Q bytes and scales as the XLA pre-pass:
-  the op's outputs are bitwise equal with the kernel replaced by the XLA ops."""
-  monkeypatch.setattr(sd, "PREPASS_KERNEL_MIN_ROWS", 0)     # the kernel from the first row (default: 2048 rows)
-  case = make_case(rng, B=2, s_q=1, H=H, topk=200, page_size=16, num_pages=64)
-  tuning = (("schedule", "producer_vt"),)                   # the schedule that takes a pre-quantized Q
-  out = run_kernel(case, interpret=True, tuning=tuning)
-  calls = []
-
-  def xla_prepass(q, kv_scale, softmax_scale, interpret=False):
-    calls.append(q.shape)
-    return _xla(q, kv_scale, softmax_scale)
-  monkeypatch.setattr(q_quant, "quantize_q", xla_prepass)
-  jax.clear_caches()
-  base = run_kernel(case, interpret=True, tuning=tuning)
-  assert calls, "the op did not route its pre-pass through q_quant.quantize_q"
-  for a, b in zip(out, base):
-    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("T,H", [(256, 128), (37, 64)])
-def test_bitwise_gpu(rng, T, H):
-  q = _inputs(rng, T, H, jnp.bfloat16)
-  _assert_bitwise(q_quant.quantize_q(q, 0.5, 576 ** -0.5), jax.jit(_xla, static_argnums=2)(q, 0.5, 576 ** -0.5))
 
 
 def _head_rows_kernel(T: int, H: int, interpret):

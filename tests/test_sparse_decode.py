@@ -186,7 +186,7 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
   (interpret mode: q_quant.quantize_head_rows_interpret; its 16-row form is bitwise the XLA pre-pass in
   tests/test_q_quant.py, this half-tile form was bitwise the pre-pass's twin on the H200 before that path went) with
   races checked; an all-zero row and a 300x row among them; against the reference, and against "producer_vt"
-  (which takes the op's pre-pass Q) within the schedules' one bf16 ulp of f32 summation order."""
+  (whose multipliers quantize the same rows) within the schedules' one bf16 ulp of f32 summation order."""
   case = make_case(rng, B=2, s_q=s_q, H=H, topk=150, page_size=16, num_pages=64, kv_scale=0.5)
   q = case.q.astype(q_dtype).at[0, 0, 1].set(0).at[-1, -1, H - 1].multiply(300)
   case = dataclasses.replace(case, q=q)
@@ -202,10 +202,10 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
 
 
 def test_heads_m_twin_q_config():
-  """"twin" over an fp8 cache quantizes q in the kernel (needs H and softmax_scale, one more SMEM row); the other
-  schedule and a bf16 cache do not."""
+  """Both schedules over an fp8 cache quantize q in the kernel (needs H and softmax_scale, one more SMEM row); a
+  bf16 cache's kernel does not."""
   assert heads_m.TuningConfig().q_in_kernel
-  assert not heads_m.TuningConfig(schedule="producer_vt").q_in_kernel
+  assert heads_m.TuningConfig(schedule="producer_vt").q_in_kernel
   assert not heads_m.TuningConfig(cache_dtype="bfloat16", tiles_per_split=16).q_in_kernel
   with pytest.raises(ValueError, match="heads and softmax_scale"):
     heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig())
@@ -279,7 +279,7 @@ def test_tuning_errors():
   assert heads_m.TuningConfig().smem_budget() == 200192 + 1024 and heads_n.TuningConfig().smem_budget() == 190976
   with pytest.raises(ValueError, match="schedule"):
     heads_m.TuningConfig(schedule="triple")
-  # "producer_vt": + two 8 KB P slots and 1 KB of alpha / 1/l rows (1 KB rounding), without the V tile
+  # "producer_vt": + two 8 KB P slots and 1 KB of alpha / 1/l / amax rows (1 KB rounding), without the V tile
   assert heads_m.TuningConfig(schedule="producer_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
   assert heads_m.TuningConfig(schedule="producer_vt", k_buffers=3).smem_budget() == 193024
 
@@ -316,11 +316,6 @@ def test_plan_min_split_by_design():
   assert sd.default_config(64, 1, 2048).kernel.tiles_per_split == 1      # 32 CTAs
   assert sd._plan(1, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (16, 2)
   assert sd._plan(8, 2, 2048, min_split_tiles=sd.HEADS_M_MIN_SPLIT_TILES) == (8, 4)   # 256 CTAs: two waves
-
-
-def test_prepass_kernel_from_2048_rows():
-  assert not sd._prepass_kernel("sm90_heads_m", 8, 128) and sd._prepass_kernel("sm90_heads_m", 16, 128)
-  assert not sd._prepass_kernel("sm90_heads_n", 512, 8) and not sd._prepass_kernel("sm90_heads_m", 64, 32)
 
 
 def test_plan_splits_small_batches():
@@ -411,7 +406,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     cfg = heads_m.TuningConfig(tiles_per_split=tps, k_buffers=k_buffers, schedule=schedule)
     kern = heads_m.build(n_tok * tiles_per_token, 4096, splits, tiles_per_token, out_dtype, cfg, heads=H,
                          softmax_scale=576 ** -0.5)
-    if cfg.q_in_kernel:     # "twin": bf16 q, quantized by the consumers
+    if cfg.q_in_kernel:     # bf16 q, quantized by the consumers ("twin") or the multipliers ("producer_vt")
       q_aval, qs_aval = S((n_tok * H, common.D_QK), jnp.bfloat16), None
     else:
       q_aval = S((n_tok * tiles_per_token, 64, common.Q_SW_COLS), FP8)
@@ -431,16 +426,20 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
       assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == 2
     if schedule == "producer_vt":
-      # Oᵀ: per consumer 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 32 32-bit loads of its
-      # word of each (key, half), one byte permute per A register (one block at a time: 64; block i - 2 retired
-      # by a wait_group 1 before block i is built), 64 e4m3x2 -> f16x2 conversions; O in 8-byte bf16 pieces
+      # Oᵀ: per multiplier 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 16 64-bit loads (one per
+      # key: both row halves of its 4 blocks), one byte permute per A register (one block at a time: 64; block
+      # i - 2 retired by a wait_group 1 before block i is built), 64 e4m3x2 -> f16x2 conversions; O in 16-byte
+      # bf16 pieces (8 head groups x 2 heads, 8 consecutive latent columns each)
       assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 16
-      assert low.count(r"ld\.shared\.b32 ") == 2 * 32 + 4        # + the thread gather's 4 row-id loads
+      assert low.count(r"ld\.shared\.v2\.b32") == 2 * 16
+      assert low.count(r"ld\.shared\.b32 ") == 4        # the thread gather's 4 row-id loads
       assert low.count(r"prmt\.b32") == 2 * 64
       assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 64
       assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == 2 * 2
-      # O: per consumer 8 head groups x 2 heads x 2 halves, 4 consecutive latent columns each
-      assert low.count(r"\{alignment = 8 : i64\} : vector<4xbf16>") == 2 * 8 * 2 * 2
+      assert low.count(r"\{alignment = 16 : i64\} : vector<8xbf16>") == 2 * 8 * 2
+      # Q quantized by the multipliers (q_quant.quantize_head_rows, 32 rows each, 4 rows per warp): a 16-byte
+      # store of latent and one of the tail chunk per row and lane
+      assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2
     else:
       # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
       assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4
@@ -456,8 +455,8 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     # (24 more butterflies are the softmax's reductions, as with the XLA pre-pass)
     assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 24 + 4 * 5
     assert low.count(r"cp\.async\.bulk\.tensor") == 1    # the indices only (Q and its scales: none)
-  if H > sd.HEADS_ON_N_MAX:   # the indices, and with "producer_vt" Q's five boxes (its row scales: a plain load)
-    assert low.count(r"cp\.async\.bulk\.tensor") == (1 if schedule == "twin" else 6)
+  if H > sd.HEADS_ON_N_MAX:   # the indices only (Q is quantized in the kernel)
+    assert low.count(r"cp\.async\.bulk\.tensor") == 1
   # K gather by the loader's threads: 4 passes x 5 chunks of 16-byte cp.async per thread and tile, one group per
   # tile; a wait leaving k_buffers - 2 tiles in flight in the loop and a final wait for all
   lag = max(k_buffers - 2, 0)

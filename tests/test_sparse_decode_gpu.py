@@ -98,7 +98,7 @@ def test_heads_m_schedules(rng, H, s_q, schedule):
 def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype):
   """"twin" (the consumers quantize the tile's q rows in raw PTX, 32 each; the bytes of the XLA pre-pass:
   tests/test_q_quant.py for the 16-row form) with one and several splits, an all-zero row and a 300x row, H 32 leaving the second
-  consumer's rows all padding: against "producer_vt" (the op's pre-pass Q) within the schedules' one bf16 ulp,
+  consumer's rows all padding: against "producer_vt" (its multipliers quantize the same rows) within the schedules' one bf16 ulp,
   and against the reference. (Bitwise equal to "twin" with the pre-pass on the H200 before that path was
   deleted: docs/kernels/sparse_decode_sm90.md, "Q in the heads-on-M twin".)"""
   import dataclasses

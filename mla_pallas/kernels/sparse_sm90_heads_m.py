@@ -14,9 +14,10 @@ tiles) against ``tiles_per_split`` tiles of 64 gathered KV rows (one split of th
 
 Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.ops.sparse_decode``)
 --------------------------------------------------------------------------------------------------
-    q8   [num_q_tiles, 64, 640] fp8: quantized query rows as latent (512) | 64 zeros | rope (64); tile q holds
-         heads 64 (q % tiles_per_token) ... of token q // tiles_per_token.
-    qs   [num_q_tiles, 64] f32: per-row logit scale (q_scale · softmax_scale · log2 e · kv_scale).
+    q    [num_tokens · H, 576] bf16 or f32 (or, with ``q_split``, latent [.., 512] and rope [.., 64] as two
+         inputs): the query rows, quantized in the kernel (section "Q in the kernel"); query tile q holds heads
+         64 (q % tiles_per_token) ... of token q // tiles_per_token (rows past H: zeros).
+    (bf16 cache only: q [num_q_tiles, 64, 576] bf16 as tiles and qs [num_q_tiles, 64] f32, see "BF16 cache".)
     kv   [num_slots, 576] fp8: the cache (latent 512 | rope 64; V = the first 512).
     idx  [num_tokens, num_splits · tiles_per_split, 64] int32 row ids; any id outside [0, num_slots) is an invalid
          key: gathered as row num_slots (wholly past the end, so the TMA zero-fills it) and masked to −inf.
@@ -26,7 +27,7 @@ Shapes, dtypes, index conventions (kernel arguments, prepared by ``mla_pallas.op
 
 Warpgroup roles of "twin" (3 warpgroups, Lane semantics; "producer_vt": see Schedules)
 --------------------------------------------------------------------------------------
-* WG2 — loader (56 registers): TMA of Q (five 128-column boxes) and of the split's indices, then per 64-key tile,
+* WG2 — loader (56 registers): TMA of the split's indices (and of Q over a bf16 cache), then per 64-key tile,
   once the consumers have released K buffer ``t % k_buffers`` (``k_empty``), the gather of its 64 rows straight
   into the 128-byte-swizzled K tiles by the warpgroup's 128 threads, 20 16-byte ``cp.async`` each
   (``common.gather_tiles``, ``kernels/gather_threads.py``), published on ``k_full`` once landed.
@@ -40,20 +41,21 @@ Warpgroup roles of "twin" (3 warpgroups, Lane semantics; "producer_vt": see Sche
 Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sparse_decode._heads_m_tuning``)
 --------------------------------------------------------------------------------------------------------------
 * "twin": as above, both consumers compute the same S and run the same softmax; nothing crosses between them.
-  Over an fp8 cache the op's choice only for the 1-4-tile splits of small batches (its consumers quantize Q: no
-  pre-pass launch); slower than "producer_vt" at 8-128-tile splits. The schedule of the bf16 cache.
+  Over an fp8 cache the op's choice only for the 1-4-tile splits of small batches; slower than "producer_vt" at
+  8-128-tile splits. The schedule of the bf16 cache.
 * "producer_vt" (4 warpgroups; the op's choice over an fp8 cache): WG0 — the *producer* (88 registers) — alone
   computes S (one QKᵀ per tile), releases the K buffer, runs the online softmax and writes P (f16 [64, 64],
   128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles
   ahead); after the last tile it publishes kv_scale / l (``p_full[2]``) and writes the lse. WG1 and WG2 — the
-  *multipliers* (200 registers) — each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is
-  the register A operand built from the fp8 K tile (``kernels/vt_registers.py``: one 32-bit SMEM load per key
-  and half, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows
-  each (latent column 8r + g in row r of block g: WG1 g = 0-3, WG2 g = 4-7; 4 × 32 f32 registers). Per tile a
-  multiplier loads its Vᵀ words, releases the K buffer, waits for the slot, rescales by alpha, issues its 16
-  m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments live;
-  with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
-  (``p_empty``, two arrivals); at the end it stores its half of O in 8-byte (bf16) row pieces. WG3 loads. No
+  *multipliers* (200 registers) — first quantize 32 rows of Q each (section "Q in the kernel"), then each hold
+  half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built from the fp8 K
+  tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the
+  K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each (``vt_registers.latent_of_half_row``: thread
+  (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its rows of the 4 blocks; 4 × 32 f32 registers).
+  Per tile a multiplier loads its Vᵀ bytes, releases the K buffer, waits for the slot, rescales by alpha, issues
+  its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
+  live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
+  (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
   with an f16 V tile instead (each multiplier upcasts its two V chunks and multiplies P from the slot; README:
   interpret-only code paths).
@@ -71,15 +73,16 @@ multiplies P with its four 64-column latent chunks (4 wgmmas of N = 64 into four
 16-bit wgmma takes the MN-major B, so there is no V copy) and releases the K buffer after its P·V. SMEM: Q 73 728 +
 K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, barriers, reduction scratch = 228 864 bytes.
 
-Q in the kernel ("twin" over an fp8 cache: ``TuningConfig.q_in_kernel``)
-------------------------------------------------------------------------
-"twin" takes the op's q ([num_tokens · H, 576] bf16 or f32, or with ``q_split`` its latent [.., 512] and rope
-[.., 64] parts as two inputs; no ``qs``) instead of the pre-pass's tiles: before
-their first QKᵀ each consumer quantizes 32 of the tile's 64 rows (WG0 rows 0-31, WG1 32-63; rows past H are
-zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32 SMEM row (raw PTX,
-``q_quant.quantize_head_rows``: the pre-pass's bytes), fences and arrives on ``q_bar`` (two arrivals); both wait
-for it and take the row scales as ``q_quant.row_scales(amax)``. The loader then TMAs only the indices. SMEM: +1 024
-(the amax row). "producer_vt" and the bf16 cache take the pre-pass's Q (``q8``, ``qs`` above) by TMA.
+Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
+-------------------------------------------------------------------------------
+The kernel takes the op's q ([num_tokens · H, 576] bf16 or f32, or with ``q_split`` its latent [.., 512] and rope
+[.., 64] parts as two inputs; no ``qs``), not a pre-pass's tiles: two warpgroups ("twin": the consumers, WG0 rows
+0-31 and WG1 32-63; "producer_vt": the multipliers, which would otherwise wait for the first P) each quantize 32
+of the tile's 64 rows (rows past H are zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32
+SMEM row (raw PTX, ``q_quant.quantize_head_rows``: the pre-pass's bytes), fence and arrive on ``q_bar`` (two
+arrivals); the softmax warpgroups wait for it and take the row scales as ``q_quant.row_scales(amax)``. The loader
+then TMAs only the indices. SMEM: + the amax row ("twin": 1 024; "producer_vt": a fourth ``head_smem`` row, within
+the 1 KB rounding). Only the bf16 cache takes the op's Q tiles (``q``, ``qs``) by TMA.
 
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
@@ -98,7 +101,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
-    "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l rows
+    "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax rows
     1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
@@ -140,7 +143,7 @@ class TuningConfig(common.SparseSm90Config):
   consumers compute the same S and run the same softmax; "producer_vt" — warpgroup 0 alone does and hands P (f16)
   and alpha to two multiplying warpgroups through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
   operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split``
-  up to 128 (32 KB of indices) fits both schedules. "twin" over an fp8 cache quantizes Q in the kernel
+  up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
   (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
@@ -165,11 +168,11 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def q_in_kernel(self) -> bool:
-    """"twin" over an fp8 cache: the two consumers quantize the tile's q rows themselves, 32 each
-    (``q_quant.quantize_head_rows``, the bytes of the op's pre-pass), and the kernel takes q as it is; the other
-    schedules (and a bf16 cache) take the op's pre-pass Q through the loader's TMAs (module docstring, "Q in the
-    kernel")."""
-    return self.schedule == "twin" and not self.bf16
+    """Over an fp8 cache (both schedules): two warpgroups ("twin": the consumers; "producer_vt": the multipliers)
+    quantize the tile's q rows themselves, 32 each (``q_quant.quantize_head_rows``, the bytes of the op's XLA /
+    q_quant pre-pass), and the kernel takes q as it is; a bf16 cache's kernel takes the op's Q tiles through the
+    loader's TMAs (module docstring, "Q in the kernel")."""
+    return not self.bf16
 
   @property
   def layout(self) -> common.TileLayout:
@@ -186,6 +189,12 @@ class TuningConfig(common.SparseSm90Config):
     """The loader's warpgroup index (the last one)."""
     return LOADER + 1 if self.producer else LOADER
 
+  @property
+  def head_rows(self) -> int:
+    """"producer_vt": rows of ``head_smem`` [rows, 64] f32: the alpha slots, kv_scale / l, and with Q in the
+    kernel the rows' max |q|."""
+    return INV_SLOT + (2 if self.q_in_kernel else 1)
+
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
     cache is bf16 (V is the K tile itself)."""
@@ -194,7 +203,7 @@ class TuningConfig(common.SparseSm90Config):
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((INV_SLOT + 1, TILE), jnp.float32)) \
+    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
         if self.producer else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
@@ -274,37 +283,51 @@ def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
 
 
-def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase")):
+def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
+                      quantize: bool = True):
   """A softmax consumer's start: its registers (``regs``: count and setmaxnreg action), Q and the indices landed;
   returns (row_scale [64], kv_scale). ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale,
-  interpret), this consumer quantizes its half of the tile's rows first (:func:`_quantize_q_half`)."""
+  interpret); with ``quantize`` this consumer quantizes its half of the tile's rows first
+  (:func:`_quantize_q_half`), else (the "producer_vt" producer) the multipliers do; the rows' max |q| is read
+  from :func:`_amax_row`."""
   plgpu.set_max_registers(regs[0], action=regs[1])
-  if q_in is not None:
+  if q_in is not None and quantize:
     wg, heads, softmax_scale, interpret = q_in
     _quantize_q_half(tile_q, r, wg, heads, softmax_scale, interpret)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
   if q_in is None:
     return plgpu.load(r.qs_gmem.at[tile_q], layout=ROW_LAYOUT, optimized=False), r.scal_gmem[0]
-  amax = plgpu.load(r.head_smem, layout=ROW_LAYOUT, optimized=False)
-  return q_quant.row_scales(amax, softmax_scale, r.scal_gmem[0]), r.scal_gmem[0]
+  amax = plgpu.load(_amax_row(r), layout=ROW_LAYOUT, optimized=False)
+  return q_quant.row_scales(amax, q_in[2], r.scal_gmem[0]), r.scal_gmem[0]
 
 
-def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, softmax_scale: float, interpret: bool):
-  """``TuningConfig.q_in_kernel``: consumer ``wg`` quantizes tile rows [32 wg, 32 wg + 32) of query tile
+def _amax_row(r: common.SparseRefs):
+  """The [64] f32 SMEM row of the Q tile rows' max |q|: ``head_smem`` itself ("twin") or its row after
+  kv_scale / l ("producer_vt", whose head_smem also holds the alpha and kv_scale / l rows)."""
+  return r.head_smem if len(r.head_smem.shape) == 1 else r.head_smem.at[INV_SLOT + 1]
+
+
+def _quantize_q_rows(tile_q, r: common.SparseRefs, half: int, heads: int, interpret: bool):
+  """``TuningConfig.q_in_kernel``: this warpgroup quantizes tile rows [32 half, 32 half + 32) of query tile
   ``tile_q`` (heads 64 (tile_q % tiles) + r of token tile_q // tiles; rows past H are zeros) from q [T · H, 576]
-  into ``q_sw`` and their max |q| into ``head_smem`` [64], fences them and arrives on ``q_bar`` (two arrivals:
+  into ``q_sw`` and their max |q| into :func:`_amax_row`, fences them and arrives on ``q_bar`` (two arrivals:
   the tile is complete)."""
   tiles = max(1, heads // TILE)
   row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
   quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
-  half = TILE // 2
+  quantize(r.q_gmem, r.q_sw, _amax_row(r), row0, min(heads, TILE), first=half * (TILE // 2), count=TILE // 2)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(r.q_bar)
+
+
+def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, softmax_scale: float, interpret: bool):
+  """"twin": consumer ``wg`` (traced) quantizes its half of the rows (:func:`_quantize_q_rows`)."""
+  del softmax_scale
   for w in range(2):
     @pl.when(wg == w)
     def _():
-      quantize(r.q_gmem, r.q_sw, r.head_smem, row0, min(heads, TILE), first=w * half, count=half)
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(r.q_bar)
+      _quantize_q_rows(tile_q, r, w, heads, interpret)
 
 
 def _p_operand(p, dtype, wg, interpret: bool, r: common.SparseRefs):
@@ -410,12 +433,15 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
-def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int):
+def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
   """"producer_vt" in interpret mode, multiplier WG1 + ``half``: per tile the upcast of V chunks 2 half,
   2 half + 1, the K buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha and P·V
   into output columns 256 half ... 256 half + 255 with P from the slot, and the slot's release; at the end its
-  half of O, scaled by the producer's kv_scale / l."""
+  half of O, scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel quantizes Q:
+  first its half of the rows (:func:`_quantize_q_rows`)."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
+  if q_in is not None:
+    _quantize_q_rows(tile_q, r, half, *q_in)
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
@@ -434,58 +460,56 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
   _store_half(acc, inv, half, out_dtype, tile_q, split, r)
 
 
-VT_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))   # the Oᵀ M blocks of multiplier WG1 / WG2 (latent 8r + g)
-
-
 def _zero_vt():
-  return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * len(VT_BLOCKS[0])
+  return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * vt_registers.HALF_BLOCKS
 
 
-def _pv_vt(accs, words, pb, half: int, r: common.SparseRefs):
-  """Multiplier ``half``'s Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as
+def _pv_vt(accs, words, pb, r: common.SparseRefs):
+  """A multiplier's four Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as
   K-major B, Vᵀ built in registers from ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
   return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), 2 * TILE,
-                                      blocks=VT_BLOCKS[half], p_rows=True, pipelined=True))
+                                      blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
 
-def _store_vt(accs, half: int, tile_q, split, r: common.SparseRefs):
-  """Multiplier ``half``'s Oᵀ blocks times kv_scale / l (``head_smem`` row 2) into O (8-byte row pieces)."""
-  inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
-  vt_registers.store_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], VT_BLOCKS[half])
-
-
-def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int):
-  """"producer_vt" (hardware), multiplier WG1 + ``half``: per tile its 32-bit word ``half`` of Vᵀ from the K tile,
-  the K buffer's release, then after slot t % 2 arrives Oᵀ blocks ``VT_BLOCKS[half]`` += Vᵀ · Pᵀ and the release
-  of the slot; at the end its half of O."""
+def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
+  """"producer_vt" (hardware), multiplier WG1 + ``half``: per tile its bytes of V (latent columns 256 half ...
+  256 half + 255, ``vt_registers.load_v_half_words``) from the K tile, the K buffer's release, then after slot
+  t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the slot; at the end its half of O (16-byte
+  row pieces). ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half of the rows
+  (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first P)."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
+  if q_in is not None:
+    with jax.named_scope("m_quantize_q"):
+      _quantize_q_rows(tile_q, r, half, *q_in)
 
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("m_words"):
-      words = vt_registers.load_v_words(k_tiles, word=half)
+      words = vt_registers.load_v_half_words(k_tiles, half)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("m_wait_p"):
       plgpu.barrier_wait(r.p_full.at[pb])
     with jax.named_scope("m_pv"):
-      accs = _pv_vt(accs, words, pb, half, r)
+      accs = _pv_vt(accs, words, pb, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
   accs = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_vt())
   with jax.named_scope("m_store"):
     plgpu.barrier_wait(r.p_full.at[INV_SLOT])
-    _store_vt(accs, half, tile_q, split, r)
+    inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
+    vt_registers.store_half_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], half)
 
 
-def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs):
+def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs, q_in=None):
   """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
   themselves), the online softmax, P (f16) and alpha into slot t % 2 (``_publish_p``: it runs up to two tiles
-  ahead of the multipliers); at the end kv_scale / l for WG1 / WG2 and the lse. It holds no O (88 registers)."""
+  ahead of the multipliers); at the end kv_scale / l for WG1 / WG2 and the lse. It holds no O (88 registers).
+  ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
   with jax.named_scope("p_prologue"):
-    row_scale, kv_scale = _softmax_prologue(tile_q, r, regs=(PRODUCER_REGS[1], "decrease"))
+    row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
 
   def step(t, carry):
     m, l = carry
@@ -533,7 +557,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   if producer:
     @pl.when(wg == 0)
     def _():
-      _producer(cfg, num_slots, tile_q, split, r)
+      _producer(cfg, num_slots, tile_q, split, r, (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
 
     # interpret mode's multipliers: the same products with V upcast in SMEM
     multiply = functools.partial(_multiplier_interpret, cfg, out_dtype) if interpret else \
@@ -541,7 +565,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
     for half in range(2):
       @pl.when(wg == 1 + half)
       def _():
-        multiply(tile_q, split, r, half=half)
+        multiply(tile_q, split, r, half=half, q_in=(q_in[0], interpret) if cfg.q_in_kernel else None)
   else:
     @pl.when(wg < LOADER)
     def _():
@@ -554,15 +578,15 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None,
           q_split: bool = False):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
-  a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed where ``cfg.q_in_kernel`` ("twin"
-  over an fp8 cache); ``q_split`` (only with ``cfg.q_in_kernel``): q comes as two inputs, latent [T · H, 512] and
+  a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed where ``cfg.q_in_kernel`` (an fp8
+  cache); ``q_split`` (only with ``cfg.q_in_kernel``): q comes as two inputs, latent [T · H, 512] and
   rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]."""
   if cfg.q_in_kernel and (heads is None or softmax_scale is None):
-    raise ValueError("heads and softmax_scale are needed by schedule 'twin' over an fp8 cache (the kernel "
-                     f"quantizes q); got heads={heads}, softmax_scale={softmax_scale}")
+    raise ValueError(f"heads and softmax_scale are needed where the kernel quantizes q (TuningConfig.q_in_kernel: "
+                     f"schedule {cfg.schedule!r} over an fp8 cache); got heads={heads}, softmax_scale={softmax_scale}")
   if q_split and not cfg.q_in_kernel:
-    raise ValueError("q_split needs a config whose kernel quantizes q (TuningConfig.q_in_kernel: schedule 'twin' "
-                     f"over an fp8 cache); got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
+    raise ValueError("q_split needs a config whose kernel quantizes q (TuningConfig.q_in_kernel: an fp8 cache); "
+                     f"got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
   out_dtype = jnp.dtype(out_dtype_name)
   interp = bool(interpret)
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
@@ -575,7 +599,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if (interp or producer) else []
-  head_scratch = [plgpu.SMEM((INV_SLOT + 1, TILE), jnp.float32)] if producer else \
+  head_scratch = [plgpu.SMEM((cfg.head_rows, TILE), jnp.float32)] if producer else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
                        plgpu.Barrier(num_arrivals=2, num_barriers=P_BUFFERS)] if producer else []   # p_empty

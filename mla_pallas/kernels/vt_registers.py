@@ -64,45 +64,85 @@ def _thread():
 ALL_BLOCKS = tuple(range(M_BLOCKS))
 
 
-def load_words(k_tile, word: int | None = None):
+def _key_words(k_tile, chunk, units, place):
+  """The shared loop of :func:`load_words` / :func:`load_half_words`: for each of this thread's 16 keys
+  8 (i // 2) + 2t + i % 2 and each 16-byte unit u of ``units`` (i32 values, before the swizzle), one
+  ``ld.shared.v2.b32`` of the 8 bytes at byte (q % 2) * 8 of that unit in the key's row of K chunk ``chunk``,
+  i.e. address base + chunk * CHUNK_BYTES + key * 128 + (u ^ (key % 8)) * 16 + (q % 2) * 8; ``place(regs, i, j,
+  lo, hi)`` puts unit j's two words into the (64, 128) int32 WGMMA-layout container. The loads are
+  side-effecting inline asm so that LLVM keeps them before the caller's release of the K buffer (an mbarrier
+  arrive that follows them)."""
+  i32 = ir.IntegerType.get_signless(32)
+  _, q, t = _thread()
+  base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
+  regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE, 2 * TILE)), dtype=object)
+  row0 = arith.addi(arith.addi(base, arith.muli(chunk, _i32(CHUNK_BYTES))),
+                    arith.muli(arith.remui(q, _i32(2)), _i32(8)))
+  for i in range(KEYS_PER_THREAD):
+    key = arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
+    row = arith.addi(row0, arith.muli(key, _i32(ROW_BYTES)))
+    for j, unit in enumerate(units):
+      addr = arith.addi(row, arith.muli(arith.xori(unit, arith.remui(key, _i32(8))), _i32(16)))
+      pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
+                  side_effects=True)
+      place(regs, i, j, llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1]))
+  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
+
+
+def _put(regs, i: int, h: int, lo, hi):
+  """Container register (i, h) := the two words (lo, hi)."""
+  idx = [0] * regs.ndim
+  idx[1], idx[4] = i, h
+  regs[tuple(idx)] = vector.from_elements(ir.VectorType.get((2,), ir.IntegerType.get_signless(32)), [lo, hi])
+
+
+def load_words(k_tile):
   """This thread's bytes of V from the K tile ``k_tile`` (Mosaic memref [5, 8, 1, 8, 128] fp8: chunks 0-3 hold
   latent columns 0-511, 128-byte rows, 128-byte swizzle), as an int32 (64, 128) array in WGMMA layout used as a
   plain container: register (i, h) (i = 0..15, h = 0..1) holds the 8 bytes of key 8 (i // 2) + 2t + i % 2 at
-  latent columns 128w + 64h + 8q + [0, 8) (two 32-bit words). The loads are side-effecting inline asm so that
-  LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that follows them).
-
-  ``word`` (0 or 1): load only that 32-bit word (latent columns + 4 word + [0, 4): the bytes of M blocks
-  4 word ... 4 word + 3), one ``ld.shared.b32`` per (key, h), into both lanes of the register."""
-  i32 = ir.IntegerType.get_signless(32)
-  w, q, t = _thread()
-  base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
-  v2 = ir.VectorType.get((2,), i32)
-  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, 2 * TILE))
-  regs = np.empty(regs_shape, dtype=object)
-  # byte address = base + w * CHUNK_BYTES + key * 128 + ((4h + q // 2) ^ (key % 8)) * 16 + (q % 2) * 8
-  row0 = arith.addi(base, arith.muli(w, _i32(CHUNK_BYTES)))
-  half = arith.muli(arith.remui(q, _i32(2)), _i32(8))
+  latent columns 128w + 64h + 8q + [0, 8) (two 32-bit words): chunk w, units 4h + q // 2."""
+  w, q, _ = _thread()
   unit = arith.divui(q, _i32(2))
-  for i in range(KEYS_PER_THREAD):
-    key = arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
-    key8 = arith.remui(key, _i32(8))
-    row = arith.addi(arith.addi(row0, arith.muli(key, _i32(ROW_BYTES))), half)
-    for h in range(2):
-      u = arith.xori(arith.addi(unit, _i32(4 * h)), key8)
-      addr = arith.addi(row, arith.muli(u, _i32(16)))
-      if word is None:
-        pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr],
-                    "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", side_effects=True)
-        lo = llvm.extractvalue(i32, pair, [0])
-        hi = llvm.extractvalue(i32, pair, [1])
-      else:
-        lo = hi = _asm(i32, [arith.addi(addr, _i32(4 * word))], "ld.shared.b32 $0, [$1];", "=r,r",
-                       side_effects=True)
-      vec = vector.from_elements(v2, [lo, hi])
-      idx = [0] * len(regs_shape)
-      idx[1], idx[4] = i, h
-      regs[tuple(idx)] = vec
-  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
+  return _key_words(k_tile, w, [unit, arith.addi(unit, _i32(4))], _put)
+
+
+HALF_BLOCKS = 4     # M blocks of one multiplier half (256 latent columns) in the heads-on-M "producer_vt"
+
+
+def latent_of_half_row(half: int, g: int, r):
+  """The latent column held by row ``r`` of M block ``g`` (0-3) of multiplier ``half``'s Vᵀ (and Oᵀ): thread (w,
+  q) holds rows 16w + q (h = 0) and 16w + 8 + q (h = 1), i.e. columns 256 half + 64w + 8q + 4h + g, so one
+  64-bit load per key gives it both rows' bytes of all four blocks (:func:`load_half_words`) and one 16-byte
+  store per head writes 8 consecutive columns (:func:`store_half_rows`)."""
+  return 256 * half + 64 * (r // 16) + 8 * (r % 8) + 4 * ((r // 8) % 2) + g
+
+
+def load_half_words(k_tile, half: int):
+  """Multiplier ``half``'s bytes of V (latent columns 256 half ... 256 half + 255, :func:`latent_of_half_row`)
+  from the K tile ``k_tile`` (Mosaic memref [5, 8, 1, 8, 128] fp8, 128-byte swizzle) in :func:`load_words`'
+  container, read as word 0: register (i, h) holds, in both lanes, the 4 bytes (blocks 0-3) of key
+  8 (i // 2) + 2t + i % 2 at columns 256 half + 64w + 8q + 4h + [0, 4). One ``ld.shared.v2.b32`` per key (16 per
+  thread; chunk 2 half + w // 2, unit 4 (w % 2) + q // 2): the four keys of one instruction take 64 bytes of a
+  row each, two on each half of the banks (2 wavefronts for 256 bytes, no conflict)."""
+  w, q, _ = _thread()
+  chunk = arith.addi(_i32(2 * half), arith.divui(w, _i32(2)))
+  unit = arith.addi(arith.muli(arith.remui(w, _i32(2)), _i32(4)), arith.divui(q, _i32(2)))
+
+  def place(regs, i, _, lo, hi):
+    _put(regs, i, 0, lo, lo)
+    _put(regs, i, 1, hi, hi)
+  return _key_words(k_tile, chunk, [unit], place)
+
+
+def store_half_rows(accs, o, half: int):
+  """Stores multiplier ``half``'s Oᵀ: accs[g] (g = 0-3, f32 (64, N) WGMMA-layout arrays in the
+  :func:`latent_of_half_row` order) to ``o`` (GMEM memref [out_heads, 512], bf16 or f32): for each of its heads
+  8j + 2t + v a thread holds the 8 consecutive columns 256 half + 64w + 8q + [0, 8) (h = 0, 1 times blocks 0-3),
+  one 16-byte (bf16) or two (f32) vector stores each."""
+  assert len(accs) == HALF_BLOCKS, len(accs)
+  w, q, _ = _thread()
+  col = arith.addi(_i32(256 * half), arith.addi(arith.muli(w, _i32(64)), arith.muli(q, _i32(8))))
+  _store_vectors(o, col, [(0, [(a, h) for h in range(2) for a in accs])])
 
 
 def _fragments(words, blocks, per_prmt: int):
@@ -148,50 +188,77 @@ def block_operand(words, g: int):
   return _fragments(words, (g,), per_prmt=1)[0]
 
 
-def store_rows(accs, o, blocks=ALL_BLOCKS):
-  """Stores Oᵀ: accs[g] (f32 (64, N) WGMMA-layout arrays, row r = latent column 8r + g) to ``o`` (GMEM memref
-  [out_heads, 512], bf16 or f32; out_heads a multiple of 8, <= N). Across the 8 blocks a thread holds, for each of
-  its heads 8j + 2t + v and halves h, the 8 consecutive latent columns 128w + 64h + 8q + [0, 8): one 16-byte (bf16)
-  or two (f32) vector stores each, instead of 64 single-element stores of a transposed view. With a run of
-  ``blocks`` (accs[i] is block blocks[i]) the vectors hold those len(blocks) consecutive columns."""
+def _store_vectors(o, col, vectors) -> None:
+  """For each head 8j + 2t + v of ``o`` (GMEM memref [out_heads, 512], bf16 or f32) and each (offset, parts) of
+  ``vectors``: one vector store at latent column ``col`` + offset of the values ``parts`` ((f32 (64, N) WGMMA
+  array, h) pairs: the array's element at that head in row half h), 16-byte aligned."""
   out_heads = ir.MemRefType(o.type).shape[0]
   dtype = ir.MemRefType(o.type).element_type
   nbytes = mgpu_utils.bytewidth(dtype)
   i64 = ir.IntegerType.get_signless(64)
-  w, q, t = _thread()
+  _, _, t = _thread()
   base = mgpu_utils.memref_ptr(o)
-  col = arith.addi(arith.muli(w, _i32(128)), arith.muli(q, _i32(8)))
   for j in range(out_heads // 8):
     for v in range(2):
       head = arith.addi(arith.muli(t, _i32(2)), _i32(8 * j + v))
-      for h in range(2):
-        vals = [vector.extract(a.registers[0, j, 0, 0, h, 0, 0, 0, 0], [], [v]) for a in accs]
-        vec = vector.from_elements(ir.VectorType.get((len(blocks),), ir.F32Type.get()), vals)
+      for offset, parts in vectors:
+        vals = [vector.extract(a.registers[0, j, 0, 0, h, 0, 0, 0, 0], [], [v]) for a, h in parts]
+        vec = vector.from_elements(ir.VectorType.get((len(vals),), ir.F32Type.get()), vals)
         if dtype != ir.F32Type.get():
-          vec = arith.truncf(ir.VectorType.get((len(blocks),), dtype), vec)
-        elem = arith.addi(arith.muli(head, _i32(D_V)), arith.addi(col, _i32(64 * h + blocks[0])))
+          vec = arith.truncf(ir.VectorType.get((len(vals),), dtype), vec)
+        elem = arith.addi(arith.muli(head, _i32(D_V)), arith.addi(col, _i32(offset)))
         off = arith.extui(i64, arith.muli(elem, _i32(nbytes)))
         ptr = mgpu_utils.getelementptr(base, [off], ir.IntegerType.get_signless(8))
-        llvm.store(vec, ptr, alignment=min(16, len(blocks) * nbytes))
+        llvm.store(vec, ptr, alignment=16)
 
 
-def store_o(accs, o_ref, blocks=ALL_BLOCKS):
-  """Pallas-level :func:`store_rows`: ``accs`` (f32 (64, N) arrays of M blocks ``blocks``, WGMMA layout, already
-  normalised) to ``o_ref`` (GMEM [out_heads, 512])."""
+def store_rows(accs, o):
+  """Stores Oᵀ: accs[g] (f32 (64, N) WGMMA-layout arrays, row r = latent column 8r + g) to ``o`` (GMEM memref
+  [out_heads, 512], bf16 or f32; out_heads a multiple of 8, <= N). Across the 8 blocks a thread holds, for each of
+  its heads 8j + 2t + v and halves h, the 8 consecutive latent columns 128w + 64h + 8q + [0, 8): one 16-byte (bf16)
+  or two (f32) vector stores each, instead of 64 single-element stores of a transposed view."""
+  w, q, _ = _thread()
+  col = arith.addi(arith.muli(w, _i32(128)), arith.muli(q, _i32(8)))
+  _store_vectors(o, col, [(64 * h, [(a, h) for a in accs]) for h in range(2)])
+
+
+def store_o(accs, o_ref):
+  """Pallas-level :func:`store_rows`: ``accs`` (8 f32 (64, N) arrays, WGMMA layout, already normalised) to
+  ``o_ref`` (GMEM [out_heads, 512])."""
   @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs), plgpu.RefType()))
   def f(ctx, accs, o):
     del ctx
-    store_rows(accs, o, blocks)
+    store_rows(accs, o)
   f(tuple(accs), o_ref)
 
 
-def load_v_words(k_tile_ref, word: int | None = None):
+def store_half_o(accs, o_ref, half: int):
+  """Pallas-level :func:`store_half_rows`: multiplier ``half``'s ``accs`` (4 f32 (64, N) arrays, WGMMA layout,
+  already normalised) to ``o_ref`` (GMEM [out_heads, 512])."""
+  @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs), plgpu.RefType()))
+  def f(ctx, accs, o):
+    del ctx
+    store_half_rows(accs, o, half)
+  f(tuple(accs), o_ref)
+
+
+def load_v_half_words(k_tile_ref, half: int):
+  """Pallas-level :func:`load_half_words` of the K tile ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)),),
+                     return_type=plgpu.ShapeDtypeStruct((TILE, 2 * TILE), jnp.int32, layout=plgpu.Layout.WGMMA))
+  def f(ctx, k_tile):
+    del ctx
+    return load_half_words(k_tile, half)
+  return f(k_tile_ref)
+
+
+def load_v_words(k_tile_ref):
   """Pallas-level :func:`load_words` of the K tile ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)),),
                      return_type=plgpu.ShapeDtypeStruct((TILE, 2 * TILE), jnp.int32, layout=plgpu.Layout.WGMMA))
   def f(ctx, k_tile):
     del ctx
-    return load_words(k_tile, word)
+    return load_words(k_tile)
   return f(k_tile_ref)
 
 
@@ -249,3 +316,4 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
+

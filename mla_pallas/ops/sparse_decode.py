@@ -324,8 +324,8 @@ def _heads_m_tuning(tiles_per_split: int) -> dict:
   """The heads-on-M schedule for a split length (fp8 cache; docs/kernels/sparse_decode_sm90.md, "A P-producer
   warpgroup"): "producer_vt" was faster than "twin" at every split length measured, 8 to 128 tiles (C0 38.8 ->
   35.9 us, B32 H128 61.5 -> 53.5, B64 H64 61.6 -> 54.2), and than the earlier "handoff_vt" at 32 (P1 339.6 ->
-  304.5); the 1-4-tile splits of small batches keep "twin", whose consumers quantize Q themselves (no pre-pass
-  launch), not measured against it."""
+  304.5); the 1-4-tile splits of small batches keep "twin" (not measured against it). Both quantize Q in the
+  kernel."""
   if tiles_per_split >= PRODUCER_MIN_TILES:
     return dict(schedule="producer_vt")
   return {}
@@ -431,8 +431,7 @@ def _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length
   if q_in_kernel:       # the kernel quantizes q itself (kernels/q_quant.quantize_head_rows), from its parts
     q_args = tuple(p.reshape(n_tok * h, p.shape[-1]) for p in parts)
   else:
-    q_args = _kernel_q(join_q(parts).reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale,
-                       interpret)
+    q_args = _kernel_q(join_q(parts).reshape(n_tok, h, D_QK), cfg, arch, tiles_per_token, softmax_scale, kv_scale)
   if heads_on_n:        # O [.., out_heads, 512]
     kern = cfg.module.build(n_tok, num_slots, splits, -(-h // 8) * 8, h, out_dtype, cfg.kernel, softmax_scale,
                             interpret=interpret, q_split=q_split)
@@ -448,14 +447,15 @@ def _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length
   return kern(*q_args, kv_flat, rows, scal)
 
 
-def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale, interpret):
-  """Q [T, H, 576] as the heads-on-M and sm_100 kernels read it (the heads-on-N kernel quantizes q itself), with
+def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
+  """Q [T, H, 576] as the sm_100 kernel and the bf16-cache kernel read it (the sm_90 kernels over an fp8 cache
+  quantize q themselves), with
   its per-row logit scales (q_scale · softmax_scale · kv_scale · log2 e, made as max |q| · f32(1/448) · ...:
   kernels/q_quant.row_scales): 64-row tiles ([T · tiles, 64, ...], H < 64 zero-padded); on sm_90 each row as
   latent | 64 zeros | rope (640 bytes: the zeros meet latent 448-511 in the 128-byte tail chunk).
-  Where :func:`_prepass_kernel` says so, kernels/q_quant.py makes it in one launch that reads q once (the same
-  bytes and scales); otherwise :func:`_xla_kernel_q`. A bfloat16 cache's kernel takes q in bf16 as it is (64-row
-  tiles) with softmax_scale · kv_scale · log2 e as every row's scale."""
+  Made by :func:`_xla_kernel_q` (the sm_90 kernels over an fp8 cache quantize q themselves, ``q_in_kernel``).
+  A bfloat16 cache's kernel takes q in bf16 as it is (64-row tiles) with softmax_scale · kv_scale · log2 e as
+  every row's scale."""
   n_tok, h, _ = q.shape
   if getattr(cfg.kernel, "bf16", False):   # bf16 cache: q in bf16 as it is, one logit scale for every row
     q16 = q.astype(jnp.bfloat16)
@@ -464,22 +464,7 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
     tiles = n_tok * tiles_per_token
     scale = jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32) * jnp.float32(LOG2E)
     return q16.reshape(tiles, TILE, D_QK), jnp.full((tiles, TILE), scale, jnp.float32)
-  if arch == "sm90" and _prepass_kernel(cfg.design, n_tok, h):
-    from mla_pallas.kernels import q_quant
-    return q_quant.quantize_q(q, kv_scale, softmax_scale, interpret)
   return _xla_kernel_q(q, arch, tiles_per_token, softmax_scale, kv_scale)
-
-
-PREPASS_KERNEL_MIN_ROWS = 2048   # q rows (T · H) from which the Q pre-pass kernel beats the XLA ops
-
-
-def _prepass_kernel(design: str, n_tok: int, h: int) -> bool:
-  """Whether the sm_90 Q pre-pass runs kernels/q_quant.py (it takes 64-row blocks of q rows): heads on M with H a
-  multiple of 64 and at least PREPASS_KERNEL_MIN_ROWS rows. The kernel costs ~5 us however few rows it has, the
-  XLA ops ~3.5 us plus ~1 ns a row (benchmarks/q_prepass_gpu.py: T1 H128 5.3 vs 3.5 us, T8 5.5 vs 4.5, T16 5.9 vs
-  5.0, T256 28.5 vs 36.9; in the op P1 347 -> 338 us, P4 92 -> 88, F1 5194 -> 5027, C0 (2048 rows) 43.2 / 43.5:
-  docs/kernels/sparse_decode_sm90.md). (The heads-on-N kernel quantizes q itself.)"""
-  return design == "sm90_heads_m" and h % TILE == 0 and n_tok * h >= PREPASS_KERNEL_MIN_ROWS
 
 
 def _xla_kernel_q(q, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
