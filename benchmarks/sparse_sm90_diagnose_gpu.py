@@ -58,7 +58,7 @@ import jax.numpy as jnp
 
 from mla_pallas import bench, testing
 from mla_pallas.bench_engine import format_table, run_spec
-from mla_pallas.kernels import common, gather_threads, vt_registers
+from mla_pallas.kernels import common, gather_threads, q_quant, vt_registers
 from mla_pallas.kernels import sparse_sm90_heads_m as heads_m
 from mla_pallas.kernels import sparse_sm90_heads_n as heads_n
 from mla_pallas.ops import sparse_decode as sd
@@ -146,11 +146,13 @@ ROWS = {
     "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
     # "producer_vt" with three P slots (the producer up to three tiles ahead of the multipliers; + 8 KB of SMEM)
     "p_slots_3": {(heads_m, "P_BUFFERS"): 3, (heads_m, "INV_SLOT"): 3},
+    # the in-kernel Q quantization one row at a time per warp (before the twenty-sixth session's batched loads)
+    "q_rows_serial": {(q_quant, "Q_LOAD_REGS"): 0},
     # "producer_vt" with three K buffers (slower: 285.9 against 278.3 us at P1, twenty-sixth session)
     "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3")
+           "k_buffers_3", "q_rows_serial")
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@ pre-pass (quant.quantize_rows_fp8, the zero columns, the row scale max(|q| · k)
 detection, lowered for sm_90a, and natively on a GPU."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,18 @@ def test_head_rows_lower_for_sm90():
   low = testing.lower_for_cuda(_head_rows_kernel(2, 16, False), S((32, common.D_QK), jnp.bfloat16))
   assert low.count(r"st\.shared\.v4\.b32") == 4 * 2 and low.count(r"st\.shared\.f32") == 4
   assert low.count(r"shfl\.sync\.bfly|nvvm\.shfl\.sync\s+bfly") == 4 * 5
+
+
+@pytest.mark.parametrize("load_regs,in_flight", [(q_quant.Q_LOAD_REGS, 4), (0, 1)])
+def test_head_rows_loads_in_flight(monkeypatch, load_regs, in_flight):
+  """The raw form issues the 16-byte q loads of a batch of rows (Q_LOAD_REGS registers per lane: all 4 bf16 rows a
+  warp has here) before the first store, so that their global latencies overlap; with Q_LOAD_REGS = 0, one row's
+  4 loads at a time (the diagnosis script's "q_rows_serial" row)."""
+  monkeypatch.setattr(q_quant, "Q_LOAD_REGS", load_regs)
+  S = jax.ShapeDtypeStruct
+  low = testing.lower_for_cuda(_head_rows_kernel(2, 16, False), S((32, common.D_QK), jnp.bfloat16))
+  txt = "".join(low.mosaic)
+  first_store = txt.index("st.shared.v4.b32")
+  loads = re.findall(r"llvm\.load[^\n]*vector<8xbf16>", txt[:first_store])
+  assert len(loads) == 4 * in_flight
+  assert len(re.findall(r"llvm\.load[^\n]*vector<8xbf16>", txt)) == 4 * 4

@@ -64,6 +64,11 @@ def row_scales(amax, softmax_scale: float, kv_scale):
 
 HEAD_ROWS = 16             # rows of the heads-on-N Q tile (the MMAs' N)
 LANE_VALUES = 16           # values per lane and row: latent [16 l, 16 l + 16) on every lane
+# Registers per lane for the raw q vectors of the rows one warp has in flight (:func:`quantize_head_rows_raw`
+# loads a batch of rows before it converts and stores any of them: bf16 rows 16 registers each, so 8 rows, f32
+# 4; 0 = one row at a time, the form before the twenty-sixth session, whose 8 serialized global loads per warp
+# the timeline put at 9-12 k cycles per 32 rows)
+Q_LOAD_REGS = 128
 
 
 def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, count: int | None = None,
@@ -77,7 +82,9 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
   (and amax 0). ``row0``: i32 value; ``rows``, ``first``, ``count`` (a multiple of 4) static.
 
   Warp w takes tile rows first + w, first + w + 4, ...; lane l loads latent values [16 l, 16 l + 16) and lanes 4-7
-  also rope values [16 (l - 4), 16 (l - 4) + 16); the row max is a butterfly over the warp. Stores: latent as
+  also rope values [16 (l - 4), 16 (l - 4) + 16), the loads of up to ``Q_LOAD_REGS`` registers' worth of rows
+  issued before the first of them is converted (their global latencies overlap); the row max is a butterfly over
+  the warp. Stores: latent as
   16 fp8 bytes at chunk l // 8, granule l % 8; in the tail chunk, lanes 0-3 write the zero granules 0-3 and
   lanes 4-7 the rope granules 4-7; lane 0 the row's amax. The caller fences (``plgpu.commit_smem``: the
   async-proxy fence and a warpgroup barrier) before the wgmmas and register loads read them."""
@@ -106,34 +113,40 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
                          arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8)))
   rope_part = arith.select(rope_lane, arith.subi(lane, raw.c32(4)), raw.c32(0))
   tail_lane = arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8))
-  for j in range(count // 4):
+  def load(j):          # row j of this warp: its raw latent and rope vectors (rows past `rows` read row 0)
     r = arith.addi(warp, raw.c32(first + 4 * j))
     real = arith.cmpi(arith.CmpIPredicate.ult, r, raw.c32(rows))
-    src = raw.wide(arith.addi(row0, arith.select(real, r, raw.c32(0))))     # padding rows read row 0, then zero
-    row_off = arith.muli(src, raw.c64(row_bytes))
-    latent = raw.load_f32(q_base, arith.addi(row_off, raw.wide(arith.muli(lane, raw.c32(LANE_VALUES * item)))),
-                          dtype, LANE_VALUES)
-    rope_off = arith.muli(src, raw.c64(rope_row_bytes))
-    rope = raw.load_f32(rope_base, arith.addi(rope_off, raw.wide(arith.muli(
+    src = raw.wide(arith.addi(row0, arith.select(real, r, raw.c32(0))))
+    latent = raw.load_vectors(q_base, arith.addi(arith.muli(src, raw.c64(row_bytes)), raw.wide(
+        arith.muli(lane, raw.c32(LANE_VALUES * item)))), dtype, LANE_VALUES)
+    rope = raw.load_vectors(rope_base, arith.addi(arith.muli(src, raw.c64(rope_row_bytes)), raw.wide(arith.muli(
         arith.addi(rope_part, raw.c32(rope_col0 // LANE_VALUES)), raw.c32(LANE_VALUES * rope_item)))),
         rope_dtype, LANE_VALUES)
-    latent = [arith.select(real, x, zeros8) for x in latent]
-    rope = [arith.select(arith.andi(real, rope_lane), x, zeros8) for x in rope]
-    amax = raw.warp_max(arith.maximumf(raw.abs_max(latent), raw.abs_max(rope)))
-    scale = arith.mulf(amax, arith.constant(f32, float(_INV_FP8_MAX)))
-    scale = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, scale, zero_f), arith.constant(f32, 1.0), scale)
-    inv = arith.divf(arith.constant(f32, 1.0), scale)
-    row_addr = arith.addi(q8_base, arith.muli(r, raw.c32(common.SW_CHUNK)))
-    chunk_bytes = tile_rows * common.SW_CHUNK
-    lat_addr = arith.addi(row_addr, arith.addi(arith.muli(arith.divui(lane, raw.c32(8)), raw.c32(chunk_bytes)),
-                                               arith.muli(arith.remui(lane, raw.c32(8)), raw.c32(16))))
-    raw.st_shared_v4(raw.swizzle(lat_addr, common.SW_CHUNK), raw.fp8_words(latent, inv))
-    tail_words = raw.fp8_words(rope, inv)       # zeros on lanes 0-3 (their rope values were zeroed)
-    tail_addr = arith.addi(row_addr, arith.addi(raw.c32((common.SW_CHUNKS - 1) * chunk_bytes),
-                                                arith.muli(lane, raw.c32(16))))
-    raw.when(tail_lane, lambda a=tail_addr, w=tail_words: raw.st_shared_v4(raw.swizzle(a, common.SW_CHUNK), w))
-    raw.when(arith.cmpi(arith.CmpIPredicate.eq, lane, raw.c32(0)),
-             lambda r=r, a=amax: raw.st_shared_f32(arith.addi(amax_base, arith.muli(r, raw.c32(4))), a))
+    return r, real, latent, rope
+
+  row_regs = LANE_VALUES * (item + rope_item) // 4     # registers of one row's raw vectors per lane
+  per_batch = max(1, Q_LOAD_REGS // row_regs)
+  warp_rows = list(range(count // 4))
+  for b in range(0, len(warp_rows), per_batch):
+    batch = [load(j) for j in warp_rows[b:b + per_batch]]    # all the batch's loads in flight before any store
+    for r, real, latent, rope in batch:
+      latent = [arith.select(real, x, zeros8) for x in raw.widen(latent)]
+      rope = [arith.select(arith.andi(real, rope_lane), x, zeros8) for x in raw.widen(rope)]
+      amax = raw.warp_max(arith.maximumf(raw.abs_max(latent), raw.abs_max(rope)))
+      scale = arith.mulf(amax, arith.constant(f32, float(_INV_FP8_MAX)))
+      scale = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, scale, zero_f), arith.constant(f32, 1.0), scale)
+      inv = arith.divf(arith.constant(f32, 1.0), scale)
+      row_addr = arith.addi(q8_base, arith.muli(r, raw.c32(common.SW_CHUNK)))
+      chunk_bytes = tile_rows * common.SW_CHUNK
+      lat_addr = arith.addi(row_addr, arith.addi(arith.muli(arith.divui(lane, raw.c32(8)), raw.c32(chunk_bytes)),
+                                                 arith.muli(arith.remui(lane, raw.c32(8)), raw.c32(16))))
+      raw.st_shared_v4(raw.swizzle(lat_addr, common.SW_CHUNK), raw.fp8_words(latent, inv))
+      tail_words = raw.fp8_words(rope, inv)       # zeros on lanes 0-3 (their rope values were zeroed)
+      tail_addr = arith.addi(row_addr, arith.addi(raw.c32((common.SW_CHUNKS - 1) * chunk_bytes),
+                                                  arith.muli(lane, raw.c32(16))))
+      raw.when(tail_lane, lambda a=tail_addr, w=tail_words: raw.st_shared_v4(raw.swizzle(a, common.SW_CHUNK), w))
+      raw.when(arith.cmpi(arith.CmpIPredicate.eq, lane, raw.c32(0)),
+               lambda r=r, a=amax: raw.st_shared_f32(arith.addi(amax_base, arith.muli(r, raw.c32(4))), a))
 
 
 def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0, count: int | None = None) -> None:

@@ -85,17 +85,25 @@ def float_bytes(dtype: ir.Type) -> int:
   return 2 if str(dtype) == "bf16" else 4
 
 
+def load_vectors(base, byte_offset, dtype: ir.Type, values: int):
+  """``values`` (a multiple of 8) consecutive bf16 or f32 values at ``base`` (an llvm pointer) + ``byte_offset``
+  (an i64 value; 16-byte aligned), as vector<8 x dtype> values (16-byte loads; :func:`widen` makes them f32)."""
+  item = float_bytes(dtype)
+  return [llvm.load(ir.VectorType.get((8,), dtype), byte_ptr64(base, arith.addi(byte_offset, c64(8 * item * j))),
+                    alignment=16) for j in range(values // 8)]
+
+
+def widen(vectors):
+  """vector<8 x bf16 | f32> values as vector<8 x f32> (bf16 widened exactly)."""
+  f32 = ir.F32Type.get()
+  return [v if ir.VectorType(v.type).element_type == f32 else arith.extf(ir.VectorType.get((8,), f32), v)
+          for v in vectors]
+
+
 def load_f32(base, byte_offset, dtype: ir.Type, values: int):
   """``values`` (a multiple of 8) consecutive bf16 or f32 values at ``base`` (an llvm pointer) + ``byte_offset``
   (an i64 value; 16-byte aligned), as vector<8 x f32> values (16-byte loads, bf16 widened exactly)."""
-  f32 = ir.F32Type.get()
-  item = float_bytes(dtype)
-  out = []
-  for j in range(values // 8):
-    v = llvm.load(ir.VectorType.get((8,), dtype), byte_ptr64(base, arith.addi(byte_offset, c64(8 * item * j))),
-                  alignment=16)
-    out.append(v if item == 4 else arith.extf(ir.VectorType.get((8,), f32), v))
-  return out
+  return widen(load_vectors(base, byte_offset, dtype, values))
 
 
 def abs_max(vectors):
