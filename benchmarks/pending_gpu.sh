@@ -11,9 +11,10 @@
 #
 # next (the order for the next device call; state after the twenty-sixth session, which gave "producer_vt"'s
 #   multipliers one 64-bit V load per key and Q quantized in the kernel, ran t_vt and t_producer (passed) and the
-#   peer kit in one run): the GPU test files that route through the sparse kernel, not run since the defaults
-#   changed: t_sparse (whole, ~5 min), t_bi_branch, t_batch_invariance, t_dense, t_qrows, t_qm, t_prefill_kernel;
-#   then timeline_producer (where the per-tile time goes now) and sweep_small.
+#   peer kit in one run): t_qrows and diag_qrows first (f3b9e9b batched the in-kernel Q loads, untimed: bitwise
+#   check, then the A/B against q_rows_serial; revert if slower), then the GPU test files that route through the
+#   sparse kernel, not run since the defaults changed: t_sparse (whole, ~5 min), t_bi_branch, t_batch_invariance,
+#   t_dense, t_qm, t_prefill_kernel; then timeline_producer (where the per-tile time goes now) and the peer kit.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -211,6 +212,14 @@ diag_producer() {   # "producer_vt" at P1 / F1 beside three P slots and the (24,
   run diag_prod_P1 240 $py --cases P1 --ptxas --rows none,p_slots_3,regs_24_72_208 --out "$OUT/diag_producer"
   run diag_prod_F1 240 $py --cases F1 --rows none,p_slots_3 --out "$OUT/diag_prod_F1"
 }
+diag_qrows() {   # the in-kernel Q quantization with its loads batched (the default since f3b9e9b, not yet timed)
+                 # against one row at a time (q_rows_serial): P1, F1, C0 and the 1-tile "twin" at B1 H128
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
+  run diag_qrows_P1 120 $py --cases P1,C0 --rows none,q_rows_serial --out "$OUT/diag_qrows"
+  run diag_qrows_F1 150 $py --cases F1 --rows none,q_rows_serial --out "$OUT/diag_qrows_F1"
+  run diag_qrows_B1 80 $py --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 --rows none,q_rows_serial \
+    --out "$OUT/diag_qrows_B1"
+}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
@@ -220,7 +229,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_sparse,t_bi_branch,t_batch_invariance,t_dense,t_qrows,t_qm,t_prefill_kernel,timeline_producer,sweep_small"
+next="t_qrows,diag_qrows,t_sparse,t_bi_branch,t_batch_invariance,t_dense,t_qm,t_prefill_kernel,timeline_producer"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
