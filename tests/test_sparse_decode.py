@@ -466,13 +466,14 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   assert low.count(r"cp\.async\.wait_group 0;") == 1 + (lag == 0)
 
 
-@pytest.mark.parametrize("H,s_q,topk,tl", [(32, 2, 77, False), (64, 1, 200, True), (128, 2, 130, False)])
-def test_bf16_cache_kernel_interpret(rng, H, s_q, topk, tl):
+@pytest.mark.parametrize("B,H,s_q,topk,tl", [(2, 32, 2, 77, False), (2, 64, 1, 200, True), (1, 128, 2, 130, False)])
+def test_bf16_cache_kernel_interpret(rng, B, H, s_q, topk, tl):
   """The heads-on-M kernel over a bfloat16 cache (BF16 attention: bf16 wgmmas, P in bf16, V read from the K tile)
   against the reference within testing.BF16_ATTENTION_REL_L2 (races checked): NaN in unused rows, invalid and
   out-of-range ids, a duplicate, an all-invalid row, a partial last tile, topk_length, and several splits
-  (topk 200: 4 tiles -> the plan splits); bitwise deterministic."""
-  case = make_case(rng, B=2, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
+  (topk 200: 4 tiles -> the plan splits); bitwise deterministic. H 128 (two query tiles per token) with one
+  sequence of 2 tokens: 238 s of the CPU suite with two sequences."""
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
                    with_topk_length=tl)
   case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
   testing.reset_interpreter()
@@ -564,8 +565,9 @@ def test_producer_interpret_needs_pool_threads(monkeypatch):
   (naming PJRT_NPROC) instead of risking a deadlock; "twin" (3 warpgroups) is not refused."""
   monkeypatch.setenv("PJRT_NPROC", "2")
   heads_m.build.cache_clear()
+  q_in = dict(heads=64, softmax_scale=0.1)      # both schedules quantize q in the kernel
   with pytest.raises(RuntimeError, match="PJRT_NPROC=8"):
-    heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(schedule="producer_vt"), interpret=True)
-  heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(), interpret=True, heads=64, softmax_scale=0.1)
-  heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(schedule="producer_vt"), interpret=False)
+    heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(schedule="producer_vt"), interpret=True, **q_in)
+  heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(), interpret=True, **q_in)
+  heads_m.build(2, 64, 1, 1, "bfloat16", heads_m.TuningConfig(schedule="producer_vt"), interpret=False, **q_in)
   heads_m.build.cache_clear()
