@@ -170,7 +170,7 @@ class TuningConfig(common.SparseSm90Config):
   def q_in_kernel(self) -> bool:
     """Over an fp8 cache (both schedules): two warpgroups ("twin": the consumers; "producer_vt": the multipliers)
     quantize the tile's q rows themselves, 32 each (``q_quant.quantize_head_rows``, the bytes of the op's XLA /
-    q_quant pre-pass), and the kernel takes q as it is; a bf16 cache's kernel takes the op's Q tiles through the
+    pre-pass), and the kernel takes q as it is; a bf16 cache's kernel takes the op's Q tiles through the
     loader's TMAs (module docstring, "Q in the kernel")."""
     return not self.bf16
 
@@ -216,8 +216,8 @@ class TuningConfig(common.SparseSm90Config):
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
-  """WG2 (WG3 in "producer_vt"): Q (its chunks, quantized by the op's pre-pass) and the split's indices, then the
-  gathers of every tile (``common.gather_tiles``)."""
+  """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
+  indices, then the gathers of every tile (``common.gather_tiles``)."""
   plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
