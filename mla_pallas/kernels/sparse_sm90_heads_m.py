@@ -169,7 +169,7 @@ class TuningConfig(common.SparseSm90Config):
   @property
   def q_in_kernel(self) -> bool:
     """Over an fp8 cache (both schedules): two warpgroups ("twin": the consumers; "producer_vt": the multipliers)
-    quantize the tile's q rows themselves, 32 each (``q_quant.quantize_head_rows``, the bytes of the op's XLA /
+    quantize the tile's q rows themselves, 32 each (``q_quant.quantize_head_rows``, the bytes of the XLA
     pre-pass), and the kernel takes q as it is; a bf16 cache's kernel takes the op's Q tiles through the
     loader's TMAs (module docstring, "Q in the kernel")."""
     return not self.bf16
