@@ -66,7 +66,10 @@ def test_fallback_is_the_unfused_computation(rng, t, h, splits):
   (the bf16 rounding of a moves its e4m3 rounding: ~2^-9 relative, a fraction of the e4m3 step)."""
   parts, lse = make_partials(rng, t, h, splits)
   w8, wt, ws = weights(rng, h)
-  for impl, interpret in (("xla", False), ("auto", False), ("mosaic", True)):
+  # the interpret-mode leg at H 64 and 32 only: at H 128 it ran the same kernel path at twice the heads (~60 s of
+  # the CPU suite)
+  legs = (("xla", False), ("auto", False)) + ((("mosaic", True),) if h <= 64 else ())
+  for impl, interpret in legs:
     out = bmm_mod.merge_quantize_and_bmm_fp8(parts, lse, wt, ws, heads=h, impl=impl, interpret=interpret)
     o, _ = sd.combine_splits(parts, lse)
     a = o.reshape(t, -1, 512)[:, :h].astype(jnp.bfloat16)
