@@ -220,7 +220,14 @@ diag_qrows() {   # the in-kernel Q quantization with its loads batched (the defa
   run diag_qrows_B1 80 $py --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 --rows none,q_rows_serial \
     --out "$OUT/diag_qrows_B1"
 }
+diag_persistent() {   # "producer_vt" on persistent CTAs (opt-in since this session, interpret-checked only) against
+                      # the one-item CTAs at P1, C0, P4 and F1, with ptxas at P1; then its GPU test
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
+  run diag_pers_P1 200 $py --cases P1,C0,P4 --ptxas --rows none,persistent --out "$OUT/diag_pers"
+  run diag_pers_F1 150 $py --cases F1 --rows none,persistent --out "$OUT/diag_pers_F1"
+}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
+t_persistent() { run t_persistent 150 $T tests/test_sparse_persistent.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
   for shape in B=8,s_q=2,H=128,ctx=4096 B=32,s_q=1,H=128,ctx=32768 B=64,s_q=1,H=64,ctx=32768; do
@@ -229,7 +236,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_qrows,diag_qrows,t_sparse,t_bi_branch,t_batch_invariance,t_dense,t_qm,t_prefill_kernel,timeline_producer"
+next="t_qrows,diag_qrows,t_persistent,diag_persistent,t_sparse,t_bi_branch,t_batch_invariance,t_dense,t_qm,t_prefill_kernel,timeline_producer"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

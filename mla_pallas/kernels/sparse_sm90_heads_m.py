@@ -151,6 +151,7 @@ class TuningConfig(common.SparseSm90Config):
   k_buffers: int = 2
   schedule: str = "twin"
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
+  persistent: bool = False   # "producer_vt" on persistent CTAs (kernels/sparse_sm90_persistent.py; not yet timed)
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
@@ -159,6 +160,9 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
+    if self.persistent and (not self.producer or self.bf16 or self.tiles_per_split < 3):
+      raise ValueError(f"TuningConfig.persistent runs schedule 'producer_vt' over an fp8 cache with splits of at "
+                       f"least 3 tiles; got {self}")
     super().validate()
 
   @property
@@ -203,8 +207,10 @@ class TuningConfig(common.SparseSm90Config):
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
+    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows + self.persistent, TILE), jnp.float32)) \
         if self.producer else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
+    doubled = (((lay.chunks, TILE, lay.chunk_cols), lay.dtype), ((self.tiles_per_split, TILE), jnp.int32)) \
+        if self.persistent else ()    # Q and the indices of the next work item
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
@@ -212,6 +218,7 @@ class TuningConfig(common.SparseSm90Config):
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
         *slots,                                                 # P slots, alpha / (kv_scale / l) rows
+        *doubled,
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
