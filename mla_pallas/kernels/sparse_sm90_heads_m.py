@@ -299,8 +299,8 @@ def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, 
   from :func:`_amax_row`."""
   plgpu.set_max_registers(regs[0], action=regs[1])
   if q_in is not None and quantize:
-    wg, heads, softmax_scale, interpret = q_in
-    _quantize_q_half(tile_q, r, wg, heads, softmax_scale, interpret)
+    wg, heads, _, interpret = q_in
+    _quantize_q_half(tile_q, r, wg, heads, interpret)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
   if q_in is None:
@@ -315,22 +315,22 @@ def _amax_row(r: common.SparseRefs):
   return r.head_smem if len(r.head_smem.shape) == 1 else r.head_smem.at[INV_SLOT + 1]
 
 
-def _quantize_q_rows(tile_q, r: common.SparseRefs, half: int, heads: int, interpret: bool):
+def _quantize_q_rows(tile_q, r: common.SparseRefs, half: int, heads: int, interpret: bool, amax=None):
   """``TuningConfig.q_in_kernel``: this warpgroup quantizes tile rows [32 half, 32 half + 32) of query tile
   ``tile_q`` (heads 64 (tile_q % tiles) + r of token tile_q // tiles; rows past H are zeros) from q [T · H, 576]
-  into ``q_sw`` and their max |q| into :func:`_amax_row`, fences them and arrives on ``q_bar`` (two arrivals:
-  the tile is complete)."""
+  into ``q_sw`` and their max |q| into :func:`_amax_row` (or ``amax``), fences them and arrives on ``q_bar`` (two
+  arrivals: the tile is complete)."""
   tiles = max(1, heads // TILE)
   row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
   quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
-  quantize(r.q_gmem, r.q_sw, _amax_row(r), row0, min(heads, TILE), first=half * (TILE // 2), count=TILE // 2)
+  quantize(r.q_gmem, r.q_sw, _amax_row(r) if amax is None else amax, row0, min(heads, TILE),
+           first=half * (TILE // 2), count=TILE // 2)
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.q_bar)
 
 
-def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, softmax_scale: float, interpret: bool):
+def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, interpret: bool):
   """"twin": consumer ``wg`` (traced) quantizes its half of the rows (:func:`_quantize_q_rows`)."""
-  del softmax_scale
   for w in range(2):
     @pl.when(wg == w)
     def _():
@@ -429,15 +429,33 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
-def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
-  """The producer after the last tile: kv_scale / l for the multipliers (``p_full[2]``), the lse, the final
-  observation of the P slots."""
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
-  r.head_smem.at[INV_SLOT][...] = inv
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
-  common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
-  common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
+def _producer_item(cfg: TuningConfig, num_slots: int, row_scale, kv_scale, tile_q, split, r: common.SparseRefs,
+                   first=0):
+  """The producer's work on one (query tile, split): per tile QKᵀ, the K buffer's release, the online softmax, P
+  and alpha into their slot (``_publish_p``); after the last tile kv_scale / l for the multipliers
+  (``p_full[2]``) and the lse. ``first``: the ring position of tile 0 (K buffer and P slot of tile t:
+  (first + t) % k_buffers, % P_BUFFERS; a persistent kernel counts across items)."""
+  def step(t, carry):
+    m, l = carry
+    g = first + t
+    with jax.named_scope("p_wait_k"):
+      kb, pb, k_tiles = _landed(g, cfg, r)
+    with jax.named_scope("p_qk"):
+      s = _qk_and_upcast(k_tiles, None, r)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    with jax.named_scope("p_softmax"):
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+      p16 = p.astype(jnp.float16)
+    _publish_p(g, pb, p16, alpha, r)
+    return m_new, l
+
+  _, m0, l0 = _zero_state()
+  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
+  with jax.named_scope("p_finish"):
+    r.head_smem.at[INV_SLOT][...] = kv_scale / jnp.where(l == 0.0, 1.0, l)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
+    common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
 def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
@@ -449,9 +467,14 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   if q_in is not None:
     _quantize_q_rows(tile_q, r, half, *q_in)
+  _multiplier_interpret_item(cfg, out_dtype, tile_q, split, r, half)
 
+
+def _multiplier_interpret_item(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int,
+                               first=0):
+  """:func:`_multiplier_interpret`'s work on one (query tile, split); ``first`` as in :func:`_producer_item`."""
   def step(t, acc):
-    kb, pb, k_tiles = _landed(t, cfg, r)
+    kb, pb, k_tiles = _landed(first + t, cfg, r)
     common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
@@ -489,10 +512,14 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
   if q_in is not None:
     with jax.named_scope("m_quantize_q"):
       _quantize_q_rows(tile_q, r, half, *q_in)
+  _multiplier_item(cfg, tile_q, split, r, half)
 
+
+def _multiplier_item(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int, first=0):
+  """:func:`_multiplier`'s work on one (query tile, split); ``first`` as in :func:`_producer_item`."""
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
-      kb, pb, k_tiles = _landed(t, cfg, r)
+      kb, pb, k_tiles = _landed(first + t, cfg, r)
     with jax.named_scope("m_words"):
       words = vt_registers.load_v_half_words(k_tiles, half)
     plgpu.barrier_arrive(r.k_empty.at[kb])
@@ -517,24 +544,8 @@ def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.Sparse
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
   with jax.named_scope("p_prologue"):
     row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
-
-  def step(t, carry):
-    m, l = carry
-    with jax.named_scope("p_wait_k"):
-      kb, pb, k_tiles = _landed(t, cfg, r)
-    with jax.named_scope("p_qk"):
-      s = _qk_and_upcast(k_tiles, None, r)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-      p16 = p.astype(jnp.float16)
-    _publish_p(t, pb, p16, alpha, r)
-    return m_new, l
-
-  _, m0, l0 = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
-  with jax.named_scope("p_finish"):
-    _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+  _producer_item(cfg, num_slots, row_scale, kv_scale, tile_q, split, r)
+  common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)    # the final observation of the P slots
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):

@@ -48,13 +48,8 @@ def _amax(r: common.SparseRefs, j):
 
 
 def _quantize(tile_q, r: common.SparseRefs, j, half: int, heads: int, interpret: bool):
-  """Multiplier ``half``'s 32 rows of query tile ``tile_q`` into Q slot ``j`` (and its amax row), then q_bar[j]."""
-  tiles = max(1, heads // TILE)
-  row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
-  quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
-  quantize(r.q_gmem, r.q_sw.at[j], _amax(r, j), row0, min(heads, TILE), first=half * (TILE // 2), count=TILE // 2)
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(r.q_bar.at[j])
+  """Multiplier ``half``'s 32 rows of query tile ``tile_q`` into Q slot ``j`` and its amax row, then q_bar[j]."""
+  hm._quantize_q_rows(tile_q, _view(r, j), half, heads, interpret, amax=_amax(r, j))
 
 
 class _Items:
@@ -110,24 +105,8 @@ def _producer(cfg, num_slots, items: _Items, r: common.SparseRefs, idx_empty, so
     plgpu.barrier_wait(ri.idx_bar)
     amax = plgpu.load(_amax(r, j), layout=hm.ROW_LAYOUT, optimized=False)
     row_scale = q_quant.row_scales(amax, softmax_scale, kv_scale)
-
-    def step(t, carry):
-      m, l = carry
-      g = i * n + t
-      kb, pb, k_tiles = hm._landed(g, cfg, ri)
-      s = hm._qk_and_upcast(k_tiles, None, ri)
-      plgpu.barrier_arrive(r.k_empty.at[kb])
-      p, alpha, m_new, l = hm._softmax_step(t, s, m, l, row_scale, num_slots, ri)
-      hm._publish_p(g, pb, p.astype(jnp.float16), alpha, ri)
-      return m_new, l
-
-    _, m0, l0 = hm._zero_state()
-    m, l = lax.fori_loop(0, n, step, (m0, l0))
-    plgpu.barrier_arrive(idx_empty.at[j])
-    r.head_smem.at[hm.INV_SLOT][...] = kv_scale / jnp.where(l == 0.0, 1.0, l)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(r.p_full.at[hm.INV_SLOT])
-    common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+    hm._producer_item(cfg, num_slots, row_scale, kv_scale, tile_q, split, ri, first=i * n)
+    plgpu.barrier_arrive(idx_empty.at[j])    # the loader may now bring item i + 2's indices
   lax.fori_loop(0, items.count, item, None)
   for pb in range(hm.P_BUFFERS):       # the last observation of each P slot (items.count * n >= P_BUFFERS)
     plgpu.barrier_wait(r.p_empty.at[pb])
@@ -147,35 +126,9 @@ def _multiplier(cfg, out_dtype, interpret: bool, heads: int, items: _Items, r: c
       _quantize(items.coords(i + 1)[0], r, 1 - j, half, heads, interpret)
 
     if interpret:     # the stand-in of interpret mode: V upcast in SMEM, P from its slot
-      def step(t, acc):
-        kb, pb, k_tiles = hm._landed(i * n + t, cfg, r)
-        common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(r.k_empty.at[kb])
-        plgpu.barrier_wait(r.p_full.at[pb])
-        alpha = plgpu.load(r.head_smem.at[pb], layout=hm.ROW_LAYOUT, optimized=False)
-        acc = hm._pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], half, True, r)
-        plgpu.barrier_arrive(r.p_empty.at[pb])
-        return acc
-      acc = lax.fori_loop(0, n, step, hm._zero_state()[0])
-      plgpu.barrier_wait(r.p_full.at[hm.INV_SLOT])
-      inv = plgpu.load(r.head_smem.at[hm.INV_SLOT], layout=hm.ROW_LAYOUT, optimized=False)
-      hm._store_half(acc, inv, half, out_dtype, tile_q, split, r)
+      hm._multiplier_interpret_item(cfg, out_dtype, tile_q, split, r, half, first=i * n)
     else:
-      from mla_pallas.kernels import vt_registers
-
-      def step(t, accs):
-        kb, pb, k_tiles = hm._landed(i * n + t, cfg, r)
-        words = vt_registers.load_v_half_words(k_tiles, half)
-        plgpu.barrier_arrive(r.k_empty.at[kb])
-        plgpu.barrier_wait(r.p_full.at[pb])
-        accs = hm._pv_vt(accs, words, pb, r)
-        plgpu.barrier_arrive(r.p_empty.at[pb])
-        return accs
-      accs = lax.fori_loop(0, n, step, hm._zero_vt())
-      plgpu.barrier_wait(r.p_full.at[hm.INV_SLOT])
-      inv = plgpu.load(r.head_smem.at[hm.INV_SLOT], layout=hm.COL_LAYOUT, optimized=False)
-      vt_registers.store_half_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], half)
+      hm._multiplier_item(cfg, tile_q, split, r, half, first=i * n)
   lax.fori_loop(0, items.count, item, None)
 
 
