@@ -9,12 +9,10 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-sixth session, which gave "producer_vt"'s
-#   multipliers one 64-bit V load per key and Q quantized in the kernel, ran t_vt and t_producer (passed) and the
-#   peer kit in one run): t_qrows and diag_qrows first (f3b9e9b batched the in-kernel Q loads, untimed: bitwise
-#   check, then the A/B against q_rows_serial; revert if slower), then the GPU test files that route through the
-#   sparse kernel, not run since the defaults changed: t_sparse (whole, ~5 min), t_bi_branch, t_batch_invariance,
-#   t_dense, t_qm, t_prefill_kernel; then timeline_producer (where the per-tile time goes now) and the peer kit.
+# next (the order for the next device call; state after the twenty-seventh session's first calls, which timed the
+#   batched Q loads (kept: within 0.5 %) and the persistent CTAs (deleted: slower) and reran the GPU files that route
+#   through the sparse kernel, all passed): t_prefill_kernel (cut by that call's deadline after 16 passed cases),
+#   then the peer kit.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -220,14 +218,7 @@ diag_qrows() {   # the in-kernel Q quantization with its loads batched (the defa
   run diag_qrows_B1 80 $py --shape B=1,s_q=1,H=128,topk=2048,page=64,ctx=32768 --rows none,q_rows_serial \
     --out "$OUT/diag_qrows_B1"
 }
-diag_persistent() {   # "producer_vt" on persistent CTAs (opt-in since this session, interpret-checked only) against
-                      # the one-item CTAs at P1, C0, P4 and F1, with ptxas at P1; then its GPU test
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_pers_P1 200 $py --cases P1,C0,P4 --ptxas --rows none,persistent --out "$OUT/diag_pers"
-  run diag_pers_F1 150 $py --cases F1 --rows none,persistent --out "$OUT/diag_pers_F1"
-}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
-t_persistent() { run t_persistent 150 $T tests/test_sparse_persistent.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
   for shape in B=8,s_q=2,H=128,ctx=4096 B=32,s_q=1,H=128,ctx=32768 B=64,s_q=1,H=64,ctx=32768; do
@@ -236,7 +227,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_qrows,diag_qrows,t_persistent,diag_persistent,t_sparse,t_bi_branch,t_batch_invariance,t_dense,t_qm,t_prefill_kernel,timeline_producer"
+next="t_prefill_kernel"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

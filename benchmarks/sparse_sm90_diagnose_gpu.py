@@ -124,11 +124,6 @@ def _zero_words(k_tile_ref, *args):
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
 
 
-def _producer_persistent(tiles_per_split: int) -> dict:
-  tuning = _HEADS_M_TUNING(tiles_per_split)
-  return dict(tuning, persistent=True) if tuning.get("schedule") == "producer_vt" and tiles_per_split <= 64 else tuning
-
-
 def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
@@ -151,15 +146,14 @@ ROWS = {
     "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
     # "producer_vt" with three P slots (the producer up to three tiles ahead of the multipliers; + 8 KB of SMEM)
     "p_slots_3": {(heads_m, "P_BUFFERS"): 3, (heads_m, "INV_SLOT"): 3},
-    # the in-kernel Q quantization one row at a time per warp (before the twenty-sixth session's batched loads)
+    # the in-kernel Q quantization one row at a time per warp (before the batched loads; within 0.5 % of them at
+    # P1, C0 and F1, twenty-seventh session)
     "q_rows_serial": {(q_quant, "Q_LOAD_REGS"): 0},
-    # "producer_vt" on persistent CTAs (kernels/sparse_sm90_persistent.py; splits of 3-64 tiles)
-    "persistent": {(sd, "_heads_m_tuning"): _producer_persistent},
     # "producer_vt" with three K buffers (slower: 285.9 against 278.3 us at P1, twenty-sixth session)
     "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "persistent")
+           "k_buffers_3", "q_rows_serial")
 
 
 @contextlib.contextmanager

@@ -294,17 +294,13 @@ def k_full_arrivals(interpret: bool, layout: TileLayout = FP8_TILES) -> int:
 
 
 def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int, k_buffers: int,
-                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES, first=0,
-                 drain_ring: bool = True):
+                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
   (``k_empty``), the rows ``idx_smem[t]`` of ``kv_gmem`` [num_slots, 576] land in the 128-byte-swizzled K tile
   (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575) and ``k_full`` is signalled. An id outside
   [0, num_slots) is an invalid key: its row is zero-filled and nothing outside the cache is read.
   ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather. ``layout``: the
   cache dtype's :class:`TileLayout` (the chunks above are fp8's; bf16 rows land in nine 64-column chunks).
-  ``first`` (int or traced): the ring position of tile 0 (a persistent kernel counts its tiles across work
-  items: tile t uses buffer (first + t) % k_buffers); ``drain_ring=False`` leaves the final observation of the
-  ring (:func:`drain`) to the caller, after its last item.
 
   On hardware the loader warpgroup's 128 threads gather each tile with 16-byte ``cp.async`` loads
   (``kernels/gather_threads.py``: 20 per thread and tile, one group per tile) and keep ``k_buffers - 2`` tiles in
@@ -319,10 +315,10 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
   def tiles(gather):     # per tile t: wait for its buffer, before_gather(t), gather(t, buffer)
     @pl.loop(0, n_tiles)
     def _(t):
-      kb = lax.rem(first + t, k_buffers)
+      kb = lax.rem(t, k_buffers)
 
       with jax.named_scope("l_wait_empty"):     # named regions: spans of the in-kernel profiler (no-ops without it)
-        @pl.when(first + t >= k_buffers)
+        @pl.when(t >= k_buffers)
         def _():
           plgpu.barrier_wait(k_empty.at[kb])
       before_gather(t)
@@ -340,12 +336,11 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
 
       @pl.when(t >= lag)
       def _():
-        plgpu.barrier_arrive(k_full.at[lax.rem(first + t - lag, k_buffers)])
+        plgpu.barrier_arrive(k_full.at[lax.rem(t - lag, k_buffers)])
     tiles(gather_by_threads)
     gather_threads.wait_tiles(0)
     for tile in range(max(n_tiles - lag, 0), n_tiles):
-      plgpu.barrier_arrive(k_full.at[(first + tile) % k_buffers if isinstance(first, int)
-                                     else lax.rem(first + tile, k_buffers)])
+      plgpu.barrier_arrive(k_full.at[tile % k_buffers])
   else:
     def gather_rows(t, kb):
       def issue_row(r):
@@ -355,8 +350,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
           plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])
       for_rows_per_warp(TILE, issue_row)
     tiles(gather_rows)
-  if drain_ring:
-    drain(k_empty, n_tiles, k_buffers)
+  drain(k_empty, n_tiles, k_buffers)
 
 
 def stage_v16(k_tiles, v16, chunks):

@@ -151,7 +151,6 @@ class TuningConfig(common.SparseSm90Config):
   k_buffers: int = 2
   schedule: str = "twin"
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
-  persistent: bool = False   # "producer_vt" on persistent CTAs (kernels/sparse_sm90_persistent.py; not yet timed)
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
@@ -160,9 +159,6 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
-    if self.persistent and (not self.producer or self.bf16 or self.tiles_per_split < 3):
-      raise ValueError(f"TuningConfig.persistent runs schedule 'producer_vt' over an fp8 cache with splits of at "
-                       f"least 3 tiles; got {self}")
     super().validate()
 
   @property
@@ -207,10 +203,8 @@ class TuningConfig(common.SparseSm90Config):
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows + self.persistent, TILE), jnp.float32)) \
+    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
         if self.producer else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
-    doubled = (((lay.chunks, TILE, lay.chunk_cols), lay.dtype), ((self.tiles_per_split, TILE), jnp.int32)) \
-        if self.persistent else ()    # Q and the indices of the next work item
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
@@ -218,7 +212,6 @@ class TuningConfig(common.SparseSm90Config):
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
         *slots,                                                 # P slots, alpha / (kv_scale / l) rows
-        *doubled,
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
@@ -315,16 +308,15 @@ def _amax_row(r: common.SparseRefs):
   return r.head_smem if len(r.head_smem.shape) == 1 else r.head_smem.at[INV_SLOT + 1]
 
 
-def _quantize_q_rows(tile_q, r: common.SparseRefs, half: int, heads: int, interpret: bool, amax=None):
+def _quantize_q_rows(tile_q, r: common.SparseRefs, half: int, heads: int, interpret: bool):
   """``TuningConfig.q_in_kernel``: this warpgroup quantizes tile rows [32 half, 32 half + 32) of query tile
   ``tile_q`` (heads 64 (tile_q % tiles) + r of token tile_q // tiles; rows past H are zeros) from q [T · H, 576]
-  into ``q_sw`` and their max |q| into :func:`_amax_row` (or ``amax``), fences them and arrives on ``q_bar`` (two
-  arrivals: the tile is complete)."""
+  into ``q_sw`` and their max |q| into :func:`_amax_row`, fences them and arrives on ``q_bar`` (two arrivals:
+  the tile is complete)."""
   tiles = max(1, heads // TILE)
   row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
   quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
-  quantize(r.q_gmem, r.q_sw, _amax_row(r) if amax is None else amax, row0, min(heads, TILE),
-           first=half * (TILE // 2), count=TILE // 2)
+  quantize(r.q_gmem, r.q_sw, _amax_row(r), row0, min(heads, TILE), first=half * (TILE // 2), count=TILE // 2)
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.q_bar)
 
@@ -429,33 +421,15 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
-def _producer_item(cfg: TuningConfig, num_slots: int, row_scale, kv_scale, tile_q, split, r: common.SparseRefs,
-                   first=0):
-  """The producer's work on one (query tile, split): per tile QKᵀ, the K buffer's release, the online softmax, P
-  and alpha into their slot (``_publish_p``); after the last tile kv_scale / l for the multipliers
-  (``p_full[2]``) and the lse. ``first``: the ring position of tile 0 (K buffer and P slot of tile t:
-  (first + t) % k_buffers, % P_BUFFERS; a persistent kernel counts across items)."""
-  def step(t, carry):
-    m, l = carry
-    g = first + t
-    with jax.named_scope("p_wait_k"):
-      kb, pb, k_tiles = _landed(g, cfg, r)
-    with jax.named_scope("p_qk"):
-      s = _qk_and_upcast(k_tiles, None, r)
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
-      p16 = p.astype(jnp.float16)
-    _publish_p(g, pb, p16, alpha, r)
-    return m_new, l
-
-  _, m0, l0 = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
-  with jax.named_scope("p_finish"):
-    r.head_smem.at[INV_SLOT][...] = kv_scale / jnp.where(l == 0.0, 1.0, l)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
-    common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
+  """The producer after the last tile: kv_scale / l for the multipliers (``p_full[2]``), the lse, the final
+  observation of the P slots."""
+  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
+  r.head_smem.at[INV_SLOT][...] = inv
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
+  common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+  common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
 def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
@@ -467,14 +441,9 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   if q_in is not None:
     _quantize_q_rows(tile_q, r, half, *q_in)
-  _multiplier_interpret_item(cfg, out_dtype, tile_q, split, r, half)
 
-
-def _multiplier_interpret_item(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int,
-                               first=0):
-  """:func:`_multiplier_interpret`'s work on one (query tile, split); ``first`` as in :func:`_producer_item`."""
   def step(t, acc):
-    kb, pb, k_tiles = _landed(first + t, cfg, r)
+    kb, pb, k_tiles = _landed(t, cfg, r)
     common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
@@ -512,14 +481,10 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
   if q_in is not None:
     with jax.named_scope("m_quantize_q"):
       _quantize_q_rows(tile_q, r, half, *q_in)
-  _multiplier_item(cfg, tile_q, split, r, half)
 
-
-def _multiplier_item(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int, first=0):
-  """:func:`_multiplier`'s work on one (query tile, split); ``first`` as in :func:`_producer_item`."""
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
-      kb, pb, k_tiles = _landed(first + t, cfg, r)
+      kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("m_words"):
       words = vt_registers.load_v_half_words(k_tiles, half)
     plgpu.barrier_arrive(r.k_empty.at[kb])
@@ -544,8 +509,24 @@ def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.Sparse
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
   with jax.named_scope("p_prologue"):
     row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
-  _producer_item(cfg, num_slots, row_scale, kv_scale, tile_q, split, r)
-  common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)    # the final observation of the P slots
+
+  def step(t, carry):
+    m, l = carry
+    with jax.named_scope("p_wait_k"):
+      kb, pb, k_tiles = _landed(t, cfg, r)
+    with jax.named_scope("p_qk"):
+      s = _qk_and_upcast(k_tiles, None, r)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    with jax.named_scope("p_softmax"):
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+      p16 = p.astype(jnp.float16)
+    _publish_p(t, pb, p16, alpha, r)
+    return m_new, l
+
+  _, m0, l0 = _zero_state()
+  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
+  with jax.named_scope("p_finish"):
+    _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):

@@ -364,7 +364,6 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
-    candidates += [(("schedule", "producer_vt"), ("persistent", True))]
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
@@ -439,12 +438,6 @@ def _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length
   elif arch == "sm100":
     kern = cfg.module.build(n_tok * tiles_per_token, n_tok, num_slots, splits, tiles_per_token, out_dtype,
                             cfg.kernel, interpret=interpret)
-  elif getattr(cfg.kernel, "persistent", False):    # work items looped over by one CTA per SM
-    from mla_pallas.kernels import sparse_sm90_persistent
-    kern = sparse_sm90_persistent.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype,
-                                        cfg.kernel, num_ctas=_dispatch.num_sms(), heads=h,
-                                        softmax_scale=softmax_scale, interpret=interpret)
-    q_args = (join_q(parts).reshape(n_tok * h, D_QK),)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
                             interpret=interpret, heads=h, softmax_scale=softmax_scale, q_split=q_split)
