@@ -128,6 +128,17 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
+class _ApproxPlgpu:
+  """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` in its CompilerParams (exp2 / log2 as
+  ``ex2`` / ``lg2.approx.ftz.f32``: no subnormal fix-up around each MUFU)."""
+
+  def __getattr__(self, name):
+    return getattr(plgpu, name)
+
+  def CompilerParams(self, **kwargs):  # noqa: N802 (plgpu's name)
+    return plgpu.CompilerParams(**kwargs, approx_math=True)
+
+
 ROWS = {
     "none": {},
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
@@ -151,9 +162,12 @@ ROWS = {
     "q_rows_serial": {(q_quant, "Q_LOAD_REGS"): 0},
     # "producer_vt" with three K buffers (slower: 285.9 against 278.3 us at P1, twenty-sixth session)
     "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
+    # the heads-on-M kernel with approximate exp2 / log2 (ftz: no subnormal fix-up around each MUFU.EX2; -0.9 % at
+    # P1 and F1 on a producer that issued QKᵀ(t + 1) before the hand-off of P(t), twenty-seventh session)
+    "approx_math": {(heads_m, "plgpu"): _ApproxPlgpu()},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial")
+           "k_buffers_3", "q_rows_serial", "approx_math")
 
 
 @contextlib.contextmanager
