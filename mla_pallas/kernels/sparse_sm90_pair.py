@@ -121,35 +121,30 @@ def _math(cfg: heads_m.TuningConfig, num_slots: int, out_dtype, interpret: bool,
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.p_full.at[w])
 
-  def pv_hardware(j, accs, alpha):
-    accs = common.scale_columns(accs, _col(rows.at[ALPHA_ROW + w], alpha))
-    for u in (w, 1 - w):        # its own tile (P ready) first
-      if u != w:
-        _, k_tiles = landed(2 * j + u)
-      else:
-        k_tiles = r.k_sw.at[lax.rem(2 * j + u, cfg.k_buffers)]
-      words = vt_registers.load_v_half_words(k_tiles, w)
-      plgpu.barrier_arrive(r.k_empty.at[lax.rem(2 * j + u, cfg.k_buffers)])
-      if u != w:
-        plgpu.barrier_wait(r.p_full.at[u])
-      accs = tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[u], accs, 2 * TILE,
-                                          blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True,
-                                          pipelined=True))
-    return accs
-
-  def pv_interpret(j, acc, alpha):
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  def pv(j, acc, alpha):    # its Oᵀ half (hardware) or O half (interpret) += both tiles of pair j, its own first
+    if interpret:            # V upcast into its columns of the f16 tile; O [heads, 256] in the row layout
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    else:
+      acc = common.scale_columns(acc, _col(rows.at[ALPHA_ROW + w], alpha))
     for u in (w, 1 - w):
       if u != w:
         _, k_tiles = landed(2 * j + u)
       else:
         k_tiles = r.k_sw.at[lax.rem(2 * j + u, cfg.k_buffers)]
-      common.stage_v16(k_tiles, r.v16, chunks=(2 * w, 2 * w + 1))
-      plgpu.commit_smem()
+      if interpret:
+        common.stage_v16(k_tiles, r.v16, chunks=(2 * w, 2 * w + 1))
+        plgpu.commit_smem()
+      else:
+        words = vt_registers.load_v_half_words(k_tiles, w)
       plgpu.barrier_arrive(r.k_empty.at[lax.rem(2 * j + u, cfg.k_buffers)])
       if u != w:
         plgpu.barrier_wait(r.p_full.at[u])
-      acc = heads_m._pv_half(acc, r.p_sw.at[u], w, True, r)
+      if interpret:
+        acc = heads_m._pv_half(acc, r.p_sw.at[u], w, True, r)
+      else:
+        acc = tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[u], acc, 2 * TILE,
+                                           blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True,
+                                           pipelined=True))
     return acc
 
   def pair(j, carry):
@@ -158,7 +153,7 @@ def _math(cfg: heads_m.TuningConfig, num_slots: int, out_dtype, interpret: bool,
     s = heads_m._qk_and_upcast(k_tiles, None, r)
     p, alpha, m, l = softmax(j, s, m, l)
     publish(j, p)
-    acc = (pv_interpret if interpret else pv_hardware)(j, acc, alpha)
+    acc = pv(j, acc, alpha)
     for u in range(MATH):
       plgpu.barrier_arrive(r.p_empty.at[u])
     return acc, m, l
