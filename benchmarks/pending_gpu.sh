@@ -9,12 +9,10 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-seventh session's first calls, which timed the
-#   batched Q loads (kept: within 0.5 %) and the persistent CTAs (deleted: slower) and reran the GPU files that route
-#   through the sparse kernel, all passed; call 4 measured the producer's QKᵀ(t + 1) before the hand-off of P(t):
-#   slower, not kept; then schedule "pair" was written, interpret-checked and lowered): t_pair and diag_pair (its GPU
-#   test, then its time against "producer_vt"), diag_approx (approximate exp2 / log2 on today's default),
-#   t_prefill_kernel (cut by call 2's deadline after 16 passed cases), then the peer kit.
+# next (the order for the next device call; state after the twenty-eighth session's first call, which measured
+#   schedule "pair" slower (deleted) and approximate exp2 / log2 within noise on the default (not adopted)):
+#   t_prefill_h64 (the two H64 cases of tests/test_prefill_kernel_gpu.py that two calls' deadlines cut), then the
+#   peer kit when a default changes.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -225,13 +223,6 @@ diag_approx() {   # the heads-on-M kernel with approximate exp2 / log2 against t
   run diag_approx_P1 150 $py --cases P1 --ptxas --rows none,approx_math --out "$OUT/diag_approx"
   run diag_approx_F1 150 $py --cases F1 --rows none,approx_math --out "$OUT/diag_approx_F1"
 }
-t_pair() { run t_pair 200 $T tests/test_sparse_decode_gpu.py -k heads_m_pair; }
-diag_pair() {   # schedule "pair" (opt-in, interpret-checked and lowered only) against "producer_vt" where the op runs
-                # it, two and three K buffers: P1 with ptxas, F1, P4
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_pair_P1 200 $py --cases P1 --ptxas --rows none,pair,pair_k3 --out "$OUT/diag_pair"
-  run diag_pair_F1 150 $py --cases F1 --rows none,pair,pair_k3 --out "$OUT/diag_pair_F1"
-}
 timeline_P1() {
   run timeline_P1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
@@ -245,7 +236,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_pair,diag_pair,diag_approx,t_prefill_kernel"
+next="t_prefill_h64"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -124,13 +124,6 @@ def _zero_words(k_tile_ref, *args):
   return plgpu.layout_cast(jnp.zeros((common.TILE, 2 * common.TILE), jnp.int32), plgpu.Layout.WGMMA)
 
 
-def _pair(k_buffers: int):
-  def tuning(tiles_per_split: int) -> dict:
-    base = _HEADS_M_TUNING(tiles_per_split)
-    return dict(base, schedule="pair", k_buffers=k_buffers) if base.get("schedule") == "producer_vt" else base
-  return tuning
-
-
 def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
@@ -169,15 +162,13 @@ ROWS = {
     "q_rows_serial": {(q_quant, "Q_LOAD_REGS"): 0},
     # "producer_vt" with three K buffers (slower: 285.9 against 278.3 us at P1, twenty-sixth session)
     "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
-    # schedule "pair" (kernels/sparse_sm90_pair.py) where the op runs "producer_vt", with two or three K buffers
-    "pair": {(sd, "_heads_m_tuning"): _pair(2)},
-    "pair_k3": {(sd, "_heads_m_tuning"): _pair(3)},
     # the heads-on-M kernel with approximate exp2 / log2 (ftz: no subnormal fix-up around each MUFU.EX2; -0.9 % at
-    # P1 and F1 on a producer that issued QKᵀ(t + 1) before the hand-off of P(t), twenty-seventh session)
+    # P1 and F1 on a producer that issued QKᵀ(t + 1) before the hand-off of P(t), twenty-seventh session; on the
+    # default, twenty-eighth session: P1 256.4 vs 258.2 us, F1 4117.6 vs 3955.0 (p10 3942.0 vs 3943.0): not adopted)
     "approx_math": {(heads_m, "plgpu"): _ApproxPlgpu()},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "approx_math", "pair", "pair_k3")
+           "k_buffers_3", "q_rows_serial", "approx_math")
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ import mla_pallas
 from mla_pallas import _dispatch, reference, testing
 from mla_pallas.kernels import gather_threads
 from mla_pallas.kernels import common, sparse_sm90_heads_m as heads_m, sparse_sm90_heads_n as heads_n
-from mla_pallas.kernels import sparse_sm90_pair as pair
 from mla_pallas.ops import sparse_decode as sd
 
 from _sparse_inputs import FP8, logit_std, make_case, run_kernel
@@ -141,8 +140,6 @@ def _interpret_budget(case):
     # V tile)
     (64, (("schedule", "producer_vt"), ("k_buffers", 3))),
     (128, (("schedule", "producer_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
-    # "pair": the math warpgroups take alternate tiles and exchange row maxima (one pair per split: 2 splits)
-    (64, (("schedule", "pair"), ("tiles_per_split", 2))),
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
     (8, (("tiles_per_split", 1),)),
@@ -285,14 +282,6 @@ def test_tuning_errors():
   # "producer_vt": + two 8 KB P slots and 1 KB of alpha / 1/l / amax rows (1 KB rounding), without the V tile
   assert heads_m.TuningConfig(schedule="producer_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
   assert heads_m.TuningConfig(schedule="producer_vt", k_buffers=3).smem_budget() == 193024
-  # "pair": no V tile, two P slots, 12 head rows (3 KB); tile pairs only; fp8 only; registers 24 + 2 · 240
-  assert heads_m.TuningConfig(schedule="pair").smem_budget() == 200192 - 65536 + 2 * 8192 + 3072
-  assert heads_m.TuningConfig(schedule="pair", k_buffers=3).smem_budget() == 200192 + 2 * 8192 + 3072 - 24576
-  with pytest.raises(ValueError, match="even"):
-    heads_m.TuningConfig(schedule="pair", tiles_per_split=7)
-  with pytest.raises(ValueError, match="twin"):
-    heads_m.TuningConfig(schedule="pair", cache_dtype="bfloat16", tiles_per_split=16)
-  assert heads_m.TuningConfig(schedule="pair").loader_regs + 2 * pair.PAIR_REGS[1] <= 3 * (65536 // 384 // 8 * 8)
 
 
 def test_registers_fit_the_launch_allocation():
@@ -400,7 +389,6 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "producer_vt"), (128, 2, 2048, 1, 3, "producer_vt"), (64, 1, 2051, 2, 2, "producer_vt"),
     (128, 1, 16384, 2, 2, "producer_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
-    (128, 2, 2048, 1, 2, "pair"), (64, 1, 2048, 2, 3, "pair"),
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
     (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
@@ -429,22 +417,10 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     q_aval, qs_aval = S((n_tok * H, common.D_QK), jnp.bfloat16), None    # bf16 q, quantized by WG0
   q_args = (q_aval,) if qs_aval is None else (q_aval, qs_aval)
   low = testing.lower_for_cuda(kern, *q_args, kv, idx, S((1,), jnp.float32), arch=(9, 0))
-  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only; "pair": one per
-  # math warpgroup)
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20 * (2 if schedule == "pair" else 1)
+  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    if schedule == "pair":
-      # 3 warpgroups: the loader gives registers back (24), the two math warpgroups take 240 each; per math
-      # warpgroup both tiles of a pair, each 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers (16 64-bit
-      # loads, 64 byte permutes, 64 e4m3x2 -> f16x2 conversions per tile); Q: 16 rows' 16-byte stores each
-      assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
-      assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 240;") == 2
-      assert low.count(r"m64n64k16\.f32\.f16\.f16") == 2 * 2 * 16
-      assert low.count(r"ld\.shared\.v2\.b32") == 2 * 2 * 16
-      assert low.count(r"prmt\.b32") == 2 * 2 * 64
-      assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 2 * 64
-      assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2
-    elif schedule == "producer_vt":
+    if schedule == "producer_vt":
       # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
@@ -464,7 +440,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       # Q quantized by the multipliers (q_quant.quantize_head_rows, 32 rows each, 4 rows per warp): a 16-byte
       # store of latent and one of the tail chunk per row and lane
       assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2
-    elif schedule == "twin":
+    else:
       # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
       assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4
       assert low.count(r"prmt\.b32") == 0

@@ -59,10 +59,6 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
   with an f16 V tile instead (each multiplier upcasts its two V chunks and multiplies P from the slot; README:
   interpret-only code paths).
-* "pair" (3 warpgroups, fp8 cache, even ``tiles_per_split``; opt-in, not yet timed): two math warpgroups take
-  alternate tiles (QKᵀ and softmax of their own tile, row maxima exchanged per tile pair) and each multiplies both
-  tiles' P into its half of Oᵀ with Vᵀ from registers, as "producer_vt"'s multipliers do:
-  ``kernels/sparse_sm90_pair.py``, which ``build`` calls for it.
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -136,12 +132,6 @@ LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("pr
 PRODUCER_REGS = (24, 88, 200)
 
 
-def sparse_sm90_pair():
-  """:mod:`mla_pallas.kernels.sparse_sm90_pair` (schedule "pair"; imported on use: it builds on this module)."""
-  from mla_pallas.kernels import sparse_sm90_pair as pair
-  return pair
-
-
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -156,7 +146,7 @@ class TuningConfig(common.SparseSm90Config):
   up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
   (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "pair")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -169,8 +159,6 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
-    if self.schedule == "pair" and self.tiles_per_split % 2:
-      raise ValueError(f"TuningConfig schedule 'pair' takes tile pairs: tiles_per_split must be even; got {self}")
     super().validate()
 
   @property
@@ -210,17 +198,9 @@ class TuningConfig(common.SparseSm90Config):
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
     cache is bf16 (V is the K tile itself)."""
-    return (not (self.producer or self.schedule == "pair") or interpret) and not self.bf16
-
-  @property
-  def loader_regs(self) -> int:
-    """The loader's registers after its setmaxnreg decrease (the rest goes to the warpgroups that multiply)."""
-    return PRODUCER_REGS[0] if self.producer else \
-        sparse_sm90_pair().PAIR_REGS[0] if self.schedule == "pair" else LOADER_REGS
+    return (not self.producer or interpret) and not self.bf16
 
   def smem_budget(self) -> int:
-    if self.schedule == "pair":
-      return sparse_sm90_pair().smem_budget(self)
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
     slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
@@ -238,7 +218,7 @@ class TuningConfig(common.SparseSm90Config):
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
   """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
   indices, then the gathers of every tile (``common.gather_tiles``)."""
-  plgpu.set_max_registers(cfg.loader_regs, action="decrease")
+  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -607,9 +587,6 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
     raise ValueError("q_split needs a config whose kernel quantizes q (TuningConfig.q_in_kernel: an fp8 cache); "
                      f"got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
   out_dtype = jnp.dtype(out_dtype_name)
-  if cfg.schedule == "pair":
-    return sparse_sm90_pair().build(num_q_tiles, num_slots, num_splits, tiles_per_token, out_dtype, cfg,
-                                    interpret=interpret, heads=heads, softmax_scale=softmax_scale, q_split=q_split)
   interp = bool(interpret)
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
     common.check_interpret_threads(interp, cfg.loader + 1, "schedule 'producer_vt'")
