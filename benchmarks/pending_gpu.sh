@@ -10,9 +10,11 @@
 # than deleting them: they hold the per-kernel breakdowns.
 #
 # next (the order for the next device call; state after the twenty-eighth session's first call, which measured
-#   schedule "pair" slower (deleted) and approximate exp2 / log2 within noise on the default (not adopted)):
-#   t_prefill_h64 (the two H64 cases of tests/test_prefill_kernel_gpu.py that two calls' deadlines cut), then the
-#   peer kit when a default changes.
+#   schedule "pair" slower (deleted) and approximate exp2 / log2 within noise on the default (not adopted); then
+#   lazy rescaling in "producer_vt" and the per-key bias mask were written, interpret-checked and lowered):
+#   t_lazy (its GPU test), diag_lazy (its time against eager rescaling / the select mask), the GPU files that
+#   route through the heads-on-M kernel, t_prefill_h64 (the two H64 cases of tests/test_prefill_kernel_gpu.py that
+#   two calls' deadlines cut), then the peer kit.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -123,8 +125,9 @@ t_qm() {   # heads on M "twin" (the consumers quantize Q in raw PTX) against "pr
 t_prefill_quant() {   # mla_prefill's q / k pre-pass kernel (kernels/prefill_quant.py): bitwise the XLA pre-pass;
                       # then the op at 64 heads through it, default config, against the reference
   run t_prefill_quant 150 $T tests/test_prefill_quant.py
-  run t_prefill_h64 240 $T tests/test_prefill_kernel_gpu.py -k prepass_kernel_matches_reference
+  t_prefill_h64
 }
+t_prefill_h64() { run t_prefill_h64 240 $T tests/test_prefill_kernel_gpu.py -k prepass_kernel_matches_reference; }
 ab_prefill_prepass() {   # the op with the pre-pass kernel against the XLA pre-pass, DeepSeek-V3.2 and GLM-5 2 x 4096
   run ab_prefill_prepass 300 $PY benchmarks/prefill_prepass_ab_gpu.py
 }
@@ -223,6 +226,14 @@ diag_approx() {   # the heads-on-M kernel with approximate exp2 / log2 against t
   run diag_approx_P1 150 $py --cases P1 --ptxas --rows none,approx_math --out "$OUT/diag_approx"
   run diag_approx_F1 150 $py --cases F1 --rows none,approx_math --out "$OUT/diag_approx_F1"
 }
+t_lazy() { run t_lazy 150 $T tests/test_sparse_decode_gpu.py -k lazy_rescale; }
+diag_lazy() {   # lazy rescaling and the per-key bias mask (the default since the twenty-eighth session's call 2,
+                # untimed) against eager rescaling and the select mask, and approx_math on top: P1 (ptxas), F1
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
+  run diag_lazy_P1 150 $py --cases P1 --ptxas --rows none,eager_rescale,mask_select,approx_math --out "$OUT/diag_lazy"
+  run diag_lazy_F1 150 $py --cases F1 --rows none,eager_rescale,mask_select --out "$OUT/diag_lazy_F1"
+}
+t_sparse_rest() { run t_sparse_rest 280 $T tests/test_sparse_decode_gpu.py -k "not lazy_rescale"; }
 timeline_P1() {
   run timeline_P1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
@@ -236,7 +247,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_prefill_h64"
+next="t_lazy,diag_lazy,t_sparse_rest,t_qm,t_dense,t_batch_invariance,t_prefill_h64"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

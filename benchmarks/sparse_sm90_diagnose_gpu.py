@@ -92,8 +92,8 @@ def _zero_s(k_tiles, stage_v, r):
   return pl.run_scoped(body, plgpu.ACC((common.TILE, common.TILE), jnp.float32))
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r):
-  del t, row_scale, num_slots, r
+def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None):
+  del t, row_scale, num_slots, r, rescale_threshold
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
@@ -126,6 +126,20 @@ def _zero_words(k_tile_ref, *args):
 
 def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
+
+
+_SOFTMAX_STEP = heads_m._softmax_step
+
+
+def _softmax_step_select(*args, **kwargs):
+  """``heads_m._softmax_step`` masking invalid keys with a select per logit (the form before the per-key bias)."""
+  def tile(*a, **kw):
+    return _ONLINE_SOFTMAX(*a, **{**kw, "masked_finite": False})
+  with unittest.mock.patch.object(common, "online_softmax_tile", tile):
+    return _SOFTMAX_STEP(*args, **kwargs)
+
+
+_ONLINE_SOFTMAX = common.online_softmax_tile
 
 
 class _ApproxPlgpu:
@@ -166,9 +180,13 @@ ROWS = {
     # P1 and F1 on a producer that issued QKᵀ(t + 1) before the hand-off of P(t), twenty-seventh session; on the
     # default, twenty-eighth session: P1 256.4 vs 258.2 us, F1 4117.6 vs 3955.0 (p10 3942.0 vs 3943.0): not adopted)
     "approx_math": {(heads_m, "plgpu"): _ApproxPlgpu()},
+    # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
+    # skip the rescale in a tile where no row grew), and the key mask as a select instead of a per-key bias
+    "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
+    "mask_select": {(heads_m, "_softmax_step"): _softmax_step_select},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "approx_math")
+           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "mask_select")
 
 
 @contextlib.contextmanager

@@ -48,6 +48,21 @@ def make_case(rng: np.random.Generator, *, B=2, s_q=1, H=16, topk=37, page_size=
   return SparseCase(q, kv, jnp.asarray(idx), tl, softmax_scale, kv_scale)
 
 
+def add_late_spike(case: SparseCase, tile: int, head: int = 0, scale: float = 1.0) -> SparseCase:
+  """``case`` with key ``64 tile + 3`` of query token (0, 0) made a valid row equal to e4m3(scale · q) of
+  ``head``: its logit for that head is ~ softmax_scale · kv_scale · scale · 576 (tens of nats), far
+  above the running maximum of the earlier tiles, so a lazy softmax must rescale in the middle of a split."""
+  idx = np.array(case.indices)
+  kv = np.array(case.kv.astype(jnp.float32)).reshape(-1, 576)
+  used = kv.shape[0] // 2
+  row = int(idx[0, 0, 0]) if 0 <= idx[0, 0, 0] < used else 5
+  row = (row + 7) % used
+  idx[0, 0, 64 * tile + 3] = row
+  kv[row] = np.asarray(case.q[0, 0, head], np.float32) * scale
+  kv = jnp.asarray(kv.reshape(case.kv.shape)).astype(FP8)
+  return dataclasses.replace(case, kv=kv, indices=jnp.asarray(idx))
+
+
 def logit_std(case: SparseCase) -> float:
   """Standard deviation of the logits for N(0, 1) q and rows: softmax_scale * sqrt(576) * kv_scale."""
   return case.softmax_scale * 576 ** 0.5 * case.kv_scale

@@ -21,7 +21,7 @@ from mla_pallas.kernels import gather_threads
 from mla_pallas.kernels import common, sparse_sm90_heads_m as heads_m, sparse_sm90_heads_n as heads_n
 from mla_pallas.ops import sparse_decode as sd
 
-from _sparse_inputs import FP8, logit_std, make_case, run_kernel
+from _sparse_inputs import FP8, add_late_spike, logit_std, make_case, run_kernel
 
 RACES = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
 
@@ -199,6 +199,64 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning):
   fin = np.isfinite(np.asarray(base_lse))
   assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
+
+
+def test_producer_lazy_rescale_interpret(rng):
+  """"producer_vt" rescales lazily (heads_m.RESCALE_THRESHOLD: a row's max moves only when it grows by more than
+  2^8; the multipliers skip the rescale where every alpha is 1): a key in the third of four tiles of one split
+  whose logit for head 0 is tens of nats above the earlier tiles' maximum forces a rescale mid-split; against the
+  reference and against "twin" (eager rescaling) within the schedules' one bf16 ulp of f32 summation order (P in
+  f16 keeps 11 bits at any scale up to 2^8)."""
+  case = add_late_spike(make_case(rng, B=1, s_q=2, H=64, topk=256, page_size=16, num_pages=64, kv_scale=0.5),
+                        tile=2)
+  tuning = (("tiles_per_split", 4),)
+  out, lse = run_kernel(case, interpret=True, tuning=(("schedule", "producer_vt"),) + tuning)
+  _check_against_reference(case, out, lse, _interpret_budget(case))
+  base, base_lse = run_kernel(case, interpret=True, tuning=(("schedule", "twin"),) + tuning)
+  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="lazy producer_vt vs twin")
+  fin = np.isfinite(np.asarray(base_lse))
+  assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
+  assert np.asarray(lse)[0, 0, 0] > np.asarray(lse)[0, 0, 1:].max() + 8    # the spike did land in head 0
+
+
+def test_online_softmax_lazy_rescale():
+  """common.online_softmax_tile with rescale_threshold over tiles of logits with a late jump: the normalised
+  result equals the eager form's (to f32 rounding), p stays <= 2^t, alpha is exactly 1 in the rows whose max
+  did not move, and a row with nothing valid keeps m = -inf, output 0 and alpha 1."""
+  r = np.random.default_rng(3)
+  tiles = [r.normal(size=(8, 16)).astype(np.float32) for _ in range(4)]
+  tiles[2][1, 5] += 30.0                      # row 1 jumps by far more than the threshold in tile 2
+  tiles[3][2, 0] += 3.0                       # row 2 grows a little: lazy keeps its max
+  valid = np.ones(16, bool)
+  valid[[3, 11]] = False
+  scale = jnp.full((8,), 1.0, jnp.float32)
+  dead = np.zeros((8,), bool)
+  dead[7] = True                              # row 7: every key masked (per-element mask below)
+
+  v = jnp.asarray(r.normal(size=(16, 16)), jnp.float32)
+  mask = jnp.asarray(valid[None, :] & ~dead[:, None])
+
+  def run(threshold):
+    m = jnp.full((8,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((8,), jnp.float32)
+    o = jnp.zeros((8, 16), jnp.float32)
+    alphas = []
+    for t in tiles:
+      p, alpha, m, l = common.online_softmax_tile(jnp.asarray(t), mask, scale, m, l, rescale_threshold=threshold)
+      o = o * alpha[:, None] + p @ v
+      alphas.append(np.asarray(alpha))
+      assert float(jnp.max(p)) <= 2.0 ** (threshold or 0.0)
+    return np.asarray(o / jnp.where(l == 0, 1.0, l)[:, None]), np.asarray(m + jnp.log2(l)), alphas, np.asarray(m)
+
+  eager_o, eager_lse, _, _ = run(None)
+  lazy_o, lazy_lse, alphas, m = run(8.0)
+  np.testing.assert_allclose(lazy_o, eager_o, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lazy_lse[:7], eager_lse[:7], rtol=1e-6)
+  assert np.isneginf(m[7]) and np.all(lazy_o[7] == 0) and all(a[7] == 1.0 for a in alphas[1:])
+  assert alphas[2][1] < 2.0 ** -8 and np.all(alphas[2][[0, 2, 3, 4, 5, 6]] == 1.0)   # only row 1 moved in tile 2
+  assert np.all(alphas[3] == 1.0)                                                   # row 2's +3 does not move it
+  assert bool(common.alpha_is_one(jnp.asarray(alphas[3]))) and not bool(common.alpha_is_one(jnp.asarray(alphas[2])))
 
 
 def test_heads_m_twin_q_config():

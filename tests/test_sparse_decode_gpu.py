@@ -17,7 +17,7 @@ import pytest
 from mla_pallas import reference, testing
 
 import _sparse_gpu_checks as checks
-from _sparse_inputs import logit_std, make_case, run_kernel
+from _sparse_inputs import add_late_spike, logit_std, make_case, run_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -47,6 +47,28 @@ def test_prefill_routes_through_kernel(rng):
 def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   """Non-default configs of the sweep (``sweep_configs``) compute the same function on the GPU."""
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
+
+
+@pytest.mark.parametrize("H,tile", [(64, 20), (128, 3)])
+def test_producer_lazy_rescale(rng, H, tile):
+  """"producer_vt" (lazy rescaling: the multipliers skip the rescale in tiles where no row's max grew by more
+  than 2^8) with a key in tile ``tile`` of a 32-tile split whose logit for head 0 of token 0 is tens of nats above
+  the earlier maximum: a rescale mid-split. Against the reference, against "twin" (eager rescaling) within the
+  schedules' one bf16 ulp, bitwise deterministic."""
+  case = add_late_spike(make_case(rng, B=2, s_q=2, H=H, topk=2048, page_size=64, num_pages=16384 // 64,
+                                  kv_scale=0.5), tile=tile)
+  tuning = (("tiles_per_split", 32),)
+  ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
+                                                 kv_scale=case.kv_scale)
+  out, lse = run_kernel(case, interpret=False, tuning=(("schedule", "producer_vt"),) + tuning)
+  again, _ = run_kernel(case, interpret=False, tuning=(("schedule", "producer_vt"),) + tuning)
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16)), "not deterministic"
+  testing.assert_close_fp8(out, ref_out, rel_l2=checks._budget(case, 2048, False), min_cos=0.99,
+                           what="lazy producer_vt out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=0.1, what="lazy producer_vt lse")
+  base, _ = run_kernel(case, interpret=False, tuning=(("schedule", "twin"),) + tuning)
+  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="lazy producer_vt vs twin")
+  assert np.asarray(lse)[0, 0, 0] > np.asarray(lse)[0, 0, 1:].max() + 8    # the spike did land in head 0
 
 
 @pytest.mark.slow

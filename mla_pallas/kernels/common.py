@@ -118,7 +118,8 @@ def drain(barrier, n_steps: int, n_slots: int):
   for s in range(max(n_steps - n_slots, 0), n_steps):
     plgpu.barrier_wait(barrier.at[s % n_slots])
 
-def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
+def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, rescale_threshold: float | None = None,
+                        masked_finite: bool = False):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
@@ -127,17 +128,35 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1):
     row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
     log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
     (running sums per element: no reduction over the keys in this step, the caller sums once at the end).
+    rescale_threshold: None: m is the running maximum. A float t (lazy rescaling): m moves to the new maximum only
+      where that exceeds m by more than t (or m is -inf), so p <= 2^t and alpha is exactly 1 in the rows that
+      keep their m (a tile where no row moves needs no rescale of the output: ``alpha_is_one``).
+    masked_finite: the masked keys' raw logits are finite (their rows were zero-filled: the thread gather), so a
+      1-D key mask can be added as a per-key bias (0 or -inf) to the scaled logits (one fma per logit, bitwise
+      the select); otherwise the mask selects.
   Returns:
-    (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1], alpha [R] = 2^(m - m_new) to rescale the running output,
-    m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0 (never NaN).
+    (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1] (lazy: [0, 2^t]), alpha [R] = 2^(m - m_new) to rescale the
+    running output, m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0
+    (lazy: 1; never NaN).
   """
   head_axis = 1 - keys_axis
-  valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
-  s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
-  s = jnp.where(valid, s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=keys_axis))
+  scale = lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
+  if valid_cols.ndim == s.ndim or not masked_finite:
+    valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+    s = jnp.where(valid, s * scale, -jnp.inf)
+  else:
+    bias = jnp.where(valid_cols, jnp.float32(0.0), -jnp.inf)
+    s = s * scale + lax.broadcast_in_dim(bias, s.shape, [keys_axis])
+  m_max = jnp.maximum(m, s.max(axis=keys_axis))
+  if rescale_threshold is None:
+    m_new = m_max
+  else:
+    moved = m_max > m + rescale_threshold
+    m_new = jnp.where(moved, m_max, m)
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_use)
+  if rescale_threshold is not None:
+    alpha = jnp.where(moved, alpha, 1.0)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   if l.ndim == s.ndim:   # running sums kept per element (summed over the keys by the caller, after the last tile)
     return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [head_axis]) + p
@@ -230,6 +249,14 @@ class SparseRefs:
   k_empty: object
   p_full: object
   p_empty: object
+
+
+def alpha_is_one(alpha):
+  """True (a warpgroup-uniform scalar) where every entry of the [64] vector ``alpha`` is 1: a lazy softmax step
+  (``online_softmax_tile(rescale_threshold=...)``) moved no row's maximum, so the output needs no rescale. With
+  the heads on the columns (``Layout.WGMMA.reduce(0)``) every warp holds all entries: the minimum is a shuffle
+  reduction within each warp, no SMEM."""
+  return jnp.min(alpha) == 1.0
 
 
 def scale_columns(accs, values):

@@ -52,7 +52,9 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the
   K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each (``vt_registers.latent_of_half_row``: thread
   (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its rows of the 4 blocks; 4 × 32 f32 registers).
-  Per tile a multiplier loads its Vᵀ bytes, releases the K buffer, waits for the slot, rescales by alpha, issues
+  The producer's softmax rescales lazily (``RESCALE_THRESHOLD``: a row's max moves only when it grows by more than
+  2^8, so P <= 256 and alpha is 1 in most tiles). Per tile a multiplier loads its Vᵀ bytes, releases the K buffer,
+  waits for the slot, rescales by alpha unless every alpha is 1 (``common.alpha_is_one``), issues
   its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
   live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
   (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
@@ -132,6 +134,10 @@ LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("pr
 PRODUCER_REGS = (24, 88, 200)
 
 
+# "producer_vt": lazy rescaling (common.online_softmax_tile): a row's running max moves only when the tile's max
+# exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
+# tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
+RESCALE_THRESHOLD = 8.0
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -278,9 +284,11 @@ def _zero_state():
   return acc0, m0, l0
 
 
-def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs):
+def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None):
+  """The online softmax of tile t (invalid keys' rows were zero-filled by the gather: a per-key bias masks them)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
-  return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l)
+  return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
+                                    rescale_threshold=rescale_threshold, masked_finite=True)
 
 
 def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
@@ -434,7 +442,8 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
 
 def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
   """"producer_vt" in interpret mode, multiplier WG1 + ``half``: per tile the upcast of V chunks 2 half,
-  2 half + 1, the K buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha and P·V
+  2 half + 1, the K buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha (skipped
+  where every alpha is 1) and P·V
   into output columns 256 half ... 256 half + 255 with P from the slot, and the slot's release; at the end its
   half of O, scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel quantizes Q:
   first its half of the rows (:func:`_quantize_q_rows`)."""
@@ -449,7 +458,9 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
     alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = _pv_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), r.p_sw.at[pb], half, True, r)
+    acc = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]),
+                   acc)
+    acc = _pv_half(acc, r.p_sw.at[pb], half, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
 
@@ -464,10 +475,13 @@ def _zero_vt():
 
 
 def _pv_vt(accs, words, pb, r: common.SparseRefs):
-  """A multiplier's four Oᵀ blocks, rescaled by slot pb's alpha, plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as
-  K-major B, Vᵀ built in registers from ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
+  """A multiplier's four Oᵀ blocks, rescaled by slot pb's alpha (skipped where every alpha is 1: the producer's
+  lazy rescaling), plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major B, Vᵀ built in registers from
+  ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], common.scale_columns(accs, alpha), 2 * TILE,
+  accs = lax.cond(common.alpha_is_one(alpha), lambda a: tuple(a), lambda a: common.scale_columns(a, alpha),
+                  tuple(accs))
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE,
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
 
@@ -518,7 +532,7 @@ def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.Sparse
       s = _qk_and_upcast(k_tiles, None, r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD)
       p16 = p.astype(jnp.float16)
     _publish_p(t, pb, p16, alpha, r)
     return m_new, l
