@@ -128,20 +128,6 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
-_SOFTMAX_STEP = heads_m._softmax_step
-
-
-def _softmax_step_select(*args, **kwargs):
-  """``heads_m._softmax_step`` masking invalid keys with a select per logit (the form before the per-key bias)."""
-  def tile(*a, **kw):
-    return _ONLINE_SOFTMAX(*a, **{**kw, "masked_finite": False})
-  with unittest.mock.patch.object(common, "online_softmax_tile", tile):
-    return _SOFTMAX_STEP(*args, **kwargs)
-
-
-_ONLINE_SOFTMAX = common.online_softmax_tile
-
-
 class _ApproxPlgpu:
   """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` in its CompilerParams (exp2 / log2 as
   ``ex2`` / ``lg2.approx.ftz.f32``: no subnormal fix-up around each MUFU)."""
@@ -178,15 +164,15 @@ ROWS = {
     "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
     # the heads-on-M kernel with approximate exp2 / log2 (ftz: no subnormal fix-up around each MUFU.EX2; -0.9 % at
     # P1 and F1 on a producer that issued QKᵀ(t + 1) before the hand-off of P(t), twenty-seventh session; on the
-    # default, twenty-eighth session: P1 256.4 vs 258.2 us, F1 4117.6 vs 3955.0 (p10 3942.0 vs 3943.0): not adopted)
+    # default, twenty-eighth session: P1 256.4 vs 258.2 us, F1 4117.6 vs 3955.0 (p10 3942.0 vs 3943.0); on the lazy
+    # rescaling default P1 238.9 vs 245.3 (call 2), F1 not measured: not adopted yet, pending_gpu.sh diag_approx)
     "approx_math": {(heads_m, "plgpu"): _ApproxPlgpu()},
     # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
-    # skip the rescale in a tile where no row grew), and the key mask as a select instead of a per-key bias
+    # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
-    "mask_select": {(heads_m, "_softmax_step"): _softmax_step_select},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "mask_select")
+           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale")
 
 
 @contextlib.contextmanager

@@ -63,12 +63,23 @@ def test_producer_lazy_rescale(rng, H, tile):
   out, lse = run_kernel(case, interpret=False, tuning=(("schedule", "producer_vt"),) + tuning)
   again, _ = run_kernel(case, interpret=False, tuning=(("schedule", "producer_vt"),) + tuning)
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16)), "not deterministic"
+  base, base_lse = run_kernel(case, interpret=False, tuning=(("schedule", "twin"),) + tuning)
+  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="lazy producer_vt vs twin")
+  fin = np.isfinite(np.asarray(base_lse))
+  assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)   # the same QKᵀ
   testing.assert_close_fp8(out, ref_out, rel_l2=checks._budget(case, 2048, False), min_cos=0.99,
                            what="lazy producer_vt out")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=0.1, what="lazy producer_vt lse")
-  base, _ = run_kernel(case, interpret=False, tuning=(("schedule", "twin"),) + tuning)
-  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="lazy producer_vt vs twin")
-  assert np.asarray(lse)[0, 0, 0] > np.asarray(lse)[0, 0, 1:].max() + 8    # the spike did land in head 0
+  got, want = np.asarray(lse, np.float64), np.asarray(ref_lse, np.float64)
+  assert got[0, 0, 0] > got[0, 0, 1:].max() + 8                           # the spike did land in head 0
+  # The spike's logit (tens of nats) is a same-sign sum of 576 fp8 products: Hopper's fp8 wgmma accumulation
+  # truncates toward zero (~14 retained bits, DeepSeek-V3 report section 3.3.2), so its error does not average
+  # out as the 0.1 bound for N(0, 1) logits assumes: up to K / 4 = 144 truncations of 2^-13 of the sum (1.8 %;
+  # -1.0 % and -1.1 % on the H200, 2026-12-04, in both schedules alike).
+  assert abs(got[0, 0, 0] - want[0, 0, 0]) <= 0.1 + 144 * 2.0 ** -13 * abs(want[0, 0, 0])
+  rest = np.ones(got.shape, bool)
+  rest[0, 0, 0] = False
+  testing.assert_close_fp8(got[rest], want[rest], rel_l2=None, max_abs=0.1, what="lazy producer_vt lse")
 
 
 @pytest.mark.slow

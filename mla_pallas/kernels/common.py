@@ -118,8 +118,7 @@ def drain(barrier, n_steps: int, n_slots: int):
   for s in range(max(n_steps - n_slots, 0), n_steps):
     plgpu.barrier_wait(barrier.at[s % n_slots])
 
-def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, rescale_threshold: float | None = None,
-                        masked_finite: bool = False):
+def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, rescale_threshold: float | None = None):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
@@ -131,22 +130,15 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, resc
     rescale_threshold: None: m is the running maximum. A float t (lazy rescaling): m moves to the new maximum only
       where that exceeds m by more than t (or m is -inf), so p <= 2^t and alpha is exactly 1 in the rows that
       keep their m (a tile where no row moves needs no rescale of the output: ``alpha_is_one``).
-    masked_finite: the masked keys' raw logits are finite (their rows were zero-filled: the thread gather), so a
-      1-D key mask can be added as a per-key bias (0 or -inf) to the scaled logits (one fma per logit, bitwise
-      the select); otherwise the mask selects.
   Returns:
     (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1] (lazy: [0, 2^t]), alpha [R] = 2^(m - m_new) to rescale the
     running output, m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0
     (lazy: 1; never NaN).
   """
   head_axis = 1 - keys_axis
-  scale = lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
-  if valid_cols.ndim == s.ndim or not masked_finite:
-    valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
-    s = jnp.where(valid, s * scale, -jnp.inf)
-  else:
-    bias = jnp.where(valid_cols, jnp.float32(0.0), -jnp.inf)
-    s = s * scale + lax.broadcast_in_dim(bias, s.shape, [keys_axis])
+  valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+  s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
+  s = jnp.where(valid, s, -jnp.inf)
   m_max = jnp.maximum(m, s.max(axis=keys_axis))
   if rescale_threshold is None:
     m_new = m_max

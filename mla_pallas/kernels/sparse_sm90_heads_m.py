@@ -285,10 +285,10 @@ def _zero_state():
 
 
 def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None):
-  """The online softmax of tile t (invalid keys' rows were zero-filled by the gather: a per-key bias masks them)."""
+  """The online softmax of tile t (``rescale_threshold``: lazy rescaling, ``common.online_softmax_tile``)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
-                                    rescale_threshold=rescale_threshold, masked_finite=True)
+                                    rescale_threshold=rescale_threshold)
 
 
 def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
