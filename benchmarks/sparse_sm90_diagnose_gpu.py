@@ -63,6 +63,7 @@ from mla_pallas.kernels import sparse_sm90_heads_m as heads_m
 from mla_pallas.kernels import sparse_sm90_heads_n as heads_n
 from mla_pallas.ops import sparse_decode as sd
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CASES = {   # the peer kit's sparse cases (bench spec, shape)
@@ -128,6 +129,21 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
+def _store_p_alpha_raw(p16, alpha, p_ref, alpha_ref):
+  """The producer's P / alpha store in raw Mosaic GPU: P into its 128-byte swizzled slot (stmatrix), alpha into
+  its row, then the fence for the async proxy and one warpgroup barrier. Pallas's ``ref[...] = x`` puts a
+  warpgroup barrier before and after every store (auto barriers: four of the five per tile in the SASS), although
+  each producer thread only writes and has waited for the slot itself."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, heads_m.ROW_LAYOUT,
+                                plgpu.RefType(common.swizzled(jnp.float16, 128)), plgpu.RefType()))
+  def f(ctx, p, a, p_smem, a_smem):
+    del ctx
+    p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
+    a.store_untiled(a_smem, optimized=False)
+    mgpu.commit_shared()
+  f(p16, alpha, p_ref, alpha_ref)
+
+
 class _ApproxPlgpu:
   """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` in its CompilerParams (exp2 / log2 as
   ``ex2`` / ``lg2.approx.ftz.f32``: no subnormal fix-up around each MUFU)."""
@@ -170,9 +186,12 @@ ROWS = {
     # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
+    # the producer's P and alpha store in raw Mosaic GPU (1 warpgroup barrier per tile instead of 5; lowered on the
+    # CPU, untimed: twenty-eighth session)
+    "p_store_raw": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale")
+           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "p_store_raw")
 
 
 @contextlib.contextmanager

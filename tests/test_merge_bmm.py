@@ -173,7 +173,7 @@ def test_decode_graph_merges_in_w_uv_where_partials_exist(rng):
   op; where the kernel cannot run (interpret mode) that is the unfused computation, so the output is bitwise the
   graph with split_partials disabled. batch_invariant keeps the op's own merge."""
   import tests.test_graph as tg
-  cfg = tg.CFGS["deepseek_v32"].replace(num_heads=64, index_topk=256)
+  cfg = tg.CFGS["deepseek_v32"].replace(num_heads=64, index_topk=128)
   w = tg._weights(rng, cfg, True)
   pages, kv_scale, case, kw = tg._decode_case(rng, cfg, sparse=True, B=1, s_q=1)
   impl = {"sparse_mla_decode": "mosaic", "default": "xla"}

@@ -187,15 +187,15 @@ def test_dense_decode_mosaic_interpret_matches_reference(rng):
   np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("h,s_q,page_size,causal,races", [(64, 1, 64, False, True), (128, 2, 128, True, False),
-                                                          (8, 3, 32, True, True)])
+@pytest.mark.parametrize("h,s_q,page_size,causal,races", [(64, 1, 64, False, True), (64, 2, 128, True, False),
+                                                          (8, 3, 32, True, False)])
 def test_dense_decode_kernel_cases_interpret(rng, h, s_q, page_size, causal, races):
   """The sparse kernel on block-table ids (each 64-key tile gathered row by row) within the FP8 budget of the
-  reference, heads on M (H 64, 128) and on N (H 8), pages of 64 / 128 / 32 rows. dense_case: a tail tile, a -1
+  reference, heads on M (H 64) and on N (H 8), pages of 64 / 128 / 32 rows. dense_case: a tail tile, a -1
   hole page, -1 and out-of-range pages past the ends, empty sequences (out 0, lse -inf), NaN in every unread
-  slot (must not leak). Races checked in interpret mode at H 64 and 8 (at H 128, the same "twin" kernel as H 64
-  with two query tiles per token, race detection took ~9 of the CPU suite's minutes; tests/test_sparse_decode.py
-  checks races of that kernel at H 128)."""
+  slot (must not leak). Races checked in interpret mode at H 64, s_q 1 (the block-table ids are the only part of
+  its own: tests/test_sparse_decode.py checks races of both designs, incl. H 128's two query tiles per token,
+  which cost 127 s here)."""
   q, pages, table, lens = dense_case(rng, s_q=s_q, h=h, page_size=page_size)
   kw = dict(softmax_scale=SCALE, kv_scale=0.5, causal=causal)
   testing.reset_interpreter()

@@ -415,6 +415,14 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
+def _store_p_alpha(p16, alpha, p_ref, alpha_ref):
+  """P (f16 [64, 64]) into its slot and alpha ([64]) into its row, committed for the async proxy (the multipliers
+  read P through wgmma after the arrival that follows)."""
+  p_ref[...] = p16
+  alpha_ref[...] = alpha
+  plgpu.commit_smem()
+
+
 def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
   """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
   (both multipliers released it)."""
@@ -423,9 +431,7 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
     def _():
       plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   with jax.named_scope("p_store"):
-    r.p_sw.at[pb][...] = p16
-    r.head_smem.at[pb][...] = alpha
-    plgpu.commit_smem()
+    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb])
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
