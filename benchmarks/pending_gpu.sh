@@ -235,8 +235,10 @@ t_lazy() { run t_lazy 150 $T tests/test_sparse_decode_gpu.py -k lazy_rescale; }
 diag_lazy() {   # lazy rescaling (the default since 23847e4) against eager rescaling; the producer's P store in raw
                 # Mosaic GPU (row p_store_raw, lowered only); approx_math
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_lazy_P1 150 $py --cases P1 --ptxas --rows none,p_store_raw,eager_rescale,approx_math --out "$OUT/diag_lazy"
-  run diag_lazy_F1 180 $py --cases F1 --rows none,p_store_raw,eager_rescale,approx_math --out "$OUT/diag_lazy_F1"
+  run diag_lazy_P1 150 $py --cases P1 --ptxas --rows none,p_store_raw,eager_rescale,approx_math,p_store_raw+approx_math \
+    --out "$OUT/diag_lazy"
+  run diag_lazy_F1 220 $py --cases F1 --rows none,p_store_raw,eager_rescale,approx_math,p_store_raw+approx_math \
+    --out "$OUT/diag_lazy_F1"
 }
 t_sparse_rest() { run t_sparse_rest 280 $T tests/test_sparse_decode_gpu.py -k "not lazy_rescale"; }
 timeline_P1() {

@@ -189,9 +189,11 @@ ROWS = {
     # the producer's P and alpha store in raw Mosaic GPU (1 warpgroup barrier per tile instead of 5; lowered on the
     # CPU, untimed: twenty-eighth session)
     "p_store_raw": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw},
+    "p_store_raw+approx_math": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw, (heads_m, "plgpu"): _ApproxPlgpu()},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "p_store_raw")
+           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "p_store_raw",
+           "p_store_raw+approx_math")
 
 
 @contextlib.contextmanager
