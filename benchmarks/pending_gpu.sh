@@ -15,9 +15,9 @@
 #   on it (all passed until the deadline); its own GPU test failed only on the spike row's lse against the
 #   reference (-1 %, the fp8 accumulation of a same-sign sum; since rewritten to compare with "twin" first and
 #   bound that row by the truncation model); then a raw P / alpha store for the producer (one warpgroup barrier
-#   per tile instead of five) was written as diagnosis row p_store_raw, lowered only): t_lazy, diag_lazy (P1 /
-#   F1: that store, eager rescaling and
-#   approx_math against the default), the GPU
+#   per tile instead of five) and the row scale folded into the exponent (one fma per logit) were written as
+#   diagnosis rows p_store_raw / softmax_fma, lowered (and softmax_fma interpret-checked) only): t_lazy, diag_lazy
+#   (P1 / F1: those, approx_math, all three, eager rescaling against the default), the GPU
 #   files that route through the heads-on-M kernel, t_prefill_h64 (the two H64 cases of
 #   tests/test_prefill_kernel_gpu.py that two calls' deadlines cut), then the peer kit (all cases).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
@@ -232,13 +232,12 @@ diag_approx() {   # the heads-on-M kernel with approximate exp2 / log2 against t
   run diag_approx_F1 150 $py --cases F1 --rows none,approx_math --out "$OUT/diag_approx_F1"
 }
 t_lazy() { run t_lazy 150 $T tests/test_sparse_decode_gpu.py -k lazy_rescale; }
-diag_lazy() {   # lazy rescaling (the default since 23847e4) against eager rescaling; the producer's P store in raw
-                # Mosaic GPU (row p_store_raw, lowered only); approx_math
+diag_lazy() {   # on the lazy-rescaling default (23847e4): the producer's raw P store (p_store_raw), approx_math, the
+                # row scale folded into the exponent (softmax_fma), all three (all3), eager rescaling: P1, F1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_lazy_P1 150 $py --cases P1 --ptxas --rows none,p_store_raw,eager_rescale,approx_math,p_store_raw+approx_math \
+  run diag_lazy_P1 170 $py --cases P1 --ptxas --rows none,p_store_raw,approx_math,softmax_fma,all3,eager_rescale \
     --out "$OUT/diag_lazy"
-  run diag_lazy_F1 220 $py --cases F1 --rows none,p_store_raw,eager_rescale,approx_math,p_store_raw+approx_math \
-    --out "$OUT/diag_lazy_F1"
+  run diag_lazy_F1 230 $py --cases F1 --rows none,p_store_raw,approx_math,softmax_fma,all3 --out "$OUT/diag_lazy_F1"
 }
 t_sparse_rest() { run t_sparse_rest 280 $T tests/test_sparse_decode_gpu.py -k "not lazy_rescale"; }
 timeline_P1() {

@@ -54,6 +54,7 @@ import sys
 import unittest.mock
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from mla_pallas import bench, testing
@@ -144,6 +145,31 @@ def _store_p_alpha_raw(p16, alpha, p_ref, alpha_ref):
   f(p16, alpha, p_ref, alpha_ref)
 
 
+def _softmax_step_fma(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None):
+  """``heads_m._softmax_step`` with the row scale folded into the exponent: mask the raw logits, take the row max
+  of the raw logits times the (positive) row scale, and P = exp2(fma(s, scale, -m)): one fma per logit where the
+  default multiplies, selects and subtracts. A zero row scale (an all-zero q row or a padding row, whose logits
+  are exactly 0) becomes 1, so that a masked -inf never meets a 0 (kv_scale > 0: checked where concrete)."""
+  cols = plgpu.load(r.idx_smem.at[t], layout=heads_m.COL_LAYOUT, optimized=False)
+  valid = lax.broadcast_in_dim(common.valid_keys(cols, num_slots), s.shape, [1])
+  scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
+  s = jnp.where(valid, s, -jnp.inf)
+  m_max = jnp.maximum(m, s.max(axis=1) * scale)
+  if rescale_threshold is None:
+    m_new = m_max
+  else:
+    moved = m_max > m + rescale_threshold
+    m_new = jnp.where(moved, m_max, m)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_use)
+  if rescale_threshold is not None:
+    alpha = jnp.where(moved, alpha, 1.0)
+  p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [0]) - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  if l.ndim == s.ndim:
+    return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [0]) + p
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
 class _ApproxPlgpu:
   """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` in its CompilerParams (exp2 / log2 as
   ``ex2`` / ``lg2.approx.ftz.f32``: no subnormal fix-up around each MUFU)."""
@@ -190,10 +216,15 @@ ROWS = {
     # CPU, untimed: twenty-eighth session)
     "p_store_raw": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw},
     "p_store_raw+approx_math": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw, (heads_m, "plgpu"): _ApproxPlgpu()},
+    # the row scale folded into the exponent (one fma per logit instead of a multiply, a select and a subtract;
+    # untimed, twenty-eighth session), alone and with the two above
+    "softmax_fma": {(heads_m, "_softmax_step"): _softmax_step_fma},
+    "all3": {(heads_m, "_softmax_step"): _softmax_step_fma, (heads_m, "_store_p_alpha"): _store_p_alpha_raw,
+             (heads_m, "plgpu"): _ApproxPlgpu()},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "p_store_raw",
-           "p_store_raw+approx_math")
+           "p_store_raw+approx_math", "softmax_fma", "all3")
 
 
 @contextlib.contextmanager
