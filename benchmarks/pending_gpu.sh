@@ -231,7 +231,7 @@ diag_approx() {   # the heads-on-M kernel with approximate exp2 / log2 against t
   run diag_approx_P1 150 $py --cases P1 --ptxas --rows none,approx_math --out "$OUT/diag_approx"
   run diag_approx_F1 150 $py --cases F1 --rows none,approx_math --out "$OUT/diag_approx_F1"
 }
-t_lazy() { run t_lazy 150 $T tests/test_sparse_decode_gpu.py -k lazy_rescale; }
+t_lazy() { run t_lazy 200 $T tests/test_sparse_decode_gpu.py -k "lazy_rescale or sparse_prefill_heads_m"; }
 diag_lazy() {   # on the lazy-rescaling default (23847e4): the producer's raw P store (p_store_raw), approx_math, the
                 # row scale folded into the exponent (softmax_fma), all three (all3), eager rescaling: P1, F1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
@@ -239,7 +239,7 @@ diag_lazy() {   # on the lazy-rescaling default (23847e4): the producer's raw P 
     --out "$OUT/diag_lazy"
   run diag_lazy_F1 230 $py --cases F1 --rows none,p_store_raw,approx_math,softmax_fma,all3 --out "$OUT/diag_lazy_F1"
 }
-t_sparse_rest() { run t_sparse_rest 280 $T tests/test_sparse_decode_gpu.py -k "not lazy_rescale"; }
+t_sparse_rest() { run t_sparse_rest 280 $T tests/test_sparse_decode_gpu.py -k "not lazy_rescale and not sparse_prefill_heads_m"; }
 timeline_P1() {
   run timeline_P1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json

@@ -49,6 +49,29 @@ def test_sweep_configs_match_reference(rng, H, s_q, tuning):
   checks.check_kernel_matches_reference(rng, H, s_q, quantized_p=False, tuning=tuning)
 
 
+@pytest.mark.parametrize("H,T,topk,tl", [(128, 37, 2048, False), (64, 133, 2051, True)])
+def test_sparse_prefill_heads_m(rng, H, T, topk, tl):
+  """sparse_mla_prefill on the heads-on-M kernel at the long splits the op gives prefill ("producer_vt"), with T
+  a multiple of nothing (37 tokens of 128 heads: 74 query tiles; 133 of 64), top-k 2048 / 2051 (a partial last
+  tile), topk_length, invalid and out-of-range ids and an all-invalid token (make_case), NaN in unused rows;
+  against reference.sparse_mla_prefill within the fp8 budget, bitwise deterministic."""
+  import mla_pallas
+  from mla_pallas import _dispatch
+  case = make_case(rng, B=T, s_q=1, H=H, topk=topk, page_size=64, num_pages=16384 // 64, kv_scale=0.5,
+                   with_topk_length=tl)
+  kw = dict(softmax_scale=case.softmax_scale, kv_scale=case.kv_scale, topk_length=case.topk_length)
+  out, lse = mla_pallas.sparse_mla_prefill(case.q[:, 0], case.kv, case.indices[:, 0], impl="mosaic", **kw)
+  assert _dispatch.last_impl("sparse_mla_prefill") == "mosaic"
+  again, lse2 = mla_pallas.sparse_mla_prefill(case.q[:, 0], case.kv, case.indices[:, 0], impl="mosaic", **kw)
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16)), "not deterministic"
+  assert np.array_equal(np.asarray(lse), np.asarray(lse2))
+  ref_out, ref_lse = reference.sparse_mla_prefill(case.q[:, 0], case.kv, case.indices[:, 0], **kw)
+  testing.assert_close_fp8(out, ref_out, rel_l2=checks._budget(case, topk, False), min_cos=0.99,
+                           what="sparse prefill out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=0.1, what="sparse prefill lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0)
+
+
 @pytest.mark.parametrize("H,tile", [(64, 20), (128, 3)])
 def test_producer_lazy_rescale(rng, H, tile):
   """"producer_vt" (lazy rescaling: the multipliers skip the rescale in tiles where no row's max grew by more
