@@ -253,7 +253,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_lazy,diag_lazy,t_sparse_rest,t_qm,t_dense,t_batch_invariance,t_prefill_h64"
+next="t_lazy,diag_lazy,timeline_P1,t_sparse_rest,t_qm,t_dense,t_batch_invariance,t_prefill_h64"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
