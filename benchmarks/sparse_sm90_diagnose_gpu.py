@@ -154,16 +154,7 @@ def _softmax_step_fma(t, s, m, l, row_scale, num_slots, r, rescale_threshold=Non
   valid = lax.broadcast_in_dim(common.valid_keys(cols, num_slots), s.shape, [1])
   scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
   s = jnp.where(valid, s, -jnp.inf)
-  m_max = jnp.maximum(m, s.max(axis=1) * scale)
-  if rescale_threshold is None:
-    m_new = m_max
-  else:
-    moved = m_max > m + rescale_threshold
-    m_new = jnp.where(moved, m_max, m)
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_use)
-  if rescale_threshold is not None:
-    alpha = jnp.where(moved, alpha, 1.0)
+  m_new, m_use, alpha = common.running_max_step(m, s.max(axis=1) * scale, rescale_threshold)
   p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [0]) - lax.broadcast_in_dim(m_use, s.shape, [0]))
   if l.ndim == s.ndim:
     return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [0]) + p

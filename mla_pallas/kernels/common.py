@@ -139,16 +139,7 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, resc
   valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
   s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
   s = jnp.where(valid, s, -jnp.inf)
-  m_max = jnp.maximum(m, s.max(axis=keys_axis))
-  if rescale_threshold is None:
-    m_new = m_max
-  else:
-    moved = m_max > m + rescale_threshold
-    m_new = jnp.where(moved, m_max, m)
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_use)
-  if rescale_threshold is not None:
-    alpha = jnp.where(moved, alpha, 1.0)
+  m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   if l.ndim == s.ndim:   # running sums kept per element (summed over the keys by the caller, after the last tile)
     return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [head_axis]) + p
@@ -241,6 +232,23 @@ class SparseRefs:
   k_empty: object
   p_full: object
   p_empty: object
+
+
+def running_max_step(m, tile_max, rescale_threshold: float | None = None):
+  """The running max of an online softmax after a tile whose per-row max of the (scaled, masked) logits is
+  ``tile_max`` ([R]): (m_new, m_use = m_new with -inf as 0 for the exponent, alpha = 2^(m - m_new)); lazy with a
+  ``rescale_threshold`` as in :func:`online_softmax_tile` (alpha exactly 1 where m stays)."""
+  m_max = jnp.maximum(m, tile_max)
+  if rescale_threshold is None:
+    m_new = m_max
+  else:
+    moved = m_max > m + rescale_threshold
+    m_new = jnp.where(moved, m_max, m)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_use)
+  if rescale_threshold is not None:
+    alpha = jnp.where(moved, alpha, 1.0)
+  return m_new, m_use, alpha
 
 
 def alpha_is_one(alpha):
