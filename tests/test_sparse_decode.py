@@ -528,11 +528,13 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   assert low.count(r"cp\.async\.wait_group 0;") == 1 + (lag == 0)
 
 
-@pytest.mark.parametrize("B,H,s_q,topk,tl,races", [(2, 32, 2, 77, False, False), (2, 64, 1, 200, True, True),
-                                                    pytest.param(1, 128, 2, 130, False, False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("B,H,s_q,topk,tl,races", [
+    (2, 32, 2, 77, False, False), (2, 64, 1, 200, True, True),
+    pytest.param(1, 128, 2, 130, False, False, marks=pytest.mark.slow)])
 def test_bf16_cache_kernel_interpret(rng, B, H, s_q, topk, tl, races):
   """The heads-on-M kernel over a bfloat16 cache (BF16 attention: bf16 wgmmas, P in bf16, V read from the K tile)
-  against the reference within testing.BF16_ATTENTION_REL_L2 (races checked with the splits of H 64): NaN in unused rows, invalid and
+  against the reference within testing.BF16_ATTENTION_REL_L2 (races checked with the splits of H 64): NaN in
+  unused rows, invalid and
   out-of-range ids, a duplicate, an all-invalid row, a partial last tile, topk_length, and several splits
   (topk 200: 4 tiles -> the plan splits); bitwise deterministic. H 128 (two query tiles per token, one sequence
   of 2 tokens) is marked slow: 133 s of the CPU suite, the kernel of H 64 with the query-tile arithmetic of the

@@ -118,7 +118,33 @@ def drain(barrier, n_steps: int, n_slots: int):
   for s in range(max(n_steps - n_slots, 0), n_steps):
     plgpu.barrier_wait(barrier.at[s % n_slots])
 
-def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1, rescale_threshold: float | None = None):
+def running_max_step(m, tile_max, rescale_threshold: float | None = None):
+  """The running max of an online softmax after a tile whose per-row max of the (scaled, masked) logits is
+  ``tile_max`` ([R]): (m_new, m_use = m_new with -inf as 0 for the exponent, alpha = 2^(m - m_new)); lazy with a
+  ``rescale_threshold`` as in :func:`online_softmax_tile` (alpha exactly 1 where m stays)."""
+  m_max = jnp.maximum(m, tile_max)
+  if rescale_threshold is None:
+    m_new = m_max
+  else:
+    moved = m_max > m + rescale_threshold
+    m_new = jnp.where(moved, m_max, m)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_use)
+  if rescale_threshold is not None:
+    alpha = jnp.where(moved, alpha, 1.0)
+  return m_new, m_use, alpha
+
+
+def alpha_is_one(alpha):
+  """True (a warpgroup-uniform scalar) where every entry of the [64] vector ``alpha`` is 1: a lazy softmax step
+  (``online_softmax_tile(rescale_threshold=...)``) moved no row's maximum, so the output needs no rescale. With
+  the heads on the columns (``Layout.WGMMA.reduce(0)``) every warp holds all entries: the minimum is a shuffle
+  reduction within each warp, no SMEM."""
+  return jnp.min(alpha) == 1.0
+
+
+def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
+                        rescale_threshold: float | None = None):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
@@ -232,31 +258,6 @@ class SparseRefs:
   k_empty: object
   p_full: object
   p_empty: object
-
-
-def running_max_step(m, tile_max, rescale_threshold: float | None = None):
-  """The running max of an online softmax after a tile whose per-row max of the (scaled, masked) logits is
-  ``tile_max`` ([R]): (m_new, m_use = m_new with -inf as 0 for the exponent, alpha = 2^(m - m_new)); lazy with a
-  ``rescale_threshold`` as in :func:`online_softmax_tile` (alpha exactly 1 where m stays)."""
-  m_max = jnp.maximum(m, tile_max)
-  if rescale_threshold is None:
-    m_new = m_max
-  else:
-    moved = m_max > m + rescale_threshold
-    m_new = jnp.where(moved, m_max, m)
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_use)
-  if rescale_threshold is not None:
-    alpha = jnp.where(moved, alpha, 1.0)
-  return m_new, m_use, alpha
-
-
-def alpha_is_one(alpha):
-  """True (a warpgroup-uniform scalar) where every entry of the [64] vector ``alpha`` is 1: a lazy softmax step
-  (``online_softmax_tile(rescale_threshold=...)``) moved no row's maximum, so the output needs no rescale. With
-  the heads on the columns (``Layout.WGMMA.reduce(0)``) every warp holds all entries: the minimum is a shuffle
-  reduction within each warp, no SMEM."""
-  return jnp.min(alpha) == 1.0
 
 
 def scale_columns(accs, values):

@@ -449,10 +449,9 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
 def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
   """"producer_vt" in interpret mode, multiplier WG1 + ``half``: per tile the upcast of V chunks 2 half,
   2 half + 1, the K buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha (skipped
-  where every alpha is 1) and P·V
-  into output columns 256 half ... 256 half + 255 with P from the slot, and the slot's release; at the end its
-  half of O, scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel quantizes Q:
-  first its half of the rows (:func:`_quantize_q_rows`)."""
+  where every alpha is 1) and P·V into output columns 256 half ... 256 half + 255 with P from the slot, and the
+  slot's release; at the end its half of O, scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret)
+  where the kernel quantizes Q: first its half of the rows (:func:`_quantize_q_rows`)."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   if q_in is not None:
     _quantize_q_rows(tile_q, r, half, *q_in)
@@ -485,8 +484,7 @@ def _pv_vt(accs, words, pb, r: common.SparseRefs):
   lazy rescaling), plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major B, Vᵀ built in registers from
   ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  accs = lax.cond(common.alpha_is_one(alpha), lambda a: tuple(a), lambda a: common.scale_columns(a, alpha),
-                  tuple(accs))
+  accs = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: common.scale_columns(a, alpha), tuple(accs))
   return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE,
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
