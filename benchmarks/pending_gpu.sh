@@ -244,6 +244,18 @@ timeline_P1() {
   run timeline_P1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
+t_gpu_par() {   # the GPU test files of the sparse kernels in 6 processes on the one GPU (compiles dominate; no
+  # preallocation, so the processes share the memory), for a call that must also time something
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_gpu_par 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 6 \
+    tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py tests/test_batch_invariance_gpu.py
+}
+diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, approx_math, scale in the exponent)
+  # against each part reverted and all three reverted
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
+  run diag_s29_P1 150 $py --cases P1 --ptxas --rows none,p_store_ref,exact_math,scaled_logits,before_s29 \
+    --out "$OUT/diag_s29"
+  run diag_s29_F1 150 $py --cases F1 --rows none,scaled_logits,before_s29 --out "$OUT/diag_s29_F1"
+}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
@@ -253,7 +265,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_lazy,diag_lazy,timeline_P1,t_sparse_rest,t_qm,t_dense,t_batch_invariance,t_prefill_h64"
+next="t_gpu_par,diag_s29"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

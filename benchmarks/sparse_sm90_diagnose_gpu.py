@@ -94,8 +94,8 @@ def _zero_s(k_tiles, stage_v, r):
   return pl.run_scoped(body, plgpu.ACC((common.TILE, common.TILE), jnp.float32))
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None):
-  del t, row_scale, num_slots, r, rescale_threshold
+def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
+  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
@@ -130,46 +130,31 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
-def _store_p_alpha_raw(p16, alpha, p_ref, alpha_ref):
-  """The producer's P / alpha store in raw Mosaic GPU: P into its 128-byte swizzled slot (stmatrix), alpha into
-  its row, then the fence for the async proxy and one warpgroup barrier. Pallas's ``ref[...] = x`` puts a
-  warpgroup barrier before and after every store (auto barriers: four of the five per tile in the SASS), although
-  each producer thread only writes and has waited for the slot itself."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, heads_m.ROW_LAYOUT,
-                                plgpu.RefType(common.swizzled(jnp.float16, 128)), plgpu.RefType()))
-  def f(ctx, p, a, p_smem, a_smem):
-    del ctx
-    p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
-    a.store_untiled(a_smem, optimized=False)
-    mgpu.commit_shared()
-  f(p16, alpha, p_ref, alpha_ref)
+def _store_p_alpha_ref(p16, alpha, p_ref, alpha_ref, interpret):
+  """``heads_m._store_p_alpha`` as Pallas ref stores on the GPU too (a warpgroup barrier before and after each)."""
+  del interpret
+  p_ref[...] = p16
+  alpha_ref[...] = alpha
+  plgpu.commit_smem()
 
 
-def _softmax_step_fma(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None):
-  """``heads_m._softmax_step`` with the row scale folded into the exponent: mask the raw logits, take the row max
-  of the raw logits times the (positive) row scale, and P = exp2(fma(s, scale, -m)): one fma per logit where the
-  default multiplies, selects and subtracts. A zero row scale (an all-zero q row or a padding row, whose logits
-  are exactly 0) becomes 1, so that a masked -inf never meets a 0 (kv_scale > 0: checked where concrete)."""
-  cols = plgpu.load(r.idx_smem.at[t], layout=heads_m.COL_LAYOUT, optimized=False)
-  valid = lax.broadcast_in_dim(common.valid_keys(cols, num_slots), s.shape, [1])
-  scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
-  s = jnp.where(valid, s, -jnp.inf)
-  m_new, m_use, alpha = common.running_max_step(m, s.max(axis=1) * scale, rescale_threshold)
-  p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [0]) - lax.broadcast_in_dim(m_use, s.shape, [0]))
-  if l.ndim == s.ndim:
-    return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [0]) + p
-  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+_SOFTMAX_STEP = heads_m._softmax_step
 
 
-class _ApproxPlgpu:
-  """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` in its CompilerParams (exp2 / log2 as
-  ``ex2`` / ``lg2.approx.ftz.f32``: no subnormal fix-up around each MUFU)."""
+def _softmax_step_scaled_logits(*args, **kwargs):
+  """``heads_m._softmax_step`` with the row scale applied to the logits first (multiply, select, subtract)."""
+  return _SOFTMAX_STEP(*args, **{**kwargs, "scale_in_exponent": False})
+
+
+class _ExactPlgpu:
+  """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` off in its CompilerParams (exp2 / log2 as
+  the exact forms, with the subnormal fix-ups around each MUFU op)."""
 
   def __getattr__(self, name):
     return getattr(plgpu, name)
 
   def CompilerParams(self, **kwargs):  # noqa: N802 (plgpu's name)
-    return plgpu.CompilerParams(**kwargs, approx_math=True)
+    return plgpu.CompilerParams(**{**kwargs, "approx_math": False})
 
 
 ROWS = {
@@ -195,27 +180,24 @@ ROWS = {
     "q_rows_serial": {(q_quant, "Q_LOAD_REGS"): 0},
     # "producer_vt" with three K buffers (slower: 285.9 against 278.3 us at P1, twenty-sixth session)
     "k_buffers_3": {(sd, "_heads_m_tuning"): _producer_k3},
-    # the heads-on-M kernel with approximate exp2 / log2 (ftz: no subnormal fix-up around each MUFU.EX2; -0.9 % at
-    # P1 and F1 on a producer that issued QKᵀ(t + 1) before the hand-off of P(t), twenty-seventh session; on the
-    # default, twenty-eighth session: P1 256.4 vs 258.2 us, F1 4117.6 vs 3955.0 (p10 3942.0 vs 3943.0); on the lazy
-    # rescaling default P1 238.9 vs 245.3 (call 2), F1 not measured: not adopted yet, pending_gpu.sh diag_approx)
-    "approx_math": {(heads_m, "plgpu"): _ApproxPlgpu()},
+    # "producer_vt"'s three parts adopted in the twenty-ninth session (each measured alone and all together on the
+    # lazy default, call 1: P1 none 244.2, raw store 241.2, approx 241.5, fma 247.3, all three 238.5 us; F1 median
+    # (p10) 3799.6 (3655.3), 3883.4 (3596.8), 3862.9 (3583.4), 3908.9 (3746.8), 3781.2 (3510.0)), reverted one at
+    # a time and all together: the P / alpha store as Pallas ref stores (5 warpgroup barriers per tile, not 1);
+    # exact exp2 / log2 (approx_math off); the row scale on the logits before the exponent
+    "p_store_ref": {(heads_m, "_store_p_alpha"): _store_p_alpha_ref},
+    "exact_math": {(heads_m, "plgpu"): _ExactPlgpu()},
+    "scaled_logits": {(heads_m, "_softmax_step"): _softmax_step_scaled_logits},
+    "before_s29": {(heads_m, "_store_p_alpha"): _store_p_alpha_ref, (heads_m, "plgpu"): _ExactPlgpu(),
+                   (heads_m, "_softmax_step"): _softmax_step_scaled_logits},
     # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
-    # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session
+    # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
+    # 258.5 against 244.2, twenty-ninth session call 1
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
-    # the producer's P and alpha store in raw Mosaic GPU (1 warpgroup barrier per tile instead of 5; lowered on the
-    # CPU, untimed: twenty-eighth session)
-    "p_store_raw": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw},
-    "p_store_raw+approx_math": {(heads_m, "_store_p_alpha"): _store_p_alpha_raw, (heads_m, "plgpu"): _ApproxPlgpu()},
-    # the row scale folded into the exponent (one fma per logit instead of a multiply, a select and a subtract;
-    # untimed, twenty-eighth session), alone and with the two above
-    "softmax_fma": {(heads_m, "_softmax_step"): _softmax_step_fma},
-    "all3": {(heads_m, "_softmax_step"): _softmax_step_fma, (heads_m, "_store_p_alpha"): _store_p_alpha_raw,
-             (heads_m, "plgpu"): _ApproxPlgpu()},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
-           "k_buffers_3", "q_rows_serial", "approx_math", "eager_rescale", "p_store_raw",
-           "p_store_raw+approx_math", "softmax_fma", "all3")
+           "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
+           "before_s29")
 
 
 @contextlib.contextmanager

@@ -487,6 +487,15 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
       assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == 2
+      # the producer's P / alpha hand-off in raw Mosaic GPU (heads_m._store_p_alpha): P by 4 stmatrix, one
+      # warpgroup barrier per tile (the kernel's 11; Pallas ref stores made it 15); exp2 / log2 as the approximate
+      # ftz forms (approx_math: no math.exp2 left), the lse's log2 on two paths
+      assert low.count(r"stmatrix") == 4
+      assert low.count(r"bar\.sync \$0, 128;") == 11
+      assert low.count(r"ex2\.approx\.ftz\.f32") > 0 and low.count(r"math\.exp2") == 0
+      assert low.count(r"lg2\.approx\.ftz\.f32") == 2
+    else:   # "twin": exact exp2 (not measured with approx_math)
+      assert low.count(r"ex2\.approx") == 0 and low.count(r"math\.exp2") > 0
     if schedule == "producer_vt":
       # Oᵀ: per multiplier 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 16 64-bit loads (one per
       # key: both row halves of its 4 blocks), one byte permute per A register (one block at a time: 64; block

@@ -144,7 +144,7 @@ def alpha_is_one(alpha):
 
 
 def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
-                        rescale_threshold: float | None = None):
+                        rescale_threshold: float | None = None, scale_in_exponent: bool = False):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
@@ -156,6 +156,11 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
     rescale_threshold: None: m is the running maximum. A float t (lazy rescaling): m moves to the new maximum only
       where that exceeds m by more than t (or m is -inf), so p <= 2^t and alpha is exactly 1 in the rows that
       keep their m (a tile where no row moves needs no rescale of the output: ``alpha_is_one``).
+    scale_in_exponent: fold the row scale into the exponent: mask the raw logits, scale their row max, and
+      p = exp2(fma(s, scale, -m)) (one fma per logit where the default multiplies,
+      selects and subtracts). Needs row_scale >= 0 (a max commutes with a non-negative scale only); a zero row
+      scale is taken as 1, which is exact only where that row's logits are all 0 (an all-zero q row, a padding
+      row), so a masked -inf never meets a 0 scale (NaN). Same p up to the fma's single rounding.
   Returns:
     (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1] (lazy: [0, 2^t]), alpha [R] = 2^(m - m_new) to rescale the
     running output, m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0
@@ -163,10 +168,17 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
   """
   head_axis = 1 - keys_axis
   valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
-  s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
-  s = jnp.where(valid, s, -jnp.inf)
-  m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)
-  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
+  if scale_in_exponent:
+    scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis) * scale, rescale_threshold)
+    p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [head_axis])
+                 - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
+  else:
+    s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   if l.ndim == s.ndim:   # running sums kept per element (summed over the keys by the caller, after the last tile)
     return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [head_axis]) + p
   return p, alpha, m_new, l * alpha + p.sum(axis=keys_axis)

@@ -121,6 +121,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common, q_quant, vt_registers
@@ -284,11 +285,13 @@ def _zero_state():
   return acc0, m0, l0
 
 
-def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None):
-  """The online softmax of tile t (``rescale_threshold``: lazy rescaling, ``common.online_softmax_tile``)."""
+def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None,
+                  scale_in_exponent: bool = False):
+  """The online softmax of tile t (``rescale_threshold``: lazy rescaling; ``scale_in_exponent``: the row scale
+  folded into exp2's argument; both ``common.online_softmax_tile``)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
-                                    rescale_threshold=rescale_threshold)
+                                    rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent)
 
 
 def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
@@ -415,15 +418,29 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
-def _store_p_alpha(p16, alpha, p_ref, alpha_ref):
-  """P (f16 [64, 64]) into its slot and alpha ([64]) into its row, committed for the async proxy (the multipliers
-  read P through wgmma after the arrival that follows)."""
-  p_ref[...] = p16
-  alpha_ref[...] = alpha
-  plgpu.commit_smem()
+def _store_p_alpha(p16, alpha, p_ref, alpha_ref, interpret: bool):
+  """P (f16 [64, 64]) into its 128-byte swizzled slot and alpha ([64]) into its row, committed for the async
+  proxy (the multipliers read P through wgmma after the arrival that follows). On the GPU in raw Mosaic GPU
+  (``stmatrix`` of P, plain stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x``
+  puts a warpgroup barrier before and after each store (four of the five barriers per tile in the SASS), where
+  every producer thread only writes, into a slot it has waited for itself. Interpret mode: the ref stores."""
+  if interpret:
+    p_ref[...] = p16
+    alpha_ref[...] = alpha
+    plgpu.commit_smem()
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(jnp.float16, 128)),
+                                plgpu.RefType()))
+  def store(ctx, p, a, p_smem, a_smem):
+    del ctx
+    p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
+    a.store_untiled(a_smem, optimized=False)
+    mgpu.commit_shared()
+  store(p16, alpha, p_ref, alpha_ref)
 
 
-def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
+def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
   """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
   (both multipliers released it)."""
   with jax.named_scope("p_wait_slot"):
@@ -431,7 +448,7 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs):
     def _():
       plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   with jax.named_scope("p_store"):
-    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb])
+    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb], interpret)
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
@@ -520,10 +537,11 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
     vt_registers.store_half_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], half)
 
 
-def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.SparseRefs, q_in=None):
+def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None):
   """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
-  themselves), the online softmax, P (f16) and alpha into slot t % 2 (``_publish_p``: it runs up to two tiles
-  ahead of the multipliers); at the end kv_scale / l for WG1 / WG2 and the lse. It holds no O (88 registers).
+  themselves), the online softmax (lazy rescaling, the row scale in the exponent), P (f16) and alpha into slot
+  t % 2 (``_publish_p``: it runs up to two tiles ahead of the multipliers); at the end kv_scale / l for WG1 / WG2
+  and the lse. It holds no O (88 registers).
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
   with jax.named_scope("p_prologue"):
     row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
@@ -536,9 +554,10 @@ def _producer(cfg: TuningConfig, num_slots: int, tile_q, split, r: common.Sparse
       s = _qk_and_upcast(k_tiles, None, r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD)
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
+                                         scale_in_exponent=True)
       p16 = p.astype(jnp.float16)
-    _publish_p(t, pb, p16, alpha, r)
+    _publish_p(t, pb, p16, alpha, r, interpret)
     return m_new, l
 
   _, m0, l0 = _zero_state()
@@ -574,7 +593,8 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   if producer:
     @pl.when(wg == 0)
     def _():
-      _producer(cfg, num_slots, tile_q, split, r, (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
+      _producer(cfg, num_slots, interpret, tile_q, split, r,
+                (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
 
     # interpret mode's multipliers: the same products with V upcast in SMEM
     multiply = functools.partial(_multiplier_interpret, cfg, out_dtype) if interpret else \
@@ -641,6 +661,8 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.Barrier(num_arrivals=3 if cfg.producer else 2, num_barriers=cfg.k_buffers),  # k_empty
           *producer_barriers,
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE),
+      # "producer_vt": exp2 / log2 as ex2 / lg2.approx.ftz (no subnormal fix-up around each MUFU op; P, alpha and
+      # the lse differ from the exact forms by about one f32 ulp, far below P's f16 rounding)
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=producer),
       **common.interpret_kwargs(interpret),
   )
