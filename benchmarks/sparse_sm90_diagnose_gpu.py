@@ -54,7 +54,6 @@ import sys
 import unittest.mock
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from mla_pallas import bench, testing
@@ -64,7 +63,6 @@ from mla_pallas.kernels import sparse_sm90_heads_m as heads_m
 from mla_pallas.kernels import sparse_sm90_heads_n as heads_n
 from mla_pallas.ops import sparse_decode as sd
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CASES = {   # the peer kit's sparse cases (bench spec, shape)
