@@ -53,7 +53,9 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each (``vt_registers.latent_of_half_row``: thread
   (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its rows of the 4 blocks; 4 × 32 f32 registers).
   The producer's softmax rescales lazily (``RESCALE_THRESHOLD``: a row's max moves only when it grows by more than
-  2^8, so P <= 256 and alpha is 1 in most tiles). Per tile a multiplier loads its Vᵀ bytes, releases the K buffer,
+  2^8, so P <= 256 and alpha is 1 in most tiles), folds the row scale into exp2's argument (one fma per logit),
+  uses approximate exp2 / log2 (``approx_math``: the kernel's only ones are the producer's) and stores P
+  (stmatrix) and alpha in raw Mosaic GPU with one warpgroup barrier (``_store_p_alpha``). Per tile a multiplier loads its Vᵀ bytes, releases the K buffer,
   waits for the slot, rescales by alpha unless every alpha is 1 (``common.alpha_is_one``), issues
   its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
   live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
