@@ -256,6 +256,17 @@ diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, 
     --out "$OUT/diag_s29"
   run diag_s29_F1 150 $py --cases F1 --rows none,scaled_logits,before_s29 --out "$OUT/diag_s29_F1"
 }
+t_v16() {   # "producer_v16" (the multipliers' P·V from an f16 V tile, raw upcast) against the reference and "twin"
+  run t_v16 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer_v16"
+}
+diag_v16() {   # "producer_v16" beside the default in one process per case (P1 with ptxas), then its timeline
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
+  run diag_v16_P1 150 $py --cases P1 --ptxas --rows none,producer_v16,producer_v16_ref_upcast --out "$OUT/diag_v16"
+  run diag_v16_F1 150 $py --cases F1 --rows none,producer_v16 --out "$OUT/diag_v16_F1"
+  run timeline_v16 120 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --tuning schedule=producer_v16,k_buffers=2 \
+    --out "$OUT/timeline_v16"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
@@ -265,7 +276,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_gpu_par,diag_s29"
+next="t_v16,diag_v16,t_prefill_h64"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -344,6 +344,10 @@ def test_tuning_errors():
   # "producer_vt": + two 8 KB P slots and 1 KB of alpha / 1/l / amax rows (1 KB rounding), without the V tile
   assert heads_m.TuningConfig(schedule="producer_vt").smem_budget() == 200192 + 2 * 8192 + 1024 - 65536
   assert heads_m.TuningConfig(schedule="producer_vt", k_buffers=3).smem_budget() == 193024
+  # "producer_v16": the producer's slots and the f16 V tile; splits of 128 tiles (32 KB of indices) do not fit
+  assert heads_m.TuningConfig(schedule="producer_v16").smem_budget() == 200192 + 2 * 8192 + 1024
+  with pytest.raises(ValueError, match="SMEM"):
+    heads_m.TuningConfig(schedule="producer_v16", tiles_per_split=128)
 
 
 def test_registers_fit_the_launch_allocation():
@@ -451,6 +455,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "producer_vt"), (128, 2, 2048, 1, 3, "producer_vt"), (64, 1, 2051, 2, 2, "producer_vt"),
     (128, 1, 16384, 2, 2, "producer_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
+    (128, 2, 2048, 1, 2, "producer_v16"), (64, 1, 2051, 2, 2, "producer_v16"),
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
     (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
@@ -482,7 +487,7 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    if schedule == "producer_vt":
+    if schedule in ("producer_vt", "producer_v16"):
       # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
@@ -491,7 +496,8 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       # warpgroup barrier per tile (the kernel's 11; Pallas ref stores made it 15); exp2 / log2 as the approximate
       # ftz forms (approx_math: no math.exp2 left), the lse's log2 on two paths
       assert low.count(r"stmatrix") == 4
-      assert low.count(r"bar\.sync \$0, 128;") == 11
+      # "producer_v16": + per multiplier the raw upcast's commit barrier and 4 around its two O stores
+      assert low.count(r"bar\.sync \$0, 128;") == 11 + (schedule == "producer_v16") * 2 * 5
       assert low.count(r"ex2\.approx\.ftz\.f32") > 0 and low.count(r"math\.exp2") == 0
       assert low.count(r"lg2\.approx\.ftz\.f32") == 2
     else:   # "twin": exact exp2 (not measured with approx_math)
@@ -511,6 +517,12 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
       # Q quantized by the multipliers (q_quant.quantize_head_rows, 32 rows each, 4 rows per warp): a 16-byte
       # store of latent and one of the tail chunk per row and lane
       assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2
+    elif schedule == "producer_v16":
+      # O half = P · V half per multiplier: 2 accumulators of [64, 128] x 4 k16 steps, P (A) and V (B) from SMEM;
+      # the upcast of its two V chunks: 2 x 32 e4m3x2 -> f16x2 per thread; no Vᵀ permutes; Q as in "producer_vt"
+      assert low.count(r"m64n128k16\.f32\.f16\.f16") == 2 * 2 * 4 and low.count(r"m64n64k16") == 0
+      assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 2 * 32 and low.count(r"prmt\.b32") == 0
+      assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == 0
     else:
       # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
       assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4

@@ -61,8 +61,14 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
   (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
-  with an f16 V tile instead (each multiplier upcasts its two V chunks and multiplies P from the slot; README:
-  interpret-only code paths).
+  with an f16 V tile instead ("producer_v16"'s multipliers; README: interpret-only code paths).
+* "producer_v16" (a sweep candidate, not the op's choice until measured; docs/kernels/sparse_decode_sm90.md): the
+  producer and loader of "producer_vt"; each multiplier upcasts its two V chunks of the K tile into the f16 V tile
+  (raw Mosaic GPU stores, one warpgroup barrier: ``_stage_v16_half``), releases the K buffer, and after the slot
+  arrives computes O half += P · V half with P (A, K-major) read from the slot and V (B, MN-major) from the f16
+  tile: two [64, 128] f32 accumulators, 4 m64n128k16 each per tile (a single m64n256k16 accumulator cannot be
+  compiled under the 512-thread launch's 128 registers), waited for before the next upcast. No Vᵀ fragments; the
+  V tile limits it to 2 K buffers and splits of up to 64 tiles.
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -107,6 +113,7 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
     "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax rows
     1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
+    "producer_v16": "producer_vt" + the V f16 tile 65 536 = 217 600 (2 K buffers; 64-tile splits: 225 792)
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
 setmaxnreg moves registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is
@@ -123,7 +130,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax._src.lib.mlir import ir
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common, q_quant, vt_registers
@@ -142,6 +152,7 @@ PRODUCER_REGS = (24, 88, 200)
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
 P_BUFFERS = 2        # P / alpha slots of the hand-off
+V16_COLS = 128       # "producer_v16": columns of one P·V accumulator (two per multiplier)
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
 
@@ -155,7 +166,7 @@ class TuningConfig(common.SparseSm90Config):
   up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
   (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_v16")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -189,9 +200,9 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def producer(self) -> bool:
-    """"producer_vt": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and WG2, which only
-    multiply (module docstring)."""
-    return self.schedule == "producer_vt"
+    """"producer_vt" / "producer_v16": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and
+    WG2, which only multiply (module docstring)."""
+    return self.schedule in ("producer_vt", "producer_v16")
 
   @property
   def loader(self) -> int:
@@ -207,7 +218,7 @@ class TuningConfig(common.SparseSm90Config):
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
     cache is bf16 (V is the K tile itself)."""
-    return (not self.producer or interpret) and not self.bf16
+    return (self.schedule != "producer_vt" or interpret) and not self.bf16
 
   def smem_budget(self) -> int:
     lay = self.layout
@@ -465,33 +476,88 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
-def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
-  """"producer_vt" in interpret mode, multiplier WG1 + ``half``: per tile the upcast of V chunks 2 half,
-  2 half + 1, the K buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha (skipped
-  where every alpha is 1) and P·V into output columns 256 half ... 256 half + 255 with P from the slot, and the
-  slot's release; at the end its half of O, scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret)
-  where the kernel quantizes Q: first its half of the rows (:func:`_quantize_q_rows`)."""
+def _multiplier_start(tile_q, r: common.SparseRefs, half: int, q_in):
+  """A multiplier's registers (``PRODUCER_REGS[2]``) and, where the kernel quantizes Q (``q_in``: heads,
+  interpret), its half of the tile's rows first."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   if q_in is not None:
-    _quantize_q_rows(tile_q, r, half, *q_in)
+    with jax.named_scope("m_quantize_q"):
+      _quantize_q_rows(tile_q, r, half, *q_in)
 
-  def step(t, acc):
-    kb, pb, k_tiles = _landed(t, cfg, r)
-    common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
+
+def _pv_halves(accs, p_op, half: int, interpret: bool, r: common.SparseRefs):
+  """A multiplier's O half as two [64, 128] f32 accumulators += P · V[:, 256 half + 128 j ...] (j = 0, 1; P an
+  SMEM ref, A K-major; V the f16 tile, B MN-major): m64n128k16 wgmmas, 4 per accumulator and tile (one m64n256k16
+  accumulator does not compile at 512 threads: docs/kernels/sparse_decode_sm90.md, "pv_pair")."""
+  def pv(acc_refs):
+    for j, acc_ref in enumerate(acc_refs):
+      plgpu.wgmma(acc_ref, p_op, r.v16.at[:, pl.ds(half * 256 + j * V16_COLS, V16_COLS)])
+  return common.accumulate(pv, tuple(accs), interpret)
+
+
+def _stage_v16_half(k_tiles, half: int, r: common.SparseRefs, interpret: bool):
+  """"producer_v16": multiplier ``half`` upcasts V chunks 2 half, 2 half + 1 of the K tiles (fp8 [5, 64, 128])
+  into the same columns of the f16 V tile (exact e4m3 -> f16), fenced for the async proxy. On the GPU in raw
+  Mosaic GPU (one warpgroup barrier, the commit's: Pallas's ref stores put one before and after each chunk's
+  store, though each thread writes columns only it and its own wgmmas use); interpret mode: ``common.stage_v16``."""
+  chunks = (2 * half, 2 * half + 1)
+  if interpret:
+    common.stage_v16(k_tiles, r.v16, chunks=chunks)
     plgpu.commit_smem()
-    plgpu.barrier_arrive(r.k_empty.at[kb])
-    plgpu.barrier_wait(r.p_full.at[pb])
-    alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]),
-                   acc)
-    acc = _pv_half(acc, r.p_sw.at[pb], half, True, r)
-    plgpu.barrier_arrive(r.p_empty.at[pb])
-    return acc
+    return
 
-  acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
-  plgpu.barrier_wait(r.p_full.at[INV_SLOT])
-  inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-  _store_half(acc, inv, half, out_dtype, tile_q, split, r)
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(jnp.float8_e4m3fn, common.SW_CHUNK)),
+                                plgpu.RefType(swizzled(jnp.float16, 128))))
+  def upcast(ctx, k_smem, v_smem):   # k_smem [2, 8, 1, 8, 128] fp8, v_smem [8, 4, 8, 64] f16 (tiled)
+    del ctx
+    tiles = common.SW_CHUNK // 64   # f16 64-column tiles per chunk
+    for c in range(2):
+      x = mgpu.FragmentedArray.load_tiled(mgpu_utils.memref_slice(k_smem, c), swizzle=128,
+                                          layout=mgpu_fa.WGMMA_LAYOUT_8BIT, optimized=False)
+      x.astype(ir.F16Type.get()).store_tiled(
+          mgpu_utils.memref_slice(v_smem, (slice(None), mgpu_utils.ds(c * tiles, tiles))), swizzle=128)
+    mgpu.commit_shared()
+  upcast(k_tiles.at[pl.ds(chunks[0], 2)], r.v16.at[:, pl.ds(chunks[0] * common.SW_CHUNK, 2 * common.SW_CHUNK)])
+
+
+def _multiplier_v16(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs, half: int,
+                    q_in=None):
+  """"producer_v16" (and "producer_vt" in interpret mode), multiplier WG1 + ``half``: per tile the upcast of V
+  chunks 2 half, 2 half + 1 into the f16 V tile, the K buffer's release, then after slot t % 2 arrives the rescale
+  by the producer's alpha (skipped where every alpha is 1) and O half += P · V half with P read from the slot
+  (:func:`_pv_halves`, waited for before the next upcast), and the slot's release; at the end its half of O,
+  scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half
+  of the rows (:func:`_quantize_q_rows`)."""
+  _multiplier_start(tile_q, r, half, q_in)
+
+  def step(t, accs):
+    with jax.named_scope("m_wait_k"):
+      kb, pb, k_tiles = _landed(t, cfg, r)
+    with jax.named_scope("m_upcast"):
+      _stage_v16_half(k_tiles, half, r, interpret)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    with jax.named_scope("m_wait_p"):
+      plgpu.barrier_wait(r.p_full.at[pb])
+    with jax.named_scope("m_pv"):
+      # the all-ones test on the column layout (every warp holds every alpha: shuffles only), the rescale on rows
+      every_one = common.alpha_is_one(plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False))
+
+      def rescale(a):
+        alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
+        return tuple(x * lax.broadcast_in_dim(alpha, x.shape, [0]) for x in a)
+      accs = lax.cond(every_one, lambda a: a, rescale, tuple(accs))
+      accs = _pv_halves(accs, r.p_sw.at[pb], half, interpret, r)
+    plgpu.barrier_arrive(r.p_empty.at[pb])
+    return accs
+
+  zero = plgpu.layout_cast(jnp.zeros((TILE, V16_COLS), jnp.float32), plgpu.Layout.WGMMA)
+  accs = lax.fori_loop(0, cfg.tiles_per_split, step, (zero, zero))
+  with jax.named_scope("m_store"):
+    plgpu.barrier_wait(r.p_full.at[INV_SLOT])
+    inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
+    for j, acc in enumerate(accs):
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      r.o_gmem.at[tile_q, split, :, pl.ds(half * 256 + j * V16_COLS, V16_COLS)][...] = out.astype(out_dtype)
 
 
 def _zero_vt():
@@ -514,10 +580,7 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
   t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the slot; at the end its half of O (16-byte
   row pieces). ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half of the rows
   (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first P)."""
-  plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
-  if q_in is not None:
-    with jax.named_scope("m_quantize_q"):
-      _quantize_q_rows(tile_q, r, half, *q_in)
+  _multiplier_start(tile_q, r, half, q_in)
 
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
@@ -598,9 +661,9 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
       _producer(cfg, num_slots, interpret, tile_q, split, r,
                 (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
 
-    # interpret mode's multipliers: the same products with V upcast in SMEM
-    multiply = functools.partial(_multiplier_interpret, cfg, out_dtype) if interpret else \
-        functools.partial(_multiplier, cfg)
+    # "producer_v16" and interpret mode: the products with V upcast to the f16 tile
+    multiply = functools.partial(_multiplier_v16, cfg, out_dtype, interpret) \
+        if interpret or cfg.schedule == "producer_v16" else functools.partial(_multiplier, cfg)
     for half in range(2):
       @pl.when(wg == 1 + half)
       def _():
