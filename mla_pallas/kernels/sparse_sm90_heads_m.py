@@ -55,9 +55,9 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   The producer's softmax rescales lazily (``RESCALE_THRESHOLD``: a row's max moves only when it grows by more than
   2^8, so P <= 256 and alpha is 1 in most tiles), folds the row scale into exp2's argument (one fma per logit),
   uses approximate exp2 / log2 (``approx_math``: the kernel's only ones are the producer's) and stores P
-  (stmatrix) and alpha in raw Mosaic GPU with one warpgroup barrier (``_store_p_alpha``). Per tile a multiplier loads its Vᵀ bytes, releases the K buffer,
-  waits for the slot, rescales by alpha unless every alpha is 1 (``common.alpha_is_one``), issues
-  its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
+  (stmatrix) and alpha in raw Mosaic GPU with one warpgroup barrier (``_store_p_alpha``). Per tile a multiplier
+  loads its Vᵀ bytes, releases the K buffer, waits for the slot, rescales by alpha unless every alpha is 1
+  (``common.alpha_is_one``), issues its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
   live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
   (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
