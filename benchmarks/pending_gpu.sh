@@ -256,13 +256,15 @@ diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, 
     --out "$OUT/diag_s29"
   run diag_s29_F1 150 $py --cases F1 --rows none,scaled_logits,before_s29 --out "$OUT/diag_s29_F1"
 }
-t_v16() {   # "producer_v16" (the multipliers' P·V from an f16 V tile, raw upcast) against the reference and "twin"
-  run t_v16 200 $T tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer_v16"
+t_v16() {   # "producer_v16" and "pair_v16" (P·V from an f16 V tile, raw upcast) against the reference and the default
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_v16 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
+    tests/test_sparse_decode_gpu.py -k "(heads_m_schedules and producer_v16) or pair_v16"
 }
 diag_v16() {   # "producer_v16" beside the default in one process per case (P1 with ptxas), then its timeline
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_v16_P1 150 $py --cases P1 --ptxas --rows none,producer_v16,producer_v16_ref_upcast --out "$OUT/diag_v16"
-  run diag_v16_F1 150 $py --cases F1 --rows none,producer_v16 --out "$OUT/diag_v16_F1"
+  run diag_v16_P1 170 $py --cases P1 --ptxas --rows none,producer_v16,producer_v16_ref_upcast,pair_v16 \
+    --out "$OUT/diag_v16"
+  run diag_v16_F1 170 $py --cases F1 --rows none,producer_v16,pair_v16 --out "$OUT/diag_v16_F1"
   run timeline_v16 120 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --tuning schedule=producer_v16,k_buffers=2 \
     --out "$OUT/timeline_v16"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json

@@ -142,6 +142,15 @@ def _producer_v16(tiles_per_split: int) -> dict:
   return kw
 
 
+def _pair_v16(tiles_per_split: int) -> dict:
+  """The op's heads-on-M choice with "pair_v16" wherever it picks "producer_vt" (even splits of up to 64 tiles,
+  2 K buffers)."""
+  kw = _HEADS_M_TUNING(tiles_per_split)
+  if kw.get("schedule") == "producer_vt" and tiles_per_split <= 64 and tiles_per_split % 2 == 0:
+    return dict(kw, schedule="pair_v16", k_buffers=2)
+  return kw
+
+
 def _stage_v16_half_ref(k_tiles, half, r, interpret):
   """``heads_m._stage_v16_half`` as Pallas ref stores on the GPU too (a warpgroup barrier around each chunk)."""
   del interpret
@@ -216,6 +225,9 @@ ROWS = {
     "producer_v16": {(sd, "_heads_m_tuning"): _producer_v16},
     "producer_v16_ref_upcast": {(sd, "_heads_m_tuning"): _producer_v16,
                                 (heads_m, "_stage_v16_half"): _stage_v16_half_ref},
+    # "pair_v16" (kernels/sparse_sm90_pair.py; twenty-ninth session, untimed): FlashMLA's sparse-prefill shape, two
+    # math warpgroups on alternate tiles, P·V from the f16 V tile
+    "pair_v16": {(sd, "_heads_m_tuning"): _pair_v16},
     # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
     # 258.5 against 244.2, twenty-ninth session call 1
@@ -223,7 +235,7 @@ ROWS = {
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "producer_v16", "producer_v16_ref_upcast")
+           "before_s29", "producer_v16", "producer_v16_ref_upcast", "pair_v16")
 
 
 @contextlib.contextmanager

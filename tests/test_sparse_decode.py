@@ -19,6 +19,7 @@ import mla_pallas
 from mla_pallas import _dispatch, reference, testing
 from mla_pallas.kernels import gather_threads
 from mla_pallas.kernels import common, sparse_sm90_heads_m as heads_m, sparse_sm90_heads_n as heads_n
+from mla_pallas.kernels import sparse_sm90_pair as pair
 from mla_pallas.ops import sparse_decode as sd
 
 from _sparse_inputs import FP8, add_late_spike, logit_std, make_case, run_kernel
@@ -147,6 +148,8 @@ def _interpret_budget(case):
     # V tile)
     (64, (("schedule", "producer_vt"), ("k_buffers", 3))),
     (128, (("schedule", "producer_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
+    # "pair_v16": the math warpgroups take alternate tiles and exchange row maxima (one pair per split: 2 splits)
+    (64, (("schedule", "pair_v16"), ("tiles_per_split", 2))),
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
     (8, (("tiles_per_split", 1),)),
@@ -348,6 +351,15 @@ def test_tuning_errors():
   assert heads_m.TuningConfig(schedule="producer_v16").smem_budget() == 200192 + 2 * 8192 + 1024
   with pytest.raises(ValueError, match="SMEM"):
     heads_m.TuningConfig(schedule="producer_v16", tiles_per_split=128)
+  # "pair_v16": the V tile, two P slots, 10 head rows (3 KB rounded); tile pairs only; fp8 only; 24 + 2 · 240
+  assert heads_m.TuningConfig(schedule="pair_v16").smem_budget() == 200192 + 2 * 8192 + 3072
+  with pytest.raises(ValueError, match="SMEM"):
+    heads_m.TuningConfig(schedule="pair_v16", k_buffers=3)
+  with pytest.raises(ValueError, match="even"):
+    heads_m.TuningConfig(schedule="pair_v16", tiles_per_split=7)
+  with pytest.raises(ValueError, match="twin"):
+    heads_m.TuningConfig(schedule="pair_v16", cache_dtype="bfloat16", tiles_per_split=16)
+  assert pair.PAIR_REGS[0] + 2 * pair.PAIR_REGS[1] <= 3 * (65536 // 384 // 8 * 8)
 
 
 def test_registers_fit_the_launch_allocation():
@@ -456,6 +468,7 @@ def test_xla_masking_fuzz(idx_list, tl):
     (128, 2, 2048, 1, 2, "producer_vt"), (128, 2, 2048, 1, 3, "producer_vt"), (64, 1, 2051, 2, 2, "producer_vt"),
     (128, 1, 16384, 2, 2, "producer_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
     (128, 2, 2048, 1, 2, "producer_v16"), (64, 1, 2051, 2, 2, "producer_v16"),
+    (128, 2, 2048, 1, 2, "pair_v16"), (64, 1, 2048, 2, 2, "pair_v16"),
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
     (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
@@ -484,9 +497,20 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     q_aval, qs_aval = S((n_tok * H, common.D_QK), jnp.bfloat16), None    # bf16 q, quantized by WG0
   q_args = (q_aval,) if qs_aval is None else (q_aval, qs_aval)
   low = testing.lower_for_cuda(kern, *q_args, kv, idx, S((1,), jnp.float32), arch=(9, 0))
-  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
-  if H > sd.HEADS_ON_N_MAX:
+  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only; "pair_v16": one
+  # per math warpgroup)
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20 * (2 if schedule == "pair_v16" else 1)
+  if H > sd.HEADS_ON_N_MAX and schedule == "pair_v16":
+    # 3 warpgroups: the loader gives registers back (24), the math warpgroups take 240 each; per math warpgroup
+    # both tiles of a pair, each the raw upcast of its two V chunks (2 x 32 e4m3x2 -> f16x2 per thread) and 4 k16
+    # steps of m64n256k16 (own P from registers, the other's from its slot); Q: 16 rows' 16-byte stores each
+    assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
+    assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 240;") == 2
+    assert low.count(r"m64n256k16\.f32\.f16\.f16") == 2 * 2 * 4
+    assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 2 * 2 * 2 * 32 and low.count(r"prmt\.b32") == 0
+    assert low.count(r"st\.shared\.v4\.b32") == 2 * 8 * 2
+    assert low.count(r"ex2\.approx\.ftz\.f32") > 0 and low.count(r"math\.exp2") == 0
+  elif H > sd.HEADS_ON_N_MAX:
     if schedule in ("producer_vt", "producer_v16"):
       # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1

@@ -47,7 +47,7 @@ def test_rows_patch_the_kernel(diag, H, tuning):
 
 
 def test_v16_rows_patch_the_kernel(diag):
-  """The "producer_v16" rows replace the op's own schedule choice (no tuning: at B 64 s_q 2 H 128 the op picks
+  """The "producer_v16" and "pair_v16" rows replace the op's own schedule choice (no tuning: at B 64 s_q 2 H 128 the op picks
   "producer_vt" for its 32-tile splits), and the raw and the Pallas-store upcast lower differently."""
   spec = bench.get_spec("sparse_mla_decode")
   full = spec.shape({"B": "64", "s_q": "2", "H": "128", "topk": "2048", "ctx": "4096"})
@@ -58,6 +58,7 @@ def test_v16_rows_patch_the_kernel(diag):
       return "".join(testing.lower_for_cuda(spec.tuned_op(full, (), False), *avals).mosaic)
   base, v16, v16_ref = ir("none"), ir("producer_v16"), ir("producer_v16_ref_upcast")
   assert "m64n128k16" in v16 and "m64n128k16" not in base
+  assert "m64n256k16" in ir("pair_v16") and "m64n256k16" not in base
   assert v16_ref != v16 and v16_ref.count("bar.sync $0, 128;") > v16.count("bar.sync $0, 128;")
 
 

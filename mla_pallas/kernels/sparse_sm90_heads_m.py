@@ -69,6 +69,10 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   tile: two [64, 128] f32 accumulators, 4 m64n128k16 each per tile (a single m64n256k16 accumulator cannot be
   compiled under the 512-thread launch's 128 registers), waited for before the next upcast. No Vᵀ fragments; the
   V tile limits it to 2 K buffers and splits of up to 64 tiles.
+* "pair_v16" (3 warpgroups, fp8 cache, even ``tiles_per_split``; a sweep candidate, untimed): two math warpgroups
+  take alternate tiles (QKᵀ and softmax of their own tile, row maxima exchanged per tile pair) and each multiplies
+  both tiles' P into its half of O from the f16 V tile (FlashMLA's sparse-prefill shape):
+  ``kernels/sparse_sm90_pair.py``, which ``build`` calls for it.
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -151,6 +155,12 @@ PRODUCER_REGS = (24, 88, 200)
 # exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
+def sparse_sm90_pair():
+  """:mod:`mla_pallas.kernels.sparse_sm90_pair` (schedule "pair_v16"; imported on use: it builds on this module)."""
+  from mla_pallas.kernels import sparse_sm90_pair as pair
+  return pair
+
+
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 V16_COLS = 128       # "producer_v16": columns of one P·V accumulator (two per multiplier)
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
@@ -166,7 +176,7 @@ class TuningConfig(common.SparseSm90Config):
   up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
   (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_v16")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_v16", "pair_v16")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -179,6 +189,8 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
+    if self.schedule == "pair_v16" and self.tiles_per_split % 2:
+      raise ValueError(f"TuningConfig schedule 'pair_v16' takes tile pairs: tiles_per_split must be even; got {self}")
     super().validate()
 
   @property
@@ -221,6 +233,8 @@ class TuningConfig(common.SparseSm90Config):
     return (self.schedule != "producer_vt" or interpret) and not self.bf16
 
   def smem_budget(self) -> int:
+    if self.schedule == "pair_v16":
+      return sparse_sm90_pair().smem_budget(self)
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
     slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
@@ -238,7 +252,9 @@ class TuningConfig(common.SparseSm90Config):
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
   """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
   indices, then the gathers of every tile (``common.gather_tiles``)."""
-  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
+  regs = PRODUCER_REGS[0] if cfg.producer else sparse_sm90_pair().PAIR_REGS[0] if cfg.schedule == "pair_v16" \
+      else LOADER_REGS
+  plgpu.set_max_registers(regs, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -675,6 +691,22 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
                 q_in + (interpret,) if cfg.q_in_kernel else None)
 
 
+def kernel_call(body, num_q_tiles: int, num_splits: int, out_dtype, num_threads: int, interpret, *, approx_math: bool,
+                scratch_types):
+  """``plgpu.kernel`` of a heads-on-M schedule's ``body``: outputs o [num_q_tiles, num_splits, 64, 512] out_dtype
+  and lse [num_q_tiles, num_splits, 64] f32, grid (q, split), ``num_threads`` warpgroups (axis "wg"), Lane
+  semantics, ``approx_math`` (approximate exp2 / log2), the SMEM ``scratch_types``."""
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
+                jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
+      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
+      num_threads=num_threads, thread_name="wg", scratch_types=scratch_types,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=approx_math),
+      **common.interpret_kwargs(interpret),
+  )
+
+
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
           cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None,
@@ -690,6 +722,9 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
     raise ValueError("q_split needs a config whose kernel quantizes q (TuningConfig.q_in_kernel: an fp8 cache); "
                      f"got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
   out_dtype = jnp.dtype(out_dtype_name)
+  if cfg.schedule == "pair_v16":
+    return sparse_sm90_pair().build(num_q_tiles, num_slots, num_splits, tiles_per_token, out_dtype, cfg,
+                                    interpret=interpret, heads=heads, softmax_scale=softmax_scale, q_split=q_split)
   interp = bool(interpret)
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
     common.check_interpret_threads(interp, cfg.loader + 1, "schedule 'producer_vt'")
@@ -705,12 +740,11 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
                        plgpu.Barrier(num_arrivals=2, num_barriers=P_BUFFERS)] if producer else []   # p_empty
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
-                jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
-      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=cfg.loader + 1, thread_name="wg",
+  return kernel_call(
+      body, num_q_tiles, num_splits, out_dtype, cfg.loader + 1, interpret,
+      # "producer_vt": exp2 / log2 as ex2 / lg2.approx.ftz (no subnormal fix-up around each MUFU op; P, alpha and
+      # the lse differ from the exact forms by about one f32 ulp, far below P's f16 rounding)
+      approx_math=producer,
       scratch_types=[
           common.q_scratch(TILE, cfg.layout),                                              # Q
           common.k_scratch(cfg.k_buffers, cfg.layout),                                     # K
@@ -725,9 +759,4 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=3 if cfg.producer else 2, num_barriers=cfg.k_buffers),  # k_empty
           *producer_barriers,
-      ],
-      # "producer_vt": exp2 / log2 as ex2 / lg2.approx.ftz (no subnormal fix-up around each MUFU op; P, alpha and
-      # the lse differ from the exact forms by about one f32 ulp, far below P's f16 rounding)
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=producer),
-      **common.interpret_kwargs(interpret),
-  )
+      ])
