@@ -55,8 +55,10 @@ def add_late_spike(case: SparseCase, tile: int, head: int = 0, scale: float = 1.
   idx = np.array(case.indices)
   kv = np.array(case.kv.astype(jnp.float32)).reshape(-1, 576)
   used = kv.shape[0] // 2
-  row = int(idx[0, 0, 0]) if 0 <= idx[0, 0, 0] < used else 5
-  row = (row + 7) % used
+  start = int(idx[0, 0, 0]) if 0 <= idx[0, 0, 0] < used else 5
+  # a row the token attends nowhere else: an earlier tile holding it would move the max before the split's middle
+  taken = set(np.asarray(idx[0, 0]).ravel().tolist())
+  row = next(r for r in ((start + 7 + i) % used for i in range(used)) if r not in taken)
   idx[0, 0, 64 * tile + 3] = row
   kv[row] = np.asarray(case.q[0, 0, head], np.float32) * scale
   kv = jnp.asarray(kv.reshape(case.kv.shape)).astype(FP8)

@@ -210,19 +210,21 @@ def test_heads_m_twin_quantizes_q(rng, H, s_q, q_dtype, tuning, races):
   _assert_lse_close(lse, base_lse)
 
 
-def test_producer_lazy_rescale_interpret(rng):
-  """"producer_vt" rescales lazily (heads_m.RESCALE_THRESHOLD: a row's max moves only when it grows by more than
-  2^8; the multipliers skip the rescale where every alpha is 1): a key in the third of four tiles of one split
-  whose logit for head 0 is tens of nats above the earlier tiles' maximum forces a rescale mid-split; against the
-  reference and against "twin" (eager rescaling) within the schedules' one bf16 ulp of f32 summation order (P in
-  f16 keeps 11 bits at any scale up to 2^8)."""
+@pytest.mark.parametrize("schedule", ["producer_vt", "pair_v16"])
+def test_producer_lazy_rescale_interpret(rng, schedule):
+  """"producer_vt" and "pair_v16" rescale lazily (heads_m.RESCALE_THRESHOLD: a row's max moves only when it grows
+  by more than 2^8; the multiplying warpgroups skip the rescale where every alpha is 1): a key in the third of four
+  tiles of one split (the second pair's first tile in "pair_v16"), attended nowhere else by its token, whose logit
+  for head 0 is tens of nats above the earlier tiles' maximum forces a rescale mid-split; against the reference and
+  against "twin" (eager rescaling) within the schedules' one bf16 ulp of f32 summation order (P in f16 keeps 11
+  bits at any scale up to 2^8). A kernel that skips that rescale fails both (rel-L2 ~2-3)."""
   case = add_late_spike(make_case(rng, B=1, s_q=2, H=64, topk=256, page_size=16, num_pages=64, kv_scale=0.5),
                         tile=2)
   tuning = (("tiles_per_split", 4),)
-  out, lse = run_kernel(case, interpret=True, tuning=(("schedule", "producer_vt"),) + tuning)
+  out, lse = run_kernel(case, interpret=True, tuning=(("schedule", schedule),) + tuning)
   _check_against_reference(case, out, lse, _interpret_budget(case))
   base, base_lse = run_kernel(case, interpret=True, tuning=(("schedule", "twin"),) + tuning)
-  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what="lazy producer_vt vs twin")
+  testing.assert_close_fp8(out, base, rel_l2=2.0 ** -8, what=f"lazy {schedule} vs twin")
   _assert_lse_close(lse, base_lse)
   assert np.asarray(lse)[0, 0, 0] > np.asarray(lse)[0, 0, 1:].max() + 8    # the spike did land in head 0
 

@@ -16,12 +16,13 @@ Warpgroups (384 threads; registers: loader 24, math 240 each, ``PAIR_REGS``: 24 
   tile pair j (tiles 2j and 2j + 1; ``tiles_per_split`` even):
   1. S = Q·Kᵀ of its own tile t = 2j + w (five fp8 wgmmas), scaled by the row scales, invalid keys masked; its
      row max goes to the exchange row (2 · (j % 2) + w) of ``head_smem`` and both warpgroups meet on
-     ``max_bar[j % 2]``; both then take m_new = max(m, max(own, other)) — the same bits in both, so they keep one
-     running max.
+     ``max_bar[j % 2]``; both then move their running max to max(m, own, other) lazily, as "producer_vt"'s
+     producer does (``heads_m.RESCALE_THRESHOLD``: only where it grows by more than 2^8) — the same bits in both,
+     so they keep one running max.
   2. P = 2^(S - m_new) (f16) into P slot w (once both released it: ``p_empty[w]``, two arrivals), published on
      ``p_full[w]``; its own row sums l_w += rowsum(P) after l_w · alpha (each keeps a partial sum).
   3. O half (latent columns 256 w ... 256 w + 255: [64 heads, 256] f32, 128 registers) rescaled by
-     alpha = 2^(m - m_new), then for its own tile and then the other's (after ``p_full[1 - w]``): the upcast of
+     alpha = 2^(m - m_new) unless every alpha is 1, then for its own tile and then the other's (after ``p_full[1 - w]``): the upcast of
      its two V chunks of that K tile into its columns of the f16 V tile (``heads_m._stage_v16_half``: raw Mosaic
      GPU, one warpgroup barrier), the K buffer's release (``k_empty``, two arrivals), and O half += P · V half
      (4 m64n256k16: P in registers for its own tile, from the other's slot for the other's; waited for before
@@ -49,9 +50,9 @@ from mla_pallas.kernels.common import D_V, TILE, swizzled
 
 PAIR_REGS = (24, 240)   # loader, each math warpgroup: 24 + 2 · 240 = 504 = 3 · 168 (the 384-thread launch share)
 MATH = 2                # math warpgroups; the loader is warpgroup 2
-# head_smem rows ([HEAD_ROWS, 64] f32): rows 0-2 unused; the rows' max |q| (heads_m._amax_row: row 3); the row-max
-# exchange (4 + 2 · (pair % 2) + w); the partial row sums (8 + w)
-MAX_ROW, L_ROW = 4, 8
+# head_smem rows ([HEAD_ROWS, 64] f32): each warpgroup's alpha (0, 1); row 2 unused; the rows' max |q|
+# (heads_m._amax_row: row 3); the row-max exchange (4 + 2 · (pair % 2) + w); the partial row sums (8 + w)
+ALPHA_ROW, MAX_ROW, L_ROW = 0, 4, 8
 HEAD_ROWS = 10
 assert heads_m.INV_SLOT + 1 == 3      # heads_m._amax_row's row, between the alpha and exchange rows
 
@@ -98,9 +99,8 @@ def _math(cfg: heads_m.TuningConfig, num_slots: int, out_dtype, interpret: bool,
     plgpu.barrier_arrive(max_bar.at[slot])
     plgpu.barrier_wait(max_bar.at[slot])
     other = plgpu.load(rows.at[MAX_ROW + 2 * slot + 1 - w], layout=heads_m.ROW_LAYOUT, optimized=False)
-    m_new = jnp.maximum(m, jnp.maximum(own, other))     # exact and commutative: the same bits in both warpgroups
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_use)
+    # lazy (heads_m.RESCALE_THRESHOLD); max is exact and commutative: the same m and alpha bits in both warpgroups
+    m_new, m_use, alpha = common.running_max_step(m, jnp.maximum(own, other), heads_m.RESCALE_THRESHOLD)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
     return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
@@ -113,7 +113,11 @@ def _math(cfg: heads_m.TuningConfig, num_slots: int, out_dtype, interpret: bool,
     plgpu.barrier_arrive(r.p_full.at[w])
 
   def pv(j, acc, alpha, p_own):   # its O half += both tiles of pair j, its own first
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    # the rescale, skipped where every alpha is 1 (the all-ones test on the column layout through its own SMEM
+    # row: shuffles only; the store's warpgroup barriers order the load)
+    rows.at[ALPHA_ROW + w][...] = alpha
+    every_one = common.alpha_is_one(plgpu.load(rows.at[ALPHA_ROW + w], layout=heads_m.COL_LAYOUT, optimized=False))
+    acc = lax.cond(every_one, lambda a: a, lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
     for u in (w, 1 - w):
       if u != w:
         _, k_tiles = landed(2 * j + u)
