@@ -265,8 +265,8 @@ diag_v16() {   # "producer_v16" beside the default in one process per case (P1 w
   run diag_v16_P1 170 $py --cases P1 --ptxas --rows none,producer_v16,producer_v16_ref_upcast,pair_v16 \
     --out "$OUT/diag_v16"
   run diag_v16_F1 170 $py --cases F1 --rows none,producer_v16,pair_v16 --out "$OUT/diag_v16_F1"
-  run timeline_v16 120 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 --tuning schedule=producer_v16,k_buffers=2 \
-    --out "$OUT/timeline_v16"
+  run timeline_v16 120 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline --cases P1 \
+    --tuning schedule=producer_v16,k_buffers=2 --out "$OUT/timeline_v16"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }

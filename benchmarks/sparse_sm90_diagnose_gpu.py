@@ -133,37 +133,23 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
-def _producer_v16(tiles_per_split: int) -> dict:
-  """The op's heads-on-M choice with "producer_v16" wherever it picks "producer_vt" (the f16 V tile fits splits of
-  up to 64 tiles, with 2 K buffers)."""
-  kw = _HEADS_M_TUNING(tiles_per_split)
-  if kw.get("schedule") == "producer_vt" and tiles_per_split <= 64:
-    return dict(kw, schedule="producer_v16", k_buffers=2)
-  return kw
+def _schedule_instead(schedule: str, pairs: bool = False):
+  """The op's heads-on-M choice with ``schedule`` wherever it picks "producer_vt" (the f16 V tile fits splits of up
+  to 64 tiles, with 2 K buffers; ``pairs``: even splits only)."""
+  def tuning(tiles_per_split: int) -> dict:
+    kw = _HEADS_M_TUNING(tiles_per_split)
+    if kw.get("schedule") == "producer_vt" and tiles_per_split <= 64 and not (pairs and tiles_per_split % 2):
+      return dict(kw, schedule=schedule, k_buffers=2)
+    return kw
+  return tuning
 
 
-def _pair_v16(tiles_per_split: int) -> dict:
-  """The op's heads-on-M choice with "pair_v16" wherever it picks "producer_vt" (even splits of up to 64 tiles,
-  2 K buffers)."""
-  kw = _HEADS_M_TUNING(tiles_per_split)
-  if kw.get("schedule") == "producer_vt" and tiles_per_split <= 64 and tiles_per_split % 2 == 0:
-    return dict(kw, schedule="pair_v16", k_buffers=2)
-  return kw
-
-
-def _stage_v16_half_ref(k_tiles, half, r, interpret):
-  """``heads_m._stage_v16_half`` as Pallas ref stores on the GPU too (a warpgroup barrier around each chunk)."""
-  del interpret
-  common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
-  plgpu.commit_smem()
-
-
-def _store_p_alpha_ref(p16, alpha, p_ref, alpha_ref, interpret):
-  """``heads_m._store_p_alpha`` as Pallas ref stores on the GPU too (a warpgroup barrier before and after each)."""
-  del interpret
-  p_ref[...] = p16
-  alpha_ref[...] = alpha
-  plgpu.commit_smem()
+def _ref_stores(fn):
+  """``fn`` (a heads_m function with an ``interpret`` argument) in its interpret-mode form on the GPU too: Pallas
+  ref stores, with their warpgroup barriers, instead of its raw Mosaic GPU stores."""
+  def ref_form(*args):
+    return fn(*args[:-1], True)
+  return ref_form
 
 
 _SOFTMAX_STEP = heads_m._softmax_step
@@ -214,20 +200,20 @@ ROWS = {
     # (p10) 3799.6 (3655.3), 3883.4 (3596.8), 3862.9 (3583.4), 3908.9 (3746.8), 3781.2 (3510.0)), reverted one at
     # a time and all together: the P / alpha store as Pallas ref stores (5 warpgroup barriers per tile, not 1);
     # exact exp2 / log2 (approx_math off); the row scale on the logits before the exponent
-    "p_store_ref": {(heads_m, "_store_p_alpha"): _store_p_alpha_ref},
+    "p_store_ref": {(heads_m, "_store_p_alpha"): _ref_stores(heads_m._store_p_alpha)},
     "exact_math": {(heads_m, "plgpu"): _ExactPlgpu()},
     "scaled_logits": {(heads_m, "_softmax_step"): _softmax_step_scaled_logits},
-    "before_s29": {(heads_m, "_store_p_alpha"): _store_p_alpha_ref, (heads_m, "plgpu"): _ExactPlgpu(),
-                   (heads_m, "_softmax_step"): _softmax_step_scaled_logits},
+    "before_s29": {(heads_m, "_store_p_alpha"): _ref_stores(heads_m._store_p_alpha),
+                   (heads_m, "plgpu"): _ExactPlgpu(), (heads_m, "_softmax_step"): _softmax_step_scaled_logits},
     # "producer_v16" (twenty-ninth session, untimed): the multipliers upcast their half of V to the f16 tile (raw
     # Mosaic GPU stores) and multiply O half += P · V half with P from the slot (SS m64n128k16, 8 per tile),
     # instead of Vᵀ fragments in registers (16 m64n64k16); and the same with the upcast as Pallas ref stores
-    "producer_v16": {(sd, "_heads_m_tuning"): _producer_v16},
-    "producer_v16_ref_upcast": {(sd, "_heads_m_tuning"): _producer_v16,
-                                (heads_m, "_stage_v16_half"): _stage_v16_half_ref},
+    "producer_v16": {(sd, "_heads_m_tuning"): _schedule_instead("producer_v16")},
+    "producer_v16_ref_upcast": {(sd, "_heads_m_tuning"): _schedule_instead("producer_v16"),
+                                (heads_m, "_stage_v16_half"): _ref_stores(heads_m._stage_v16_half)},
     # "pair_v16" (kernels/sparse_sm90_pair.py; twenty-ninth session, untimed): FlashMLA's sparse-prefill shape, two
     # math warpgroups on alternate tiles, P·V from the f16 V tile
-    "pair_v16": {(sd, "_heads_m_tuning"): _pair_v16},
+    "pair_v16": {(sd, "_heads_m_tuning"): _schedule_instead("pair_v16", pairs=True)},
     # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
     # 258.5 against 244.2, twenty-ninth session call 1

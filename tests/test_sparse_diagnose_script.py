@@ -47,8 +47,8 @@ def test_rows_patch_the_kernel(diag, H, tuning):
 
 
 def test_v16_rows_patch_the_kernel(diag):
-  """The "producer_v16" and "pair_v16" rows replace the op's own schedule choice (no tuning: at B 64 s_q 2 H 128 the op picks
-  "producer_vt" for its 32-tile splits), and the raw and the Pallas-store upcast lower differently."""
+  """The "producer_v16" and "pair_v16" rows replace the op's own schedule choice (no tuning: at B 64 s_q 2 H 128
+  the op picks "producer_vt" for its 32-tile splits), and the raw and the Pallas-store upcast lower differently."""
   spec = bench.get_spec("sparse_mla_decode")
   full = spec.shape({"B": "64", "s_q": "2", "H": "128", "topk": "2048", "ctx": "4096"})
   avals = jax.eval_shape(lambda key: spec.make_inputs(full, key), jax.random.key(0))   # shapes only

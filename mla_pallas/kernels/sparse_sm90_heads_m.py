@@ -57,8 +57,9 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   uses approximate exp2 / log2 (``approx_math``: the kernel's only ones are the producer's) and stores P
   (stmatrix) and alpha in raw Mosaic GPU with one warpgroup barrier (``_store_p_alpha``). Per tile a multiplier
   loads its Vᵀ bytes, releases the K buffer, waits for the slot, rescales by alpha unless every alpha is 1
-  (``common.alpha_is_one``), issues its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
-  live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
+  (``common.alpha_is_one``), issues its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``:
+  at most two blocks' A fragments live; with all four built first ptxas serialized the wgmmas even at 200
+  registers) and releases the slot
   (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
   with an f16 V tile instead ("producer_v16"'s multipliers; README: interpret-only code paths).
@@ -155,15 +156,15 @@ PRODUCER_REGS = (24, 88, 200)
 # exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
+P_BUFFERS = 2        # P / alpha slots of the hand-off
+V16_COLS = 128       # "producer_v16": columns of one P·V accumulator (two per multiplier)
+INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
+
+
 def sparse_sm90_pair():
   """:mod:`mla_pallas.kernels.sparse_sm90_pair` (schedule "pair_v16"; imported on use: it builds on this module)."""
   from mla_pallas.kernels import sparse_sm90_pair as pair
   return pair
-
-
-P_BUFFERS = 2        # P / alpha slots of the hand-off
-V16_COLS = 128       # "producer_v16": columns of one P·V accumulator (two per multiplier)
-INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +173,10 @@ class TuningConfig(common.SparseSm90Config):
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
   consumers compute the same S and run the same softmax; "producer_vt" — warpgroup 0 alone does and hands P (f16)
   and alpha to two multiplying warpgroups through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
-  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split``
-  up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
-  (:attr:`q_in_kernel`)."""
+  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile; the sweep candidates
+  "producer_v16" and "pair_v16" multiply from an f16 V tile instead. ``tiles_per_split`` up to 128 (32 KB of
+  indices) fits "twin" and "producer_vt"; the two with the V tile fit up to 64 with 2 K buffers. Over an fp8 cache
+  every schedule quantizes Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_v16", "pair_v16")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
@@ -302,9 +304,10 @@ def _pv_half(acc, p_op, wg, interpret: bool, r: common.SparseRefs):
   return acc
 
 
-def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: common.SparseRefs):
+def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: common.SparseRefs, col: int = 0):
+  """O columns 256 wg + col ... (as many as ``acc`` [64, N] has) = acc scaled by ``inv`` per row."""
   out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-  r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
+  r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256 + col, acc.shape[1])][...] = out.astype(out_dtype)
 
 
 def _zero_state():
@@ -512,8 +515,9 @@ def _pv_halves(accs, p_op, half: int, interpret: bool, r: common.SparseRefs):
 
 
 def _stage_v16_half(k_tiles, half: int, r: common.SparseRefs, interpret: bool):
-  """"producer_v16": multiplier ``half`` upcasts V chunks 2 half, 2 half + 1 of the K tiles (fp8 [5, 64, 128])
-  into the same columns of the f16 V tile (exact e4m3 -> f16), fenced for the async proxy. On the GPU in raw
+  """"producer_v16"'s multiplier / "pair_v16"'s math warpgroup ``half`` upcasts V chunks 2 half, 2 half + 1 of the
+  K tiles (fp8 [5, 64, 128]) into the same columns of the f16 V tile (exact e4m3 -> f16), fenced for the async
+  proxy. On the GPU in raw
   Mosaic GPU (one warpgroup barrier, the commit's: Pallas's ref stores put one before and after each chunk's
   store, though each thread writes columns only it and its own wgmmas use); interpret mode: ``common.stage_v16``."""
   chunks = (2 * half, 2 * half + 1)
@@ -572,8 +576,7 @@ def _multiplier_v16(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split
     plgpu.barrier_wait(r.p_full.at[INV_SLOT])
     inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
     for j, acc in enumerate(accs):
-      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-      r.o_gmem.at[tile_q, split, :, pl.ds(half * 256 + j * V16_COLS, V16_COLS)][...] = out.astype(out_dtype)
+      _store_half(acc, inv, half, out_dtype, tile_q, split, r, col=j * V16_COLS)
 
 
 def _zero_vt():
@@ -727,7 +730,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
                                     interpret=interpret, heads=heads, softmax_scale=softmax_scale, q_split=q_split)
   interp = bool(interpret)
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
-    common.check_interpret_threads(interp, cfg.loader + 1, "schedule 'producer_vt'")
+    common.check_interpret_threads(interp, cfg.loader + 1, f"schedule {cfg.schedule!r}")
   q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None
   body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split))
   producer = cfg.producer

@@ -22,11 +22,12 @@ Warpgroups (384 threads; registers: loader 24, math 240 each, ``PAIR_REGS``: 24 
   2. P = 2^(S - m_new) (f16) into P slot w (once both released it: ``p_empty[w]``, two arrivals), published on
      ``p_full[w]``; its own row sums l_w += rowsum(P) after l_w · alpha (each keeps a partial sum).
   3. O half (latent columns 256 w ... 256 w + 255: [64 heads, 256] f32, 128 registers) rescaled by
-     alpha = 2^(m - m_new) unless every alpha is 1, then for its own tile and then the other's (after ``p_full[1 - w]``): the upcast of
-     its two V chunks of that K tile into its columns of the f16 V tile (``heads_m._stage_v16_half``: raw Mosaic
-     GPU, one warpgroup barrier), the K buffer's release (``k_empty``, two arrivals), and O half += P · V half
-     (4 m64n256k16: P in registers for its own tile, from the other's slot for the other's; waited for before
-     the next upcast overwrites its columns); each P slot is released (``p_empty``) once both multiplied it.
+     alpha = 2^(m - m_new) unless every alpha is 1, then for its own tile and then the other's (after
+     ``p_full[1 - w]``): the upcast of its two V chunks of that K tile into its columns of the f16 V tile
+     (``heads_m._stage_v16_half``: raw Mosaic GPU, one warpgroup barrier), the K buffer's release (``k_empty``,
+     two arrivals), and O half += P · V half (4 m64n256k16: P in registers for its own tile, from the other's
+     slot for the other's; waited for before the next upcast overwrites its columns); each P slot is released
+     (``p_empty``) once both multiplied it.
   After the last pair the two partial sums meet (``l_bar``), l = l_0 + l_1, and each stores its half of O scaled
   by kv_scale / l; WG0 writes the lse. Interpret mode runs the same code with P always from the slots and
   ``common.stage_v16``'s ref stores (it has no wgmma with A in registers and no ``inline_mgpu``).
