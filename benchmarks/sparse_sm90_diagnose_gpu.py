@@ -102,11 +102,6 @@ def _pv_half_identity(acc, p_op, wg, interpret, r):
   return acc
 
 
-def _pv_halves_identity(accs, p_op, half, interpret, r):
-  del p_op, half, interpret, r
-  return tuple(accs)
-
-
 def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False,
                         pipelined=False):
   del words, pt_ref, swizzle, blocks, p_rows, pipelined  # the words' loads are side-effecting asm: they stay
@@ -131,17 +126,6 @@ def _zero_words(k_tile_ref, *args):
 
 def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
-
-
-def _schedule_instead(schedule: str, pairs: bool = False):
-  """The op's heads-on-M choice with ``schedule`` wherever it picks "producer_vt" (the f16 V tile fits splits of up
-  to 64 tiles, with 2 K buffers; ``pairs``: even splits only)."""
-  def tuning(tiles_per_split: int) -> dict:
-    kw = _HEADS_M_TUNING(tiles_per_split)
-    if kw.get("schedule") == "producer_vt" and tiles_per_split <= 64 and not (pairs and tiles_per_split % 2):
-      return dict(kw, schedule=schedule, k_buffers=2)
-    return kw
-  return tuning
 
 
 def _ref_stores(fn):
@@ -176,8 +160,7 @@ ROWS = {
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
-    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
-              (heads_m, "_pv_halves"): _pv_halves_identity},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words, (vt_registers, "load_v_half_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
@@ -205,15 +188,6 @@ ROWS = {
     "scaled_logits": {(heads_m, "_softmax_step"): _softmax_step_scaled_logits},
     "before_s29": {(heads_m, "_store_p_alpha"): _ref_stores(heads_m._store_p_alpha),
                    (heads_m, "plgpu"): _ExactPlgpu(), (heads_m, "_softmax_step"): _softmax_step_scaled_logits},
-    # "producer_v16" (twenty-ninth session, untimed): the multipliers upcast their half of V to the f16 tile (raw
-    # Mosaic GPU stores) and multiply O half += P · V half with P from the slot (SS m64n128k16, 8 per tile),
-    # instead of Vᵀ fragments in registers (16 m64n64k16); and the same with the upcast as Pallas ref stores
-    "producer_v16": {(sd, "_heads_m_tuning"): _schedule_instead("producer_v16")},
-    "producer_v16_ref_upcast": {(sd, "_heads_m_tuning"): _schedule_instead("producer_v16"),
-                                (heads_m, "_stage_v16_half"): _ref_stores(heads_m._stage_v16_half)},
-    # "pair_v16" (kernels/sparse_sm90_pair.py; twenty-ninth session, untimed): FlashMLA's sparse-prefill shape, two
-    # math warpgroups on alternate tiles, P·V from the f16 V tile
-    "pair_v16": {(sd, "_heads_m_tuning"): _schedule_instead("pair_v16", pairs=True)},
     # "producer_vt" rescaling eagerly (threshold 0: the running max moves whenever it grows; the multipliers still
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
     # 258.5 against 244.2, twenty-ninth session call 1
@@ -221,7 +195,7 @@ ROWS = {
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "producer_v16", "producer_v16_ref_upcast", "pair_v16")
+           "before_s29")
 
 
 @contextlib.contextmanager

@@ -39,14 +39,12 @@ def _assert_same(got, want):
     assert np.array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("H,schedule", [(16, None), (128, None), (64, "producer_vt"), (64, "pair_v16")])
+@pytest.mark.parametrize("H,schedule", [(16, None), (128, None), (64, "producer_vt")])
 def test_sparse_decode_pair_is_bitwise_the_concatenation(rng, H, schedule):
-  """Heads on N (H 16) and heads on M ("twin" at H 128, "producer_vt" at H 64, whose multipliers quantize Q, and
-  "pair_v16" in 2-tile splits, whose math warpgroups do) read the pair in the kernel (race-checked): each gives the
-  bits of the [.., 576] q."""
+  """Heads on N (H 16) and heads on M ("twin" at H 128, "producer_vt" at H 64, whose multipliers quantize Q) read
+  the pair in the kernel (race-checked): each gives the bits of the [.., 576] q."""
   case = make_case(rng, B=1, s_q=2, H=H, topk=75, page_size=16, num_pages=32)
-  tuning = () if schedule is None else (("schedule", schedule),) + ((("tiles_per_split", 2),)
-                                                                     if schedule == "pair_v16" else ())
+  tuning = () if schedule is None else (("schedule", schedule),)
   fn = functools.partial(sd._sparse_decode_jit, softmax_scale=case.softmax_scale, impl="mosaic", arch="sm90",
                          tuning=tuning)
   kv = case.kv.reshape(-1, 576)

@@ -46,22 +46,6 @@ def test_rows_patch_the_kernel(diag, H, tuning):
     assert ir(row) != base, row
 
 
-def test_v16_rows_patch_the_kernel(diag):
-  """The "producer_v16" and "pair_v16" rows replace the op's own schedule choice (no tuning: at B 64 s_q 2 H 128
-  the op picks "producer_vt" for its 32-tile splits), and the raw and the Pallas-store upcast lower differently."""
-  spec = bench.get_spec("sparse_mla_decode")
-  full = spec.shape({"B": "64", "s_q": "2", "H": "128", "topk": "2048", "ctx": "4096"})
-  avals = jax.eval_shape(lambda key: spec.make_inputs(full, key), jax.random.key(0))   # shapes only
-
-  def ir(row):
-    with diag.patched(row):
-      return "".join(testing.lower_for_cuda(spec.tuned_op(full, (), False), *avals).mosaic)
-  base, v16, v16_ref = ir("none"), ir("producer_v16"), ir("producer_v16_ref_upcast")
-  assert "m64n128k16" in v16 and "m64n128k16" not in base
-  assert "m64n256k16" in ir("pair_v16") and "m64n256k16" not in base
-  assert v16_ref != v16 and v16_ref.count("bar.sync $0, 128;") > v16.count("bar.sync $0, 128;")
-
-
 def test_cli_lower_only(diag, capsys):
   assert diag.main(["--lower-only", "--shape", "B=2,s_q=1,H=64,topk=256,ctx=512", "--rows", "none,no_pv"]) == 0
   assert "no_pv: lowered" in capsys.readouterr().out

@@ -62,18 +62,8 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   registers) and releases the slot
   (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
-  with an f16 V tile instead ("producer_v16"'s multipliers; README: interpret-only code paths).
-* "producer_v16" (a sweep candidate, not the op's choice until measured; docs/kernels/sparse_decode_sm90.md): the
-  producer and loader of "producer_vt"; each multiplier upcasts its two V chunks of the K tile into the f16 V tile
-  (raw Mosaic GPU stores, one warpgroup barrier: ``_stage_v16_half``), releases the K buffer, and after the slot
-  arrives computes O half += P · V half with P (A, K-major) read from the slot and V (B, MN-major) from the f16
-  tile: two [64, 128] f32 accumulators, 4 m64n128k16 each per tile (a single m64n256k16 accumulator cannot be
-  compiled under the 512-thread launch's 128 registers), waited for before the next upcast. No Vᵀ fragments; the
-  V tile limits it to 2 K buffers and splits of up to 64 tiles.
-* "pair_v16" (3 warpgroups, fp8 cache, even ``tiles_per_split``; a sweep candidate, untimed): two math warpgroups
-  take alternate tiles (QKᵀ and softmax of their own tile, row maxima exchanged per tile pair) and each multiplies
-  both tiles' P into its half of O from the f16 V tile (FlashMLA's sparse-prefill shape):
-  ``kernels/sparse_sm90_pair.py``, which ``build`` calls for it.
+  with an f16 V tile instead (``_multiplier_interpret``: each multiplier upcasts its two V chunks and multiplies P
+  from the slot; README: interpret-only code paths).
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -118,7 +108,6 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
     "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax rows
     1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
-    "producer_v16": "producer_vt" + the V f16 tile 65 536 = 217 600 (2 K buffers; 64-tile splits: 225 792)
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
 setmaxnreg moves registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is
@@ -135,10 +124,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax._src.lib.mlir import ir
 from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common, q_quant, vt_registers
@@ -157,14 +143,7 @@ PRODUCER_REGS = (24, 88, 200)
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
 P_BUFFERS = 2        # P / alpha slots of the hand-off
-V16_COLS = 128       # "producer_v16": columns of one P·V accumulator (two per multiplier)
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
-
-
-def sparse_sm90_pair():
-  """:mod:`mla_pallas.kernels.sparse_sm90_pair` (schedule "pair_v16"; imported on use: it builds on this module)."""
-  from mla_pallas.kernels import sparse_sm90_pair as pair
-  return pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +152,11 @@ class TuningConfig(common.SparseSm90Config):
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
   consumers compute the same S and run the same softmax; "producer_vt" — warpgroup 0 alone does and hands P (f16)
   and alpha to two multiplying warpgroups through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
-  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile; the sweep candidates
-  "producer_v16" and "pair_v16" multiply from an f16 V tile instead. ``tiles_per_split`` up to 128 (32 KB of
-  indices) fits "twin" and "producer_vt"; the two with the V tile fit up to 64 with 2 K buffers. Over an fp8 cache
-  every schedule quantizes Q in the kernel (:attr:`q_in_kernel`)."""
+  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split``
+  up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
+  (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_v16", "pair_v16")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -191,8 +169,6 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
-    if self.schedule == "pair_v16" and self.tiles_per_split % 2:
-      raise ValueError(f"TuningConfig schedule 'pair_v16' takes tile pairs: tiles_per_split must be even; got {self}")
     super().validate()
 
   @property
@@ -214,9 +190,9 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def producer(self) -> bool:
-    """"producer_vt" / "producer_v16": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and
-    WG2, which only multiply (module docstring)."""
-    return self.schedule in ("producer_vt", "producer_v16")
+    """"producer_vt": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and WG2, which only
+    multiply (module docstring)."""
+    return self.schedule == "producer_vt"
 
   @property
   def loader(self) -> int:
@@ -232,11 +208,9 @@ class TuningConfig(common.SparseSm90Config):
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
     cache is bf16 (V is the K tile itself)."""
-    return (self.schedule != "producer_vt" or interpret) and not self.bf16
+    return (not self.producer or interpret) and not self.bf16
 
   def smem_budget(self) -> int:
-    if self.schedule == "pair_v16":
-      return sparse_sm90_pair().smem_budget(self)
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
     slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
@@ -254,9 +228,7 @@ class TuningConfig(common.SparseSm90Config):
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
   """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
   indices, then the gathers of every tile (``common.gather_tiles``)."""
-  regs = PRODUCER_REGS[0] if cfg.producer else sparse_sm90_pair().PAIR_REGS[0] if cfg.schedule == "pair_v16" \
-      else LOADER_REGS
-  plgpu.set_max_registers(regs, action="decrease")
+  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -304,10 +276,10 @@ def _pv_half(acc, p_op, wg, interpret: bool, r: common.SparseRefs):
   return acc
 
 
-def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: common.SparseRefs, col: int = 0):
-  """O columns 256 wg + col ... (as many as ``acc`` [64, N] has) = acc scaled by ``inv`` per row."""
+def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: common.SparseRefs):
+  """O columns 256 wg ... 256 wg + 255 = acc [64, 256] scaled by ``inv`` per row."""
   out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-  r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256 + col, acc.shape[1])][...] = out.astype(out_dtype)
+  r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
 
 
 def _zero_state():
@@ -504,79 +476,33 @@ def _multiplier_start(tile_q, r: common.SparseRefs, half: int, q_in):
       _quantize_q_rows(tile_q, r, half, *q_in)
 
 
-def _pv_halves(accs, p_op, half: int, interpret: bool, r: common.SparseRefs):
-  """A multiplier's O half as two [64, 128] f32 accumulators += P · V[:, 256 half + 128 j ...] (j = 0, 1; P an
-  SMEM ref, A K-major; V the f16 tile, B MN-major): m64n128k16 wgmmas, 4 per accumulator and tile (one m64n256k16
-  accumulator does not compile at 512 threads: docs/kernels/sparse_decode_sm90.md, "pv_pair")."""
-  def pv(acc_refs):
-    for j, acc_ref in enumerate(acc_refs):
-      plgpu.wgmma(acc_ref, p_op, r.v16.at[:, pl.ds(half * 256 + j * V16_COLS, V16_COLS)])
-  return common.accumulate(pv, tuple(accs), interpret)
-
-
-def _stage_v16_half(k_tiles, half: int, r: common.SparseRefs, interpret: bool):
-  """"producer_v16"'s multiplier / "pair_v16"'s math warpgroup ``half`` upcasts V chunks 2 half, 2 half + 1 of the
-  K tiles (fp8 [5, 64, 128]) into the same columns of the f16 V tile (exact e4m3 -> f16), fenced for the async
-  proxy. On the GPU in raw
-  Mosaic GPU (one warpgroup barrier, the commit's: Pallas's ref stores put one before and after each chunk's
-  store, though each thread writes columns only it and its own wgmmas use); interpret mode: ``common.stage_v16``."""
-  chunks = (2 * half, 2 * half + 1)
-  if interpret:
-    common.stage_v16(k_tiles, r.v16, chunks=chunks)
-    plgpu.commit_smem()
-    return
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(jnp.float8_e4m3fn, common.SW_CHUNK)),
-                                plgpu.RefType(swizzled(jnp.float16, 128))))
-  def upcast(ctx, k_smem, v_smem):   # k_smem [2, 8, 1, 8, 128] fp8, v_smem [8, 4, 8, 64] f16 (tiled)
-    del ctx
-    tiles = common.SW_CHUNK // 64   # f16 64-column tiles per chunk
-    for c in range(2):
-      x = mgpu.FragmentedArray.load_tiled(mgpu_utils.memref_slice(k_smem, c), swizzle=128,
-                                          layout=mgpu_fa.WGMMA_LAYOUT_8BIT, optimized=False)
-      x.astype(ir.F16Type.get()).store_tiled(
-          mgpu_utils.memref_slice(v_smem, (slice(None), mgpu_utils.ds(c * tiles, tiles))), swizzle=128)
-    mgpu.commit_shared()
-  upcast(k_tiles.at[pl.ds(chunks[0], 2)], r.v16.at[:, pl.ds(chunks[0] * common.SW_CHUNK, 2 * common.SW_CHUNK)])
-
-
-def _multiplier_v16(cfg: TuningConfig, out_dtype, interpret: bool, tile_q, split, r: common.SparseRefs, half: int,
-                    q_in=None):
-  """"producer_v16" (and "producer_vt" in interpret mode), multiplier WG1 + ``half``: per tile the upcast of V
-  chunks 2 half, 2 half + 1 into the f16 V tile, the K buffer's release, then after slot t % 2 arrives the rescale
-  by the producer's alpha (skipped where every alpha is 1) and O half += P · V half with P read from the slot
-  (:func:`_pv_halves`, waited for before the next upcast), and the slot's release; at the end its half of O,
-  scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half
-  of the rows (:func:`_quantize_q_rows`)."""
+def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
+  """"producer_vt" in interpret mode (the interpreter runs neither its raw Mosaic GPU Vᵀ loads nor a wgmma with A
+  in registers), multiplier WG1 + ``half``: the same hand-off and the same products with V upcast to the f16 V
+  tile (``TuningConfig.v_tile(interpret=True)``): per tile the upcast of V chunks 2 half, 2 half + 1, the K
+  buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha (skipped where every alpha
+  is 1) and O half += P · V half (:func:`_pv_half`, P read from the slot), and the slot's release; at the end its
+  half of O (not transposed), scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel
+  quantizes Q: first its half of the rows (:func:`_quantize_q_rows`)."""
   _multiplier_start(tile_q, r, half, q_in)
 
-  def step(t, accs):
-    with jax.named_scope("m_wait_k"):
-      kb, pb, k_tiles = _landed(t, cfg, r)
-    with jax.named_scope("m_upcast"):
-      _stage_v16_half(k_tiles, half, r, interpret)
+  def step(t, acc):
+    kb, pb, k_tiles = _landed(t, cfg, r)
+    common.stage_v16(k_tiles, r.v16, chunks=(2 * half, 2 * half + 1))
+    plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    with jax.named_scope("m_wait_p"):
-      plgpu.barrier_wait(r.p_full.at[pb])
-    with jax.named_scope("m_pv"):
-      # the all-ones test on the column layout (every warp holds every alpha: shuffles only), the rescale on rows
-      every_one = common.alpha_is_one(plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False))
-
-      def rescale(a):
-        alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-        return tuple(x * lax.broadcast_in_dim(alpha, x.shape, [0]) for x in a)
-      accs = lax.cond(every_one, lambda a: a, rescale, tuple(accs))
-      accs = _pv_halves(accs, r.p_sw.at[pb], half, interpret, r)
+    plgpu.barrier_wait(r.p_full.at[pb])
+    alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
+    acc = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]),
+                   acc)
+    acc = _pv_half(acc, r.p_sw.at[pb], half, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
-    return accs
+    return acc
 
-  zero = plgpu.layout_cast(jnp.zeros((TILE, V16_COLS), jnp.float32), plgpu.Layout.WGMMA)
-  accs = lax.fori_loop(0, cfg.tiles_per_split, step, (zero, zero))
-  with jax.named_scope("m_store"):
-    plgpu.barrier_wait(r.p_full.at[INV_SLOT])
-    inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-    for j, acc in enumerate(accs):
-      _store_half(acc, inv, half, out_dtype, tile_q, split, r, col=j * V16_COLS)
+  acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
+  plgpu.barrier_wait(r.p_full.at[INV_SLOT])
+  inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
+  _store_half(acc, inv, half, out_dtype, tile_q, split, r)
 
 
 def _zero_vt():
@@ -680,9 +606,9 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
       _producer(cfg, num_slots, interpret, tile_q, split, r,
                 (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
 
-    # "producer_v16" and interpret mode: the products with V upcast to the f16 tile
-    multiply = functools.partial(_multiplier_v16, cfg, out_dtype, interpret) \
-        if interpret or cfg.schedule == "producer_v16" else functools.partial(_multiplier, cfg)
+    # interpret mode's multipliers: the same products with V upcast to the f16 tile
+    multiply = functools.partial(_multiplier_interpret, cfg, out_dtype) if interpret else \
+        functools.partial(_multiplier, cfg)
     for half in range(2):
       @pl.when(wg == 1 + half)
       def _():
@@ -692,22 +618,6 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
     def _():
       _consumer(cfg, num_slots, out_dtype, interpret, wg, tile_q, split, r,
                 q_in + (interpret,) if cfg.q_in_kernel else None)
-
-
-def kernel_call(body, num_q_tiles: int, num_splits: int, out_dtype, num_threads: int, interpret, *, approx_math: bool,
-                scratch_types):
-  """``plgpu.kernel`` of a heads-on-M schedule's ``body``: outputs o [num_q_tiles, num_splits, 64, 512] out_dtype
-  and lse [num_q_tiles, num_splits, 64] f32, grid (q, split), ``num_threads`` warpgroups (axis "wg"), Lane
-  semantics, ``approx_math`` (approximate exp2 / log2), the SMEM ``scratch_types``."""
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
-                jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
-      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=num_threads, thread_name="wg", scratch_types=scratch_types,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=approx_math),
-      **common.interpret_kwargs(interpret),
-  )
 
 
 @functools.lru_cache(maxsize=64)
@@ -725,9 +635,6 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
     raise ValueError("q_split needs a config whose kernel quantizes q (TuningConfig.q_in_kernel: an fp8 cache); "
                      f"got schedule={cfg.schedule!r}, bf16={cfg.bf16}")
   out_dtype = jnp.dtype(out_dtype_name)
-  if cfg.schedule == "pair_v16":
-    return sparse_sm90_pair().build(num_q_tiles, num_slots, num_splits, tiles_per_token, out_dtype, cfg,
-                                    interpret=interpret, heads=heads, softmax_scale=softmax_scale, q_split=q_split)
   interp = bool(interpret)
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
     common.check_interpret_threads(interp, cfg.loader + 1, f"schedule {cfg.schedule!r}")
@@ -743,11 +650,12 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
                        plgpu.Barrier(num_arrivals=2, num_barriers=P_BUFFERS)] if producer else []   # p_empty
-  return kernel_call(
-      body, num_q_tiles, num_splits, out_dtype, cfg.loader + 1, interpret,
-      # "producer_vt": exp2 / log2 as ex2 / lg2.approx.ftz (no subnormal fix-up around each MUFU op; P, alpha and
-      # the lse differ from the exact forms by about one f32 ulp, far below P's f16 rounding)
-      approx_math=producer,
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
+                jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
+      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
+      num_threads=cfg.loader + 1, thread_name="wg",
       scratch_types=[
           common.q_scratch(TILE, cfg.layout),                                              # Q
           common.k_scratch(cfg.k_buffers, cfg.layout),                                     # K
@@ -762,4 +670,9 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
                         num_barriers=cfg.k_buffers),                                       # k_full
           plgpu.Barrier(num_arrivals=3 if cfg.producer else 2, num_barriers=cfg.k_buffers),  # k_empty
           *producer_barriers,
-      ])
+      ],
+      # "producer_vt": exp2 / log2 as ex2 / lg2.approx.ftz (no subnormal fix-up around each MUFU op; P, alpha and
+      # the lse differ from the exact forms by about one f32 ulp, far below P's f16 rounding)
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=producer),
+      **common.interpret_kwargs(interpret),
+  )
