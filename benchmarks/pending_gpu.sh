@@ -256,26 +256,6 @@ diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, 
     --out "$OUT/diag_s29"
   run diag_s29_F1 150 $py --cases F1 --rows none,scaled_logits,before_s29 --out "$OUT/diag_s29_F1"
 }
-diag_vt8x2() {   # schedule "producer_vt8x2" (P·V in fp8, P = P_hi + P_lo) beside the default, one process per case
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20"
-  run diag_vt8x2_P1 150 $py --cases P1 --ptxas --rows none,vt8x2 --out "$OUT/diag_vt8x2"
-  run diag_vt8x2_F1 150 $py --cases F1 --rows none,vt8x2 --out "$OUT/diag_vt8x2_F1"
-}
-t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_vt8x2 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
-    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and vt8x2)"
-}
-ncu_P1() {   # Nsight Compute on one launch of the default heads-on-M kernel at P1: per-SASS-instruction warp stall
-            # samples (source page) and the pipe utilisation; which instruction each role stalls on
-  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  mkdir -p "$OUT/ncu"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run ncu_P1 240 "$ncu" --clock-control none -k regex:mosaic --launch-skip 1 \
-    --launch-count 1 --set full --import-source no -f -o "$OUT/ncu/P1" $PY benchmarks/sparse_sm90_diagnose_gpu.py \
-    --cases P1 --once 3
-  "$ncu" --import "$OUT/ncu/P1.ncu-rep" --page details > "$OUT/ncu/P1_details.txt" 2>&1
-  "$ncu" --import "$OUT/ncu/P1.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu/P1_sass.csv" 2>&1
-  gzip -f "$OUT/ncu/P1_sass.csv"
-}
 timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are the prologue and the tile rate P1's?)
   run timeline_F1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline \
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
@@ -290,7 +270,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_vt8x2,t_vt8x2"
+next="timeline_F1"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

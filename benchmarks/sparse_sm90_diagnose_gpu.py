@@ -128,12 +128,6 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
-def _vt8x2(tiles_per_split: int) -> dict:
-  """The op's heads-on-M choice with "producer_vt8x2" where it picks "producer_vt"."""
-  tuning = _HEADS_M_TUNING(tiles_per_split)
-  return dict(tuning, schedule="producer_vt8x2") if tuning.get("schedule") == "producer_vt" else tuning
-
-
 def _ref_stores(fn):
   """``fn`` (a heads_m function with an ``interpret`` argument) in its interpret-mode form on the GPU too: Pallas
   ref stores, with their warpgroup barriers, instead of its raw Mosaic GPU stores."""
@@ -198,13 +192,10 @@ ROWS = {
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
     # 258.5 against 244.2, twenty-ninth session call 1
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
-    # schedule "producer_vt8x2" (P·V in fp8 with P = P_hi + P_lo; a sweep candidate) where the op runs
-    # "producer_vt"
-    "vt8x2": {(sd, "_heads_m_tuning"): _vt8x2},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "vt8x2")
+           "before_s29")
 
 
 @contextlib.contextmanager
@@ -389,8 +380,9 @@ def main(argv=None) -> int:
   p.add_argument("--timeline-space", type=int, default=200,
                  help="profiler spans per warpgroup (5 per tile; longer traces are truncated)")
   p.add_argument("--once", type=int, default=0,
-                 help="instead of the rows: call each case's default op this many times, untimed (a target for "
-                      "Nsight Compute: `ncu -k regex:mosaic --launch-skip 1 --launch-count 1 python3 ...`)")
+                 help="instead of the rows: call each case's default op this many times, untimed (a target for an "
+                      "external profiler; `ncu --set full` on one P1 launch did not finish in 240 s, thirtieth "
+                      "session)")
   a = p.parse_args(argv)
   rows = a.rows.split(",")
   value = lambda v: int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v)
