@@ -256,6 +256,21 @@ diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, 
     --out "$OUT/diag_s29"
   run diag_s29_F1 150 $py --cases F1 --rows none,scaled_logits,before_s29 --out "$OUT/diag_s29_F1"
 }
+convert_rate() {   # conversions and ex2 alone and mixed: do they share a quarter-rate pipe?
+  run convert_rate 120 $PY benchmarks/convert_rate_gpu.py
+}
+diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo) beside the default, one process per case, and
+                 # both timelines at P1 in one process
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_vt8x2_P1 150 $py --iters 20 --cases P1 --ptxas --rows none,vt8x2 --out "$OUT/diag_vt8x2"
+  run diag_vt8x2_F1 150 $py --iters 20 --cases F1 --rows none,vt8x2 --out "$OUT/diag_vt8x2_F1"
+  run timeline_vt8x2 100 $py --timeline --cases P1 --rows none,vt8x2 --out "$OUT/timeline_vt8x2"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+}
+t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_vt8x2 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
+    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and vt8x2)"
+}
 timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are the prologue and the tile rate P1's?)
   run timeline_F1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline \
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
@@ -270,7 +285,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_gpu_par"
+next="convert_rate,t_vt8x2,diag_vt8x2"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

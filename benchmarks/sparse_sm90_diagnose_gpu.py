@@ -128,6 +128,12 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
+def _vt8x2(tiles_per_split: int) -> dict:
+  """The op's heads-on-M choice with "producer_vt8x2" where it picks "producer_vt"."""
+  tuning = _HEADS_M_TUNING(tiles_per_split)
+  return dict(tuning, schedule="producer_vt8x2") if tuning.get("schedule") == "producer_vt" else tuning
+
+
 def _ref_stores(fn):
   """``fn`` (a heads_m function with an ``interpret`` argument) in its interpret-mode form on the GPU too: Pallas
   ref stores, with their warpgroup barriers, instead of its raw Mosaic GPU stores."""
@@ -192,10 +198,13 @@ ROWS = {
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
     # 258.5 against 244.2, twenty-ninth session call 1
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
+    # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
+    # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
+    "vt8x2": {(sd, "_heads_m_tuning"): _vt8x2},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29")
+           "before_s29", "vt8x2")
 
 
 @contextlib.contextmanager

@@ -133,3 +133,88 @@ def test_half_form_matches_float64(rng, out_dtype):
   ref = np.asarray(p.astype(jnp.float32), np.float64) @ v
   rtol = 2.0 ** -8 if out_dtype == jnp.bfloat16 else 1e-5
   np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# P·V in fp8 with P = P_hi + P_lo (two e4m3 terms; schedule "producer_vt8x2")
+
+def _split8_kernel(out_dtype):
+  """The "producer_vt8x2" pair of roles on one warpgroup: P [64 heads, 64 keys] f32 (GMEM) -> registers -> the
+  producer's P_hi / P_lo store into the fp8 slot (:func:`vt_registers.store_p8`); then per half of the latent
+  columns the multipliers' fp8 fragments and 16 m64n64k32 wgmmas -> O [64, 512] = (P_hi + P_lo) · V."""
+  def body(k_gmem, p_gmem, o_gmem, k_smem, p_smem, p8_smem, bar):
+    plgpu.copy_gmem_to_smem(k_gmem, k_smem, bar)
+    plgpu.copy_gmem_to_smem(p_gmem, p_smem, bar)
+    plgpu.barrier_wait(bar)
+    vt_registers.store_p8(plgpu.load(p_smem, layout=plgpu.Layout.WGMMA, optimized=False), p8_smem)
+    for half in range(2):
+      words = vt_registers.load_v_half_words(k_smem, half)
+      accs = tuple(plgpu.layout_cast(jnp.zeros((64, 64), jnp.float32), plgpu.Layout.WGMMA)
+                   for _ in range(vt_registers.HALF_BLOCKS))
+      accs = vt_registers.pv_wgmmas8x2(words, p8_smem, accs)
+      vt_registers.store_half_o(accs, o_gmem, half)
+
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((64, 512), out_dtype), grid=(1,), grid_names=("x",),
+      scratch_types=[plgpu.SMEM((5, 64, 128), FP8, transforms=common.swizzled(FP8, 128)),
+                     plgpu.SMEM((64, 64), jnp.float32),
+                     plgpu.SMEM((2, 64, 64), FP8, transforms=common.swizzled(FP8, vt_registers.P8_SWIZZLE)),
+                     plgpu.Barrier(num_arrivals=2)],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE))
+
+
+def test_p8_positions_are_a_permutation():
+  assert sorted(vt_registers.p8_position_of_key(k) for k in range(64)) == list(range(64))
+
+
+def test_split8_value_error_model():
+  """hi + lo keeps ~8 significant bits: |error| <= 2^-8 p (lo's rounding) + 2^-9 (e4m3's subnormal steps, twice
+  half a step, below 2^-6) over [0, 256], and the first bound alone from 2^-2 up (lo normal); on uniform values and
+  on a log grid down to 2^-14."""
+  rng = np.random.default_rng(0)
+  p = np.concatenate([rng.random(200_000) * 256.0, 2.0 ** rng.uniform(-14, 8, 200_000)]).astype(np.float32)
+  p64 = p.astype(np.float64)
+  err = np.abs(np.asarray(vt_registers.split8_value(p), np.float64) - p64)
+  assert (err <= 2.0 ** -8 * p64 + 2.0 ** -9).all()
+  assert (err[p64 >= 0.25] <= 2.0 ** -8 * p64[p64 >= 0.25]).all()
+  assert err.max() > 0        # not the identity: the split does round
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16])
+def test_split8_form_lowers_for_sm90(out_dtype):
+  """Producer store: per thread 16 key pairs x (hi by integer rounding of the f32 bits, two f32 subtractions, two
+  f32x2 -> e4m3x2 conversions: nothing through f16) and 16 ``st.shared.b32`` (2 terms x 4 c x 2 h). Multiplier
+  half: 16 64-bit loads, 64 ``prmt`` (8 per (c, h)), no e4m3 -> f16 conversion of V, 4 blocks x 2 k32 steps x 2
+  terms = 16 m64n64k32 e4m3 wgmmas."""
+  rng = np.random.default_rng(0)
+  k, _ = _inputs(rng, 64)
+  low = testing.lower_for_cuda(_split8_kernel(out_dtype), k, jnp.zeros((64, 64), jnp.float32), arch=(9, 0))
+  assert low.count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 2 * 16
+  assert low.count(r"and\.b32 u[ab], u[ab], 0xfff00000") == 2 * 16
+  assert low.count(r"cvt\.rn\.f16x2") == 0 and low.count(r"e4m3x2\.f16x2") == 0
+  assert low.count(r"st\.shared\.b32") == 16
+  assert low.count(r"ld\.shared\.v2\.b32") == 2 * 16
+  assert low.count(r"prmt\.b32") == 2 * 64
+  assert low.count(r"m64n64k32\.f32\.e4m3\.e4m3") == 2 * 16
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_split8_form_matches_float64(rng, out_dtype):
+  """O = (P_hi + P_lo) · V through the producer's fp8 store and the multipliers' fp8 fragments (the permuted key
+  order on both sides) against float64 of :func:`vt_registers.split8_value` · V on the same exact fp8 V: the
+  products are exact, the sums f32 (Hopper's fp8 wgmma adds its k32 products at reduced precision, ~2^-13
+  relative per k32 group of the largest product: README of shared/mgpu, "Precision"), then the output rounding
+  (bf16 2^-9); both within 2^-8 of the sums' magnitude. P in [0, 256] with tiny values (the subnormal range)."""
+  k, _ = _inputs(rng, 64)
+  p = (rng.random((64, 64)) * 2.0 ** rng.integers(-14, 9, (64, 64))).astype(np.float32)
+  out = np.asarray(jax.jit(_split8_kernel(out_dtype))(k, jnp.asarray(p)).astype(jnp.float32), np.float64)
+  v = np.asarray(k.astype(jnp.float32), np.float64)[:4].transpose(1, 0, 2).reshape(64, 512)
+  ps = np.asarray(vt_registers.split8_value(p), np.float64)
+  ref = ps @ v
+  scale = np.abs(ps) @ np.abs(v)        # the sums' magnitude: the accumulation error is relative to it
+  rtol = 2.0 ** -8
+  assert (np.abs(out - ref) <= rtol * scale + 1e-6).all(), np.abs(out - ref).max()
+  wrong_order = ps[:, [vt_registers.p8_position_of_key(k) for k in range(64)]] @ v   # a key-order mistake
+  assert np.abs(out - wrong_order).max() > 100 * rtol * scale.max()

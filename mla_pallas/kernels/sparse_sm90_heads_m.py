@@ -64,6 +64,15 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
   with an f16 V tile instead (``_multiplier_interpret``: each multiplier upcasts its two V chunks and multiplies P
   from the slot; README: interpret-only code paths).
+* "producer_vt8x2" (a sweep candidate, not the op's choice until measured faster; docs/kernels/
+  sparse_decode_sm90.md): "producer_vt" with fp8 P·V. The producer's P (and l) come out of exp2 scaled by 2^3
+  (``P8_EXP_OFFSET``; lazy threshold ``RESCALE_THRESHOLD_P8`` = 5, so P <= 256) and go into the slot as two e4m3
+  terms, P_hi (P rounded to 4 significant bits by integer operations) and P_lo = e4m3(P - P_hi), two conversions
+  per key pair (``vt_registers.store_p8_pair_rows``; slot [2, 64, 64] e4m3, 64-byte swizzle, keys in the order
+  the V words hold them); the multipliers build all four blocks' fp8 A fragments from the V words without
+  conversions (2 ``prmt`` per register) and issue 16 m64n64k32 per tile (``vt_registers.pv_wgmmas8x2``). Same
+  accuracy as f16 P (~8 significant bits); the lse is corrected by -3. Interpret mode: the f16 slot holds
+  P_hi + P_lo exactly (``vt_registers.split8_value``).
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -142,6 +151,11 @@ PRODUCER_REGS = (24, 88, 200)
 # exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
+# "producer_vt8x2": P reaches the multipliers as P_hi + P_lo in e4m3 (kernels/vt_registers.py, fp8 section), scaled
+# by 2^P8_EXP_OFFSET in exp2's argument; with the lazy threshold below P · 2^3 <= 2^(5 + 3) = 256 (e4m3 max 448),
+# and values down to 2^-12 of the row max keep their digits (the f16 P's accuracy: docs/kernels).
+P8_EXP_OFFSET = 3.0
+RESCALE_THRESHOLD_P8 = 5.0
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -156,7 +170,7 @@ class TuningConfig(common.SparseSm90Config):
   up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
   (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_vt8x2")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -192,7 +206,13 @@ class TuningConfig(common.SparseSm90Config):
   def producer(self) -> bool:
     """"producer_vt": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and WG2, which only
     multiply (module docstring)."""
-    return self.schedule == "producer_vt"
+    return self.schedule in ("producer_vt", "producer_vt8x2")
+
+  @property
+  def p8x2(self) -> bool:
+    """"producer_vt8x2": "producer_vt" with P handed over as two e4m3 terms and fp8 P·V wgmmas (module
+    docstring, "Schedules")."""
+    return self.schedule == "producer_vt8x2"
 
   @property
   def loader(self) -> int:
@@ -290,12 +310,13 @@ def _zero_state():
 
 
 def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None,
-                  scale_in_exponent: bool = False):
+                  scale_in_exponent: bool = False, exp_offset: float = 0.0):
   """The online softmax of tile t (``rescale_threshold``: lazy rescaling; ``scale_in_exponent``: the row scale
-  folded into exp2's argument; both ``common.online_softmax_tile``)."""
+  folded into exp2's argument; ``exp_offset``: P and l scaled by 2^exp_offset; all ``common.online_softmax_tile``)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
-                                    rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent)
+                                    rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent,
+                                    exp_offset=exp_offset)
 
 
 def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
@@ -427,11 +448,24 @@ def _store_p_alpha(p16, alpha, p_ref, alpha_ref, interpret: bool):
   proxy (the multipliers read P through wgmma after the arrival that follows). On the GPU in raw Mosaic GPU
   (``stmatrix`` of P, plain stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x``
   puts a warpgroup barrier before and after each store (four of the five barriers per tile in the SASS), where
-  every producer thread only writes, into a slot it has waited for itself. Interpret mode: the ref stores."""
+  every producer thread only writes, into a slot it has waited for itself. Interpret mode: the ref stores.
+  "producer_vt8x2": ``p16`` is P in f32 (scaled, <= 256) and the slot [2, 64, 64] e4m3 (64-byte swizzle) takes
+  P_hi and P_lo (``vt_registers.store_p8_pair_rows``); interpret mode keeps the f16 slot, which holds their sum
+  exactly (``vt_registers.split8_value``)."""
   if interpret:
-    p_ref[...] = p16
+    p_ref[...] = vt_registers.split8_value(p16).astype(jnp.float16) if p16.dtype == jnp.float32 else p16
     alpha_ref[...] = alpha
     plgpu.commit_smem()
+    return
+  if p16.dtype == jnp.float32:
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT,
+                                  plgpu.RefType(swizzled(common.FP8, vt_registers.P8_SWIZZLE)), plgpu.RefType()))
+    def store8(ctx, p, a, p8_smem, a_smem):
+      del ctx
+      vt_registers.store_p8_pair_rows(p, p8_smem)
+      a.store_untiled(a_smem, optimized=False)
+      mgpu.commit_shared()
+    store8(p16, alpha, p_ref, alpha_ref)
     return
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(jnp.float16, 128)),
@@ -459,11 +493,12 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
 def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
   """The producer after the last tile: kv_scale / l for the multipliers (``p_full[2]``), the lse, the final
   observation of the P slots."""
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
+  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)    # "producer_vt8x2": l and the products both scaled by 2^3
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
-  common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+  common.store_lse(lax.axis_index("wg"), m - P8_EXP_OFFSET if cfg.p8x2 else m, l, r.lse_smem,
+                   r.lse_gmem.at[tile_q, split])
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
@@ -509,12 +544,15 @@ def _zero_vt():
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * vt_registers.HALF_BLOCKS
 
 
-def _pv_vt(accs, words, pb, r: common.SparseRefs):
+def _pv_vt(cfg: TuningConfig, accs, words, pb, r: common.SparseRefs):
   """A multiplier's four Oᵀ blocks, rescaled by slot pb's alpha (skipped where every alpha is 1: the producer's
   lazy rescaling), plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major B, Vᵀ built in registers from
-  ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
+  ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``; "producer_vt8x2": all four blocks' fp8
+  fragments, then the 16 fp8 wgmmas of P_hi and P_lo, ``vt_registers.pv_wgmmas8x2``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
   accs = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: common.scale_columns(a, alpha), tuple(accs))
+  if cfg.p8x2:
+    return tuple(vt_registers.pv_wgmmas8x2(words, r.p_sw.at[pb], accs))
   return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE,
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
@@ -536,7 +574,7 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
     with jax.named_scope("m_wait_p"):
       plgpu.barrier_wait(r.p_full.at[pb])
     with jax.named_scope("m_pv"):
-      accs = _pv_vt(accs, words, pb, r)
+      accs = _pv_vt(cfg, accs, words, pb, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
@@ -564,10 +602,15 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
       s = _qk_and_upcast(k_tiles, None, r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
-                                         scale_in_exponent=True)
-      p16 = p.astype(jnp.float16)
-    _publish_p(t, pb, p16, alpha, r, interpret)
+      if cfg.p8x2:     # P · 2^3 in f32 (<= 256): split into e4m3 P_hi + P_lo by the store
+        p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD_P8,
+                                           scale_in_exponent=True, exp_offset=P8_EXP_OFFSET)
+        p_out = p
+      else:
+        p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
+                                           scale_in_exponent=True)
+        p_out = p.astype(jnp.float16)
+    _publish_p(t, pb, p_out, alpha, r, interpret)
     return m_new, l
 
   _, m0, l0 = _zero_state()
@@ -646,6 +689,9 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if (interp or producer) else []
+  if cfg.p8x2 and not interp:   # P_hi, P_lo per slot: the same bytes as one f16 P
+    p_scratch = [plgpu.SMEM((P_BUFFERS, 2, TILE, TILE), common.FP8,
+                            transforms=swizzled(common.FP8, vt_registers.P8_SWIZZLE))]
   head_scratch = [plgpu.SMEM((cfg.head_rows, TILE), jnp.float32)] if producer else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
