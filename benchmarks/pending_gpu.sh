@@ -9,17 +9,10 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the twenty-eighth session: call 1 measured schedule "pair"
-#   slower (deleted) and approximate exp2 / log2 within noise; call 2 measured lazy rescaling in "producer_vt"
-#   faster (P1 245.3 vs 261.1 us eager; the default since 23847e4) and ran most of tests/test_sparse_decode_gpu.py
-#   on it (all passed until the deadline); its own GPU test failed only on the spike row's lse against the
-#   reference (-1 %, the fp8 accumulation of a same-sign sum; since rewritten to compare with "twin" first and
-#   bound that row by the truncation model); then a raw P / alpha store for the producer (one warpgroup barrier
-#   per tile instead of five) and the row scale folded into the exponent (one fma per logit) were written as
-#   diagnosis rows p_store_raw / softmax_fma, lowered (and softmax_fma interpret-checked) only): t_lazy, diag_lazy
-#   (P1 / F1: those, approx_math, all three, eager rescaling against the default), the GPU
-#   files that route through the heads-on-M kernel, t_prefill_h64 (the two H64 cases of
-#   tests/test_prefill_kernel_gpu.py that two calls' deadlines cut), then the peer kit (all cases).
+# next (the order for the next device call; state after the thirtieth session, whose calls measured "producer_v16",
+#   "pair_v16" and the first "producer_vt8x2" slower (deleted / revived), the F1 timeline and the wgmma rates):
+#   convert_rate (do conversions and ex2 share a quarter-rate pipe?), t_vt8x2 (the revived "producer_vt8x2"'s
+#   layout and schedule GPU tests), diag_vt8x2 (P1 / F1 beside the default, both timelines at P1).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
