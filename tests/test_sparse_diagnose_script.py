@@ -40,10 +40,26 @@ def test_rows_patch_the_kernel(diag, H, tuning):
   vt = H <= 16 or tuning == (("schedule", "producer_vt"),)
   rows += ["no_vt_words", "pv_all_blocks" if tuning and tuning[0][1] == "producer_vt" else "pv_pipelined"] if vt else []
   producer_rows = ["regs_56_88_184", "regs_24_72_208", "p_slots_3", "eager_rescale", "p_store_ref", "exact_math",
-                   "scaled_logits", "before_s29"]
+                   "scaled_logits", "before_s29", "qk_18"]   # (vt8x2 swaps the op's choice: no explicit schedule)
   rows += producer_rows if tuning == (("schedule", "producer_vt"),) else []
   for row in rows:
     assert ir(row) != base, row
+
+
+def test_qk_18_skips_the_zero_steps(diag):
+  """Row qk_18: the producer's QKᵀ issues 18 fp8 m64n64k32 wgmmas per tile, not 20 (the first two k32 steps of the
+  fifth chunk meet Q's zero columns); the last two steps' descriptors are the fifth chunk's advanced by two
+  k-steps (2 x 32 bytes, encoded >> 4: + 4), as the default's third and fourth steps are."""
+  spec = bench.get_spec("sparse_mla_decode")
+  full = spec.shape({"B": "2", "s_q": "1", "H": "128", "topk": "2048", "ctx": "4096"})
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in spec.make_inputs(full, jax.random.key(0))]
+  tuning = (("schedule", "producer_vt"),)
+
+  def lowered(row):
+    with diag.patched(row):
+      return testing.lower_for_cuda(spec.tuned_op(full, tuning, False), *avals)
+  qk = r"m64n64k32\.f32\.e4m3\.e4m3"
+  assert lowered("none").count(qk) == 20 and lowered("qk_18").count(qk) == 18
 
 
 def test_cli_lower_only(diag, capsys):
