@@ -254,13 +254,14 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ without the two k32 steps over Q's zero columns (18 wgmmas, not 20; bitwise the same S)
     "qk_18": {(heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
+    "vt8x2+qk_18": {(sd, "_heads_m_tuning"): _vt8x2, (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
     # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
     # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
     "vt8x2": {(sd, "_heads_m_tuning"): _vt8x2},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "vt8x2", "qk_18")
+           "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18")
 
 
 @contextlib.contextmanager
