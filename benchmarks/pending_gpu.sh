@@ -252,12 +252,13 @@ diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, 
 convert_rate() {   # conversions and ex2 alone and mixed: do they share a quarter-rate pipe?
   run convert_rate 120 $PY benchmarks/convert_rate_gpu.py
 }
-diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo) beside the default, one process per case, and
-                 # both timelines at P1 in one process
+diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo), qk_18 and qk_ahead beside the default, one process
+                 # per case, then the timelines of the default and "producer_vt8x2" + qk_ahead at P1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_vt8x2_P1 150 $py --iters 20 --cases P1 --ptxas --rows none,vt8x2,qk_18,vt8x2+qk_18 --out "$OUT/diag_vt8x2"
-  run diag_vt8x2_F1 170 $py --iters 20 --cases F1 --rows none,vt8x2,qk_18,vt8x2+qk_18 --out "$OUT/diag_vt8x2_F1"
-  run timeline_vt8x2 100 $py --timeline --cases P1 --rows none,vt8x2 --out "$OUT/timeline_vt8x2"
+  run diag_vt8x2_P1 170 $py --iters 20 --cases P1 --ptxas \
+    --rows none,vt8x2,qk_18,vt8x2+qk_18,qk_ahead,vt8x2_ahead --out "$OUT/diag_vt8x2"
+  run diag_vt8x2_F1 170 $py --iters 20 --cases F1 --rows none,vt8x2,qk_ahead,vt8x2_ahead --out "$OUT/diag_vt8x2_F1"
+  run timeline_vt8x2 100 $py --timeline --cases P1 --rows none,vt8x2_ahead --out "$OUT/timeline_vt8x2"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
 t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference

@@ -146,8 +146,9 @@ def _qk_skip_zero_steps(k_tiles, stage_v, r):
   return qk(r.q_sw, k_tiles)
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
-  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent
+def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False,
+                exp_offset=0.0):
+  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent, exp_offset
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
@@ -186,6 +187,16 @@ def _vt8x2(tiles_per_split: int) -> dict:
   """The op's heads-on-M choice with "producer_vt8x2" where it picks "producer_vt"."""
   tuning = _HEADS_M_TUNING(tiles_per_split)
   return dict(tuning, schedule="producer_vt8x2") if tuning.get("schedule") == "producer_vt" else tuning
+
+
+def _ahead(schedule: str | None):
+  """The op's heads-on-M choice with ``qk_ahead`` (and ``schedule``) where it picks "producer_vt"."""
+  def tuning_fn(tiles_per_split: int) -> dict:
+    tuning = _HEADS_M_TUNING(tiles_per_split)
+    if tuning.get("schedule") != "producer_vt":
+      return tuning
+    return dict(tuning, qk_ahead=True, **({"schedule": schedule} if schedule else {}))
+  return tuning_fn
 
 
 def _ref_stores(fn):
@@ -255,13 +266,16 @@ ROWS = {
     # the producer's QKᵀ without the two k32 steps over Q's zero columns (18 wgmmas, not 20; bitwise the same S)
     "qk_18": {(heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
     "vt8x2+qk_18": {(sd, "_heads_m_tuning"): _vt8x2, (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
+    # QKᵀ(t + 1) in flight under the softmax of tile t (TuningConfig.qk_ahead; producer 104, multipliers 192)
+    "qk_ahead": {(sd, "_heads_m_tuning"): _ahead(None)},
+    "vt8x2_ahead": {(sd, "_heads_m_tuning"): _ahead("producer_vt8x2")},
     # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
     # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
     "vt8x2": {(sd, "_heads_m_tuning"): _vt8x2},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18")
+           "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18", "qk_ahead", "vt8x2_ahead")
 
 
 @contextlib.contextmanager

@@ -149,6 +149,9 @@ def _interpret_budget(case):
     (128, (("schedule", "producer_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
     # P handed over as e4m3 P_hi + P_lo (interpret mode: their sum in the f16 slot), P and l scaled by 2^3
     (64, (("schedule", "producer_vt8x2"),)),
+    # QKᵀ(t + 1) issued under the softmax of tile t (TuningConfig.qk_ahead), with one and with two splits
+    (64, (("schedule", "producer_vt8x2"), ("qk_ahead", True))),
+    (128, (("schedule", "producer_vt"), ("qk_ahead", True), ("tiles_per_split", 2))),
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
     (8, (("tiles_per_split", 1),)),
@@ -448,6 +451,24 @@ def test_xla_masking_fuzz(idx_list, tl):
   # logit_std = 0.05 * 24 = 1.2: budget from the error model, no MMA term (CPU).
   testing.assert_close_fp8(out, ref_out, rel_l2=testing.fp8_error_budget(logit_std=1.2, fp8_mma=False))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(ref_lse)))
+
+
+@pytest.mark.parametrize("schedule", ["producer_vt", "producer_vt8x2"])
+def test_qk_ahead_lowers_for_sm90(schedule):
+  """TuningConfig.qk_ahead: the first tile's QKᵀ before the loop and tile t + 1's inside it (2 x 20 fp8 wgmmas in
+  the code), the producer at 104 registers and the multipliers at 192 (heads_m.QK_AHEAD_REGS); the P·V as in
+  the schedule without it."""
+  S = jax.ShapeDtypeStruct
+  cfg = heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule=schedule, qk_ahead=True)
+  kern = heads_m.build(4, 4096, 1, 2, "bfloat16", cfg, heads=128, softmax_scale=576 ** -0.5)
+  low = testing.lower_for_cuda(kern, S((2 * 128, common.D_QK), jnp.bfloat16), S((4096, 576), FP8),
+                               S((2, 32, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
+  pv8 = 2 * 16 if schedule == "producer_vt8x2" else 0
+  assert low.count(r"m64n64k32\.f32\.e4m3\.e4m3") == 2 * 20 + pv8
+  assert low.count(r"m64n64k16\.f32\.f16\.f16") == (0 if pv8 else 2 * 16)
+  assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 104;") == 1
+  assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 192;") == 2
+  assert sum(heads_m.QK_AHEAD_REGS[:2]) + 2 * heads_m.QK_AHEAD_REGS[2] <= 512
 
 
 @pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,schedule", [

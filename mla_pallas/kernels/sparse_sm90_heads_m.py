@@ -73,6 +73,10 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   conversions (2 ``prmt`` per register) and issue 16 m64n64k32 per tile (``vt_registers.pv_wgmmas8x2``). Same
   accuracy as f16 P (~8 significant bits); the lse is corrected by -3. Interpret mode: the f16 slot holds
   P_hi + P_lo exactly (``vt_registers.split8_value``).
+* ``TuningConfig.qk_ahead`` (either producer schedule; a sweep candidate, untimed): the producer issues QKᵀ(t + 1)
+  before the softmax of tile t and reads it after publishing P(t) (one ACC scope per tile; the first tile's S
+  before the loop), so the tensor pipe computes it under the softmax; registers ``QK_AHEAD_REGS`` (24 / 104 /
+  192).
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -145,6 +149,10 @@ LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("pr
 # time (pv_wgmmas(pipelined=True)) the kernel at 200 ran 11 % faster (docs/kernels/sparse_decode_sm90.md). The
 # loader needs no more than 24, the producer spills below 88.
 PRODUCER_REGS = (24, 88, 200)
+# ``TuningConfig.qk_ahead``: the producer holds S(t) and the in-flight accumulator of QKᵀ(t + 1) together (32 more
+# live registers than at 88, where it already spilled a few bytes); the multipliers give 8 each (setmaxnreg takes
+# multiples of 8; 24 + 104 + 2 · 192 = 512).
+QK_AHEAD_REGS = (24, 104, 192)
 
 
 # "producer_vt": lazy rescaling (common.online_softmax_tile): a row's running max moves only when the tile's max
@@ -175,6 +183,7 @@ class TuningConfig(common.SparseSm90Config):
   k_buffers: int = 2
   schedule: str = "twin"
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
+  qk_ahead: bool = False   # producer schedules: QKᵀ(t + 1) in flight under the softmax of tile t (a sweep candidate)
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
@@ -183,6 +192,8 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
+    if self.qk_ahead and not self.producer:
+      raise ValueError(f"TuningConfig.qk_ahead needs a producer schedule (producer_vt, producer_vt8x2); got {self}")
     super().validate()
 
   @property
@@ -213,6 +224,11 @@ class TuningConfig(common.SparseSm90Config):
     """"producer_vt8x2": "producer_vt" with P handed over as two e4m3 terms and fp8 P·V wgmmas (module
     docstring, "Schedules")."""
     return self.schedule == "producer_vt8x2"
+
+  @property
+  def producer_regs(self) -> tuple[int, int, int]:
+    """setmaxnreg of the loader, the producer and each multiplier in the producer schedules."""
+    return QK_AHEAD_REGS if self.qk_ahead else PRODUCER_REGS
 
   @property
   def loader(self) -> int:
@@ -248,7 +264,7 @@ class TuningConfig(common.SparseSm90Config):
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
   """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
   indices, then the gathers of every tile (``common.gather_tiles``)."""
-  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
+  plgpu.set_max_registers(cfg.producer_regs[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -502,10 +518,10 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
-def _multiplier_start(tile_q, r: common.SparseRefs, half: int, q_in):
-  """A multiplier's registers (``PRODUCER_REGS[2]``) and, where the kernel quantizes Q (``q_in``: heads,
+def _multiplier_start(cfg: TuningConfig, tile_q, r: common.SparseRefs, half: int, q_in):
+  """A multiplier's registers (``cfg.producer_regs[2]``) and, where the kernel quantizes Q (``q_in``: heads,
   interpret), its half of the tile's rows first."""
-  plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
+  plgpu.set_max_registers(cfg.producer_regs[2], action="increase")
   if q_in is not None:
     with jax.named_scope("m_quantize_q"):
       _quantize_q_rows(tile_q, r, half, *q_in)
@@ -519,7 +535,7 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
   is 1) and O half += P · V half (:func:`_pv_half`, P read from the slot), and the slot's release; at the end its
   half of O (not transposed), scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel
   quantizes Q: first its half of the rows (:func:`_quantize_q_rows`)."""
-  _multiplier_start(tile_q, r, half, q_in)
+  _multiplier_start(cfg, tile_q, r, half, q_in)
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
@@ -563,7 +579,7 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
   t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the slot; at the end its half of O (16-byte
   row pieces). ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half of the rows
   (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first P)."""
-  _multiplier_start(tile_q, r, half, q_in)
+  _multiplier_start(cfg, tile_q, r, half, q_in)
 
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
@@ -586,35 +602,63 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
 
 
 def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None):
-  """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
-  themselves), the online softmax (lazy rescaling, the row scale in the exponent), P (f16) and alpha into slot
+  """schedule "producer_vt" / "producer_vt8x2", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V
+  from it themselves), the online softmax (lazy rescaling, the row scale in the exponent), P and alpha into slot
   t % 2 (``_publish_p``: it runs up to two tiles ahead of the multipliers); at the end kv_scale / l for WG1 / WG2
-  and the lse. It holds no O (88 registers).
+  and the lse. It holds no O (88 registers). ``cfg.qk_ahead``: QKᵀ(t + 1) is issued before the softmax of tile t
+  and read after P(t) is published, so the tensor pipe computes it under the softmax (FA3's intra-warpgroup
+  overlap; 104 registers, ``QK_AHEAD_REGS``: S(t) and the in-flight accumulator live together).
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
   with jax.named_scope("p_prologue"):
-    row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
+    row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(cfg.producer_regs[1], "decrease"),
+                                            quantize=False)
+  threshold, offset = (RESCALE_THRESHOLD_P8, P8_EXP_OFFSET) if cfg.p8x2 else (RESCALE_THRESHOLD, 0.0)
 
-  def step(t, carry):
-    m, l = carry
+  def softmax_and_publish(t, s, m, l):
+    with jax.named_scope("p_softmax"):   # "producer_vt8x2": P · 2^3 in f32 (<= 256), split by the store
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, threshold, scale_in_exponent=True,
+                                         exp_offset=offset)
+      p_out = p if cfg.p8x2 else p.astype(jnp.float16)
+    _publish_p(t, lax.rem(t, P_BUFFERS), p_out, alpha, r, interpret)
+    return m_new, l
+
+  def qk(t):   # S of tile t, waited for; the K buffer released
     with jax.named_scope("p_wait_k"):
-      kb, pb, k_tiles = _landed(t, cfg, r)
+      kb, _, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("p_qk"):
       s = _qk_and_upcast(k_tiles, None, r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    with jax.named_scope("p_softmax"):
-      if cfg.p8x2:     # P · 2^3 in f32 (<= 256): split into e4m3 P_hi + P_lo by the store
-        p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD_P8,
-                                           scale_in_exponent=True, exp_offset=P8_EXP_OFFSET)
-        p_out = p
-      else:
-        p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
-                                           scale_in_exponent=True)
-        p_out = p.astype(jnp.float16)
-    _publish_p(t, pb, p_out, alpha, r, interpret)
-    return m_new, l
+    return s
 
   _, m0, l0 = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
+  n = cfg.tiles_per_split
+  if not cfg.qk_ahead:
+    def step(t, carry):
+      return softmax_and_publish(t, qk(t), *carry)
+    m, l = lax.fori_loop(0, n, step, (m0, l0))
+  else:
+    def step_ahead(t, carry):
+      s, m, l = carry
+      nxt = t + 1 < n
+
+      def scope(acc_ref):
+        @pl.when(nxt)
+        def _():
+          with jax.named_scope("p_wait_k"):
+            _, _, k_next = _landed(t + 1, cfg, r)
+          for c in range(r.q_sw.shape[0]):     # QKᵀ(t + 1), asynchronous until the read below
+            plgpu.wgmma(acc_ref, r.q_sw.at[c], k_next.at[c].T)
+        m_new, l_new = softmax_and_publish(t, s, m, l)
+        with jax.named_scope("p_qk"):
+          return acc_ref[...], m_new, l_new
+
+      s_next, m_new, l_new = pl.run_scoped(scope, plgpu.ACC((TILE, TILE), jnp.float32))
+
+      @pl.when(nxt)
+      def _():
+        plgpu.barrier_arrive(r.k_empty.at[lax.rem(t + 1, cfg.k_buffers)])
+      return s_next, m_new, l_new
+    _, m, l = lax.fori_loop(0, n, step_ahead, (qk(0), m0, l0))
   with jax.named_scope("p_finish"):
     _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
