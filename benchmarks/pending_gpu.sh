@@ -11,8 +11,10 @@
 #
 # next (the order for the next device call; state after the thirtieth session, whose calls measured "producer_v16",
 #   "pair_v16" and the first "producer_vt8x2" slower (deleted / revived), the F1 timeline and the wgmma rates):
-#   convert_rate (do conversions and ex2 share a quarter-rate pipe?), t_vt8x2 (the revived "producer_vt8x2"'s
-#   layout and schedule GPU tests), diag_vt8x2 (P1 / F1 beside the default, both timelines at P1).
+#   convert_rate (do conversions and ex2 share a quarter-rate pipe?), diag_vt8x2 (P1 / F1: the revived
+#   "producer_vt8x2", qk_18, qk_ahead and their combinations beside the default, every row checked against the
+#   reference; timelines), t_vt8x2 (the layout test and the producer schedules' GPU tests incl. qk_ahead).
+#   Needs DEADLINE=560 or so: ~500 s in all.
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -255,7 +257,7 @@ convert_rate() {   # conversions and ex2 alone and mixed: do they share a quarte
 diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo), qk_18 and qk_ahead beside the default, one process
                  # per case, then the timelines of the default and "producer_vt8x2" + qk_ahead at P1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_vt8x2_P1 170 $py --iters 20 --cases P1 --ptxas \
+  run diag_vt8x2_P1 200 $py --iters 20 --cases P1 --ptxas \
     --rows none,vt8x2,qk_18,vt8x2+qk_18,qk_ahead,vt8x2_ahead --out "$OUT/diag_vt8x2"
   run diag_vt8x2_F1 170 $py --iters 20 --cases F1 --rows none,vt8x2,qk_ahead,vt8x2_ahead --out "$OUT/diag_vt8x2_F1"
   run timeline_vt8x2 100 $py --timeline --cases P1 --rows none,vt8x2_ahead --out "$OUT/timeline_vt8x2"
@@ -263,7 +265,7 @@ diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo), qk_18 and qk_ah
 }
 t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_vt8x2 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
-    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and vt8x2)"
+    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and not twin)"
 }
 timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are the prologue and the tile rate P1's?)
   run timeline_F1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline \
@@ -279,7 +281,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="convert_rate,t_vt8x2,diag_vt8x2"
+next="convert_rate,diag_vt8x2,t_vt8x2"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
