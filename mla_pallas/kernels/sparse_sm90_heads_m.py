@@ -75,8 +75,8 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   P_hi + P_lo exactly (``vt_registers.split8_value``).
 * ``TuningConfig.qk_ahead`` (either producer schedule; a sweep candidate, untimed): the producer issues QKᵀ(t + 1)
   before the softmax of tile t and reads it after publishing P(t) (one ACC scope per tile; the first tile's S
-  before the loop), so the tensor pipe computes it under the softmax; registers ``QK_AHEAD_REGS`` (24 / 104 /
-  192).
+  before the loop, the last tile's softmax after it), so the tensor pipe computes it under the softmax; registers
+  ``QK_AHEAD_REGS`` (24 / 104 / 192).
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -636,29 +636,24 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     def step(t, carry):
       return softmax_and_publish(t, qk(t), *carry)
     m, l = lax.fori_loop(0, n, step, (m0, l0))
-  else:
+  else:   # tiles 0 .. n - 2 with the next tile's QKᵀ in flight, then the last tile's softmax alone
     def step_ahead(t, carry):
       s, m, l = carry
-      nxt = t + 1 < n
 
       def scope(acc_ref):
-        @pl.when(nxt)
-        def _():
-          with jax.named_scope("p_wait_k"):
-            _, _, k_next = _landed(t + 1, cfg, r)
-          for c in range(r.q_sw.shape[0]):     # QKᵀ(t + 1), asynchronous until the read below
-            plgpu.wgmma(acc_ref, r.q_sw.at[c], k_next.at[c].T)
+        with jax.named_scope("p_wait_k"):
+          _, _, k_next = _landed(t + 1, cfg, r)
+        for c in range(r.q_sw.shape[0]):     # QKᵀ(t + 1), asynchronous until the read below
+          plgpu.wgmma(acc_ref, r.q_sw.at[c], k_next.at[c].T)
         m_new, l_new = softmax_and_publish(t, s, m, l)
         with jax.named_scope("p_qk"):
           return acc_ref[...], m_new, l_new
 
       s_next, m_new, l_new = pl.run_scoped(scope, plgpu.ACC((TILE, TILE), jnp.float32))
-
-      @pl.when(nxt)
-      def _():
-        plgpu.barrier_arrive(r.k_empty.at[lax.rem(t + 1, cfg.k_buffers)])
+      plgpu.barrier_arrive(r.k_empty.at[lax.rem(t + 1, cfg.k_buffers)])
       return s_next, m_new, l_new
-    _, m, l = lax.fori_loop(0, n, step_ahead, (qk(0), m0, l0))
+    s, m, l = lax.fori_loop(0, n - 1, step_ahead, (qk(0), m0, l0))
+    m, l = softmax_and_publish(n - 1, s, m, l)
   with jax.named_scope("p_finish"):
     _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
