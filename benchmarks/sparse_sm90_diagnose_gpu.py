@@ -56,6 +56,11 @@ import unittest.mock
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import mma_utils, utils as mgpu_utils
 
 from mla_pallas import bench, testing
 from mla_pallas.bench_engine import format_table, run_spec
@@ -94,6 +99,7 @@ def _zero_s(k_tiles, stage_v, r):
 
 
 _QK_AND_UPCAST = heads_m._qk_and_upcast
+mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
 
 
 def _qk_skip_zero_steps(k_tiles, stage_v, r):
@@ -106,12 +112,6 @@ def _qk_skip_zero_steps(k_tiles, stage_v, r):
   the tiles' 128-byte swizzle). Everything else as ``plgpu.wgmma``; waited for before it returns."""
   if stage_v is not None or r.q_sw.shape[0] != 5:
     return _QK_AND_UPCAST(k_tiles, stage_v, r)
-  from jax._src.lib.mlir import ir  # noqa: PLC0415 (diagnosis-only raw Mosaic GPU)
-  from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
-  from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import mma_utils, utils as mgpu_utils  # noqa: PLC0415
-  wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
   sw = plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK))
 
   @plgpu.inline_mgpu(arg_types=(sw, sw), return_type=plgpu.ShapeDtypeStruct(
@@ -135,7 +135,7 @@ def _qk_skip_zero_steps(k_tiles, stage_v, r):
     f8 = ir.Float8E4M3FNType.get()
     internal = acc._value          # the accumulator's own (32-bit ACC) layout, as mgpu.wgmma keeps it
     regs = internal.registers.copy()
-    regs[0:1] = wgmma.wgmma_m64(regs[0:1], skip(a_desc, a_k), skip(b_desc, b_k), a_transpose=a_fast != mma_utils.Dim.K,
+    regs[0:1] = mgpu_wgmma.wgmma_m64(regs[0:1], skip(a_desc, a_k), skip(b_desc, b_k), a_transpose=a_fast != mma_utils.Dim.K,
                                 b_transpose=b_fast != mma_utils.Dim.K, a_k_stride=a_k, b_k_stride=b_k,
                                 n=common.TILE, swizzle=64, a_element_type=f8, b_element_type=f8)
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
@@ -183,19 +183,11 @@ def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
 
 
-def _vt8x2(tiles_per_split: int) -> dict:
-  """The op's heads-on-M choice with "producer_vt8x2" where it picks "producer_vt"."""
-  tuning = _HEADS_M_TUNING(tiles_per_split)
-  return dict(tuning, schedule="producer_vt8x2") if tuning.get("schedule") == "producer_vt" else tuning
-
-
-def _ahead(schedule: str | None):
-  """The op's heads-on-M choice with ``qk_ahead`` (and ``schedule``) where it picks "producer_vt"."""
+def _instead_of_producer_vt(**overrides):
+  """The op's heads-on-M choice (``sd._heads_m_tuning``) with ``overrides`` where it picks "producer_vt"."""
   def tuning_fn(tiles_per_split: int) -> dict:
     tuning = _HEADS_M_TUNING(tiles_per_split)
-    if tuning.get("schedule") != "producer_vt":
-      return tuning
-    return dict(tuning, qk_ahead=True, **({"schedule": schedule} if schedule else {}))
+    return dict(tuning, **overrides) if tuning.get("schedule") == "producer_vt" else tuning
   return tuning_fn
 
 
@@ -265,13 +257,14 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ without the two k32 steps over Q's zero columns (18 wgmmas, not 20; bitwise the same S)
     "qk_18": {(heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
-    "vt8x2+qk_18": {(sd, "_heads_m_tuning"): _vt8x2, (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
+    "vt8x2+qk_18": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2"),
+                    (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
     # QKᵀ(t + 1) in flight under the softmax of tile t (TuningConfig.qk_ahead; producer 104, multipliers 192)
-    "qk_ahead": {(sd, "_heads_m_tuning"): _ahead(None)},
-    "vt8x2_ahead": {(sd, "_heads_m_tuning"): _ahead("producer_vt8x2")},
+    "qk_ahead": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(qk_ahead=True)},
+    "vt8x2_ahead": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2", qk_ahead=True)},
     # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
     # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
-    "vt8x2": {(sd, "_heads_m_tuning"): _vt8x2},
+    "vt8x2": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2")},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
@@ -459,10 +452,6 @@ def main(argv=None) -> int:
                  help="instead of the rows: one profiled call per case, per-warpgroup region times")
   p.add_argument("--timeline-space", type=int, default=200,
                  help="profiler spans per warpgroup (5 per tile; longer traces are truncated)")
-  p.add_argument("--once", type=int, default=0,
-                 help="instead of the rows: call each case's default op this many times, untimed (a target for an "
-                      "external profiler; `ncu --set full` on one P1 launch did not finish in 240 s, thirtieth "
-                      "session)")
   a = p.parse_args(argv)
   rows = a.rows.split(",")
   value = lambda v: int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v)
@@ -480,15 +469,6 @@ def main(argv=None) -> int:
       lower_rows(op, shape, rows, tuning)
       if a.timeline:
         lower_timeline(op, shape, a.out, a.timeline_space, tuning)
-    return 0
-  if a.once:
-    for name, (op, shape) in cases.items():
-      spec, full = _full_shape(op, shape)
-      inputs = spec.make_inputs(full, jax.random.key(0))
-      fn = spec.tuned_op(full, tuning, False)
-      for _ in range(a.once):
-        jax.block_until_ready(fn(*inputs))
-      print(f"## once {name}: {a.once} calls", flush=True)
     return 0
   if a.timeline:
     report = []

@@ -90,7 +90,6 @@ def main(argv=None) -> int:
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--lower-only", action="store_true")
   a = p.parse_args(argv)
-  rows = []
   for dtype, n, src, w in itertools.product(a.dtypes.split(","), [int(x) for x in a.n.split(",")],
                                             a.a.split(","), [int(x) for x in a.warpgroups.split(",")]):
     ctas = SMS * a.waves
@@ -110,7 +109,6 @@ def main(argv=None) -> int:
     instr = ctas * w * a.reps * 4                 # wgmma instructions in all
     tflops = instr * 2 * M * n * (k // 4) / (us * 1e-6) / 1e12
     ns = us * 1e3 / (instr / SMS)
-    rows.append((name, us, tflops, ns))
     print(f"{name}: {us:9.1f} us  {tflops:7.1f} TFLOP/s ({100 * tflops / PEAK[dtype]:5.1f} % of peak)  "
           f"{ns:6.2f} ns/instr/SM", flush=True)
   return 0

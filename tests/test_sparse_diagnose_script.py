@@ -48,8 +48,7 @@ def test_rows_patch_the_kernel(diag, H, tuning):
 
 def test_qk_18_skips_the_zero_steps(diag):
   """Row qk_18: the producer's QKᵀ issues 18 fp8 m64n64k32 wgmmas per tile, not 20 (the first two k32 steps of the
-  fifth chunk meet Q's zero columns); the last two steps' descriptors are the fifth chunk's advanced by two
-  k-steps (2 x 32 bytes, encoded >> 4: + 4), as the default's third and fourth steps are."""
+  fifth chunk meet Q's zero columns and are skipped)."""
   spec = bench.get_spec("sparse_mla_decode")
   full = spec.shape({"B": "2", "s_q": "1", "H": "128", "topk": "2048", "ctx": "4096"})
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in spec.make_inputs(full, jax.random.key(0))]

@@ -215,8 +215,8 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def producer(self) -> bool:
-    """"producer_vt": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and WG2, which only
-    multiply (module docstring)."""
+    """"producer_vt" / "producer_vt8x2": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and
+    WG2, which only multiply (module docstring)."""
     return self.schedule in ("producer_vt", "producer_vt8x2")
 
   @property
@@ -459,50 +459,44 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
-def _store_p_alpha(p16, alpha, p_ref, alpha_ref, interpret: bool):
-  """P (f16 [64, 64]) into its 128-byte swizzled slot and alpha ([64]) into its row, committed for the async
-  proxy (the multipliers read P through wgmma after the arrival that follows). On the GPU in raw Mosaic GPU
-  (``stmatrix`` of P, plain stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x``
-  puts a warpgroup barrier before and after each store (four of the five barriers per tile in the SASS), where
-  every producer thread only writes, into a slot it has waited for itself. Interpret mode: the ref stores.
-  "producer_vt8x2": ``p16`` is P in f32 (scaled, <= 256) and the slot [2, 64, 64] e4m3 (64-byte swizzle) takes
-  P_hi and P_lo (``vt_registers.store_p8_pair_rows``); interpret mode keeps the f16 slot, which holds their sum
-  exactly (``vt_registers.split8_value``)."""
+def _store_p_alpha(p, alpha, p_ref, alpha_ref, interpret: bool):
+  """P into its slot and alpha ([64]) into its row, committed for the async proxy (the multipliers read P through
+  wgmma after the arrival that follows). ``p``: f16 [64, 64] into the 128-byte swizzled slot ("producer_vt"), or
+  f32 [64, 64] (scaled, <= 256; "producer_vt8x2") as P_hi and P_lo into the [2, 64, 64] e4m3 slot (64-byte
+  swizzle, ``vt_registers.store_p8_pair_rows``). On the GPU in raw Mosaic GPU (``stmatrix`` of an f16 P, plain
+  stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x`` puts a warpgroup barrier
+  before and after each store (four of the five barriers per tile in the SASS), where every producer thread only
+  writes, into a slot it has waited for itself. Interpret mode: the ref stores into the f16 slot, which holds
+  P_hi + P_lo exactly (``vt_registers.split8_value``)."""
+  split = p.dtype == jnp.float32
   if interpret:
-    p_ref[...] = vt_registers.split8_value(p16).astype(jnp.float16) if p16.dtype == jnp.float32 else p16
+    p_ref[...] = vt_registers.split8_value(p).astype(jnp.float16) if split else p
     alpha_ref[...] = alpha
     plgpu.commit_smem()
     return
-  if p16.dtype == jnp.float32:
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT,
-                                  plgpu.RefType(swizzled(common.FP8, vt_registers.P8_SWIZZLE)), plgpu.RefType()))
-    def store8(ctx, p, a, p8_smem, a_smem):
-      del ctx
-      vt_registers.store_p8_pair_rows(p, p8_smem)
-      a.store_untiled(a_smem, optimized=False)
-      mgpu.commit_shared()
-    store8(p16, alpha, p_ref, alpha_ref)
-    return
+  slot = swizzled(common.FP8, vt_registers.P8_SWIZZLE) if split else swizzled(jnp.float16, 128)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(jnp.float16, 128)),
-                                plgpu.RefType()))
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(slot), plgpu.RefType()))
   def store(ctx, p, a, p_smem, a_smem):
     del ctx
-    p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
+    if split:
+      vt_registers.store_p8_pair_rows(p, p_smem)
+    else:
+      p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
     a.store_untiled(a_smem, optimized=False)
     mgpu.commit_shared()
-  store(p16, alpha, p_ref, alpha_ref)
+  store(p, alpha, p_ref, alpha_ref)
 
 
-def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
-  """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
-  (both multipliers released it)."""
+def _publish_p(t, pb, p, alpha, r: common.SparseRefs, interpret: bool):
+  """The producer hands tile t's P (:func:`_store_p_alpha`) and alpha to the multipliers in slot pb once that slot
+  is free (both multipliers released it)."""
   with jax.named_scope("p_wait_slot"):
     @pl.when(t >= P_BUFFERS)
     def _():
       plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   with jax.named_scope("p_store"):
-    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb], interpret)
+    _store_p_alpha(p, alpha, r.p_sw.at[pb], r.head_smem.at[pb], interpret)
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 

@@ -319,11 +319,11 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
   return f(words, pt_ref, tuple(accs))
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # P·V in fp8 with P as the sum of two e4m3 terms (schedule "producer_vt8x2" of kernels/sparse_sm90_heads_m.py)
 #
-# P (f32, scaled by 2^P8_EXP_OFFSET so that it stays <= 256) becomes P_hi = e4m3(P) and P_lo = e4m3(P - P_hi);
+# P (f32, scaled by 2^P8_EXP_OFFSET so that it stays <= 256) becomes P_hi (P rounded to e4m3's 4 significant bits)
+# and P_lo = e4m3(P - P_hi);
 # P_hi + P_lo carries ~8 significant bits where the f16 P has 11 and one e4m3 term 4, and the products
 # Vᵀ·P_hiᵀ + Vᵀ·P_loᵀ are fp8 wgmmas (m64nNk32: as many instructions as the f16 k16 form, the same tensor time)
 # whose A operand is the fp8 tile's bytes as they are: per register one 4 x 4 byte transpose share (2 ``prmt``),
@@ -343,7 +343,7 @@ P8_SWIZZLE = 64                          # one [heads, 64 keys] fp8 row: the K-m
 
 def p8_position_of_key(key):
   """The byte (K position) of ``key`` (0-63) in a row of the fp8 P slots: key 16c + 8e + 2t + b sits at
-  16c + 4t + 2e + b (numpy-friendly; used by tests and the interpret-mode stand-in)."""
+  16c + 4t + 2e + b (numpy-friendly; for the tests)."""
   c, rest = key // 16, key % 16
   e, t, b = rest // 8, (rest % 8) // 2, rest % 2
   return 16 * c + 4 * t + 2 * e + b
@@ -411,8 +411,9 @@ def _split8_pair(x_lo, x_hi):
   """Two f32 values (keys k, k + 1; in [0, 256]) -> (hi, lo) as two e4m3x2 half-words (key k in the low byte):
   hi = x rounded half up to e4m3's 4 significant bits by integer operations on its f32 bits (exact in e4m3 for
   x >= 2^-6), lo = e4m3(x - hi) (the difference is exact in f32). Two conversions per pair (the f16 P of
-  "producer_vt" takes one): conversions share a quarter-rate pipe with the producer's ex2 (RESULTS.md, thirtieth
-  session), so the split uses integer and f32 operations wherever it can."""
+  "producer_vt" takes one): conversions may share a quarter-rate pipe with the producer's ex2 (a reading of the
+  thirtieth session's timelines, RESULTS.md; ``benchmarks/convert_rate_gpu.py`` measures it), so the split uses
+  integer and f32 operations wherever it can."""
   i16 = ir.IntegerType.get_signless(16)
   res = _asm(llvm.StructType.get_literal([i16, i16]), [x_lo, x_hi],
              "{\n.reg .b32 ua, ub;\n.reg .f32 ha, hb, ra, rb;\n"
