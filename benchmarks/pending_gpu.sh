@@ -263,6 +263,16 @@ diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo), qk_18 and qk_ah
   run timeline_vt8x2 100 $py --timeline --cases P1 --rows none,vt8x2_ahead --out "$OUT/timeline_vt8x2"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
+diag_ahead() {   # qk_ahead with three K buffers (both producer schedules) and qk_18 beside the default, one process
+                 # per case, then the timeline of "producer_vt8x2" + qk_ahead with three K buffers at P1
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_ahead_P1 200 $py --iters 20 --cases P1 --ptxas \
+    --rows none,qk_18,k_buffers_3,ahead_kb3,vt8x2_ahead_kb3 --out "$OUT/diag_ahead"
+  run diag_ahead_F1 170 $py --iters 20 --cases F1 --rows none,qk_18,ahead_kb3,vt8x2_ahead_kb3 \
+    --out "$OUT/diag_ahead_F1"
+  run timeline_ahead 100 $py --timeline --cases P1 --rows vt8x2_ahead_kb3 --out "$OUT/timeline_ahead"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+}
 t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_vt8x2 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and not twin)"
@@ -281,7 +291,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="convert_rate,diag_vt8x2,t_vt8x2"
+next="diag_ahead"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -262,13 +262,20 @@ ROWS = {
     # QKᵀ(t + 1) in flight under the softmax of tile t (TuningConfig.qk_ahead; producer 104, multipliers 192)
     "qk_ahead": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(qk_ahead=True)},
     "vt8x2_ahead": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2", qk_ahead=True)},
+    # the same with three K buffers: with two, K(t + 1) (needed before the softmax of tile t) could be gathered only
+    # once the multipliers had read V(t - 1), and the producer waited 660 cycles per tile for it (thirty-first
+    # session, call 1: P1 qk_ahead 302.3, vt8x2_ahead 275.4 against 238.5 us)
+    "ahead_kb3": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(qk_ahead=True, k_buffers=3)},
+    "vt8x2_ahead_kb3": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2", qk_ahead=True,
+                                                                        k_buffers=3)},
     # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
     # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
     "vt8x2": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2")},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18", "qk_ahead", "vt8x2_ahead")
+           "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18", "qk_ahead", "vt8x2_ahead", "ahead_kb3",
+           "vt8x2_ahead_kb3")
 
 
 @contextlib.contextmanager
