@@ -273,6 +273,16 @@ diag_ahead() {   # qk_ahead with three K buffers (both producer schedules) and q
   run timeline_ahead 100 $py --timeline --cases P1 --rows vt8x2_ahead_kb3 --out "$OUT/timeline_ahead"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
+diag_prefetch() {   # the next wave's q rows and indices prefetched into L2 (4 or 8 tiles before a split's end), with
+                    # and without qk_18, beside the default; the P1 timeline of prefetch_4
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_prefetch_P1 200 $py --iters 20 --cases P1 \
+    --rows none,qk_18,prefetch_4,prefetch_8,prefetch_4+qk_18 --out "$OUT/diag_prefetch"
+  run diag_prefetch_F1 170 $py --iters 20 --cases F1 --rows none,prefetch_4,prefetch_4+qk_18 \
+    --out "$OUT/diag_prefetch_F1"
+  run timeline_prefetch 100 $py --timeline --cases P1 --rows prefetch_4 --out "$OUT/timeline_prefetch"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+}
 t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_vt8x2 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and not twin)"
@@ -291,7 +301,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_ahead"
+next="diag_prefetch"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

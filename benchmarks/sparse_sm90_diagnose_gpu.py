@@ -268,6 +268,10 @@ ROWS = {
     "ahead_kb3": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(qk_ahead=True, k_buffers=3)},
     "vt8x2_ahead_kb3": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2", qk_ahead=True,
                                                                         k_buffers=3)},
+    # the loader prefetches the next wave's q rows and indices into L2 this many tiles before its split ends
+    "prefetch_4": {(heads_m, "NEXT_WAVE_PREFETCH_TILES"): 4},
+    "prefetch_8": {(heads_m, "NEXT_WAVE_PREFETCH_TILES"): 8},
+    "prefetch_4+qk_18": {(heads_m, "NEXT_WAVE_PREFETCH_TILES"): 4, (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
     # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
     # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
     "vt8x2": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2")},
@@ -275,7 +279,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18", "qk_ahead", "vt8x2_ahead", "ahead_kb3",
-           "vt8x2_ahead_kb3")
+           "vt8x2_ahead_kb3", "prefetch_4", "prefetch_8", "prefetch_4+qk_18")
 
 
 @contextlib.contextmanager

@@ -164,6 +164,10 @@ RESCALE_THRESHOLD = 8.0
 # and values down to 2^-12 of the row max keep their digits (the f16 P's accuracy: docs/kernels).
 P8_EXP_OFFSET = 3.0
 RESCALE_THRESHOLD_P8 = 5.0
+# "producer_vt" over an fp8 cache: this many tiles before the end of its split, the loader prefetches into L2 the
+# q rows and indices of the item ``next_wave`` CTAs later in launch order (``build``: the number of SMs, one CTA
+# each), which a CTA of the next wave quantizes and gathers first (0: no prefetch; a sweep candidate).
+NEXT_WAVE_PREFETCH_TILES = 0
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -261,7 +265,8 @@ class TuningConfig(common.SparseSm90Config):
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
+def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs,
+            prefetch=None):
   """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
   indices, then the gathers of every tile (``common.gather_tiles``)."""
   plgpu.set_max_registers(cfg.producer_regs[0] if cfg.producer else LOADER_REGS, action="decrease")
@@ -272,8 +277,38 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
+  before_gather = lambda t: None
+  if prefetch is not None and not interpret:
+    before_gather = functools.partial(_prefetch_next_wave, cfg, tile_q, split, r, *prefetch)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay)
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay,
+                      before_gather=before_gather)
+
+
+def _prefetch_next_wave(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, grid, tiles_per_token: int,
+                        heads: int, next_wave: int, t):
+  """The loader at tile t = tiles_per_split - ``NEXT_WAVE_PREFETCH_TILES`` (or 0): the q rows and the index rows of
+  the item ``next_wave`` CTAs later in launch order (grid (q, split), q fastest), if there is one, into L2
+  (``gather_threads.prefetch_l2``): the CTA that runs it (on whichever SM frees first) then quantizes Q and
+  gathers its first tiles from L2 instead of DRAM. ``grid``: (num_q_tiles, num_splits)."""
+  num_q_tiles, num_splits = grid
+  nxt = tile_q + num_q_tiles * split + next_wave
+
+  @pl.when((t == max(cfg.tiles_per_split - NEXT_WAVE_PREFETCH_TILES, 0)) & (nxt < num_q_tiles * num_splits))
+  def _():
+    q_next, split_next = lax.rem(nxt, num_q_tiles), lax.div(nxt, num_q_tiles)
+    token_next = lax.div(q_next, tiles_per_token)
+    row0 = token_next * heads + lax.rem(q_next, tiles_per_token) * TILE
+    rows = min(heads, TILE)
+    parts = []
+    for part in q_quant.q_parts(r.q_gmem):
+      row_bytes = part.shape[-1] * part.dtype.itemsize
+      parts.append((part, row0, row_bytes, rows * row_bytes))
+    n = cfg.tiles_per_split
+    idx_row = token_next * (num_splits * n) + split_next * n     # rows of TILE int32 in idx [T, splits · n, 64]
+    parts.append((r.idx_gmem, idx_row, TILE * 4, n * TILE * 4))
+    from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
+    gather_threads.prefetch_l2(tuple(parts))
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
@@ -652,7 +687,7 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
 
-def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):
+def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, prefetch, *refs):
   if q_split:           # q as (latent [T · H, 512], rope [T · H, 64])
     refs = (refs[:2],) + refs[2:]
   if cfg.q_in_kernel:   # q as it is, no row-scale input
@@ -674,7 +709,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
 
   @pl.when(wg == cfg.loader)
   def _():
-    _loader(cfg, num_slots, interpret, tile_q, split, token, r)
+    _loader(cfg, num_slots, interpret, tile_q, split, token, r, prefetch)
 
   if producer:
     @pl.when(wg == 0)
@@ -699,11 +734,12 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
           cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None,
-          q_split: bool = False):
+          q_split: bool = False, next_wave: int = 0):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
   a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed where ``cfg.q_in_kernel`` (an fp8
   cache); ``q_split`` (only with ``cfg.q_in_kernel``): q comes as two inputs, latent [T · H, 512] and
-  rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]."""
+  rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]; ``next_wave``: CTAs per wave (the SMs), the
+  launch-order distance of the item whose q and indices the loader prefetches (``NEXT_WAVE_PREFETCH_TILES``)."""
   if cfg.q_in_kernel and (heads is None or softmax_scale is None):
     raise ValueError(f"heads and softmax_scale are needed where the kernel quantizes q (TuningConfig.q_in_kernel: "
                      f"schedule {cfg.schedule!r} over an fp8 cache); got heads={heads}, softmax_scale={softmax_scale}")
@@ -715,7 +751,9 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
     common.check_interpret_threads(interp, cfg.loader + 1, f"schedule {cfg.schedule!r}")
   q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split))
+  prefetch = ((num_q_tiles, num_splits), tiles_per_token, heads, next_wave) \
+      if NEXT_WAVE_PREFETCH_TILES and next_wave and cfg.producer and cfg.q_in_kernel else None
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split), prefetch)
   producer = cfg.producer
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
