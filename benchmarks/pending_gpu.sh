@@ -9,12 +9,7 @@
 # tool returns a limited number of files, so tar the bench JSONs (`tar czf $OUT/json.tgz -C $OUT *.json`) rather
 # than deleting them: they hold the per-kernel breakdowns.
 #
-# next (the order for the next device call; state after the thirtieth session, whose calls measured "producer_v16",
-#   "pair_v16" and the first "producer_vt8x2" slower (deleted / revived), the F1 timeline and the wgmma rates):
-#   convert_rate (do conversions and ex2 share a quarter-rate pipe?), diag_vt8x2 (P1 / F1: the revived
-#   "producer_vt8x2", qk_18, qk_ahead and their combinations beside the default, every row checked against the
-#   reference; timelines), t_vt8x2 (the layout test and the producer schedules' GPU tests incl. qk_ahead).
-#   Needs DEADLINE=560 or so: ~500 s in all.
+# next: set by the session that queues work (empty: nothing queued).
 # Tests (each under a timeout; rc 124 = deadlock or too slow): t_sparse, t_dense, t_batch_invariance, t_qrows,
 #   t_qm, t_prefill_quant, t_prefill_kernel, t_prefill_separate, t_rope_bf16_write, t_bf16.
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
@@ -251,42 +246,6 @@ diag_s29() {   # the twenty-ninth session's "producer_vt" default (raw P store, 
     --out "$OUT/diag_s29"
   run diag_s29_F1 150 $py --cases F1 --rows none,scaled_logits,before_s29 --out "$OUT/diag_s29_F1"
 }
-convert_rate() {   # conversions and ex2 alone and mixed: do they share a quarter-rate pipe?
-  run convert_rate 120 $PY benchmarks/convert_rate_gpu.py
-}
-diag_vt8x2() {   # "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo), qk_18 and qk_ahead beside the default, one process
-                 # per case, then the timelines of the default and "producer_vt8x2" + qk_ahead at P1
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_vt8x2_P1 200 $py --iters 20 --cases P1 --ptxas \
-    --rows none,vt8x2,qk_18,vt8x2+qk_18,qk_ahead,vt8x2_ahead --out "$OUT/diag_vt8x2"
-  run diag_vt8x2_F1 170 $py --iters 20 --cases F1 --rows none,vt8x2,qk_ahead,vt8x2_ahead --out "$OUT/diag_vt8x2_F1"
-  run timeline_vt8x2 100 $py --timeline --cases P1 --rows none,vt8x2_ahead --out "$OUT/timeline_vt8x2"
-  rm -f "$OUT"/timeline*/timeline_*/*trace.json
-}
-diag_ahead() {   # qk_ahead with three K buffers (both producer schedules) and qk_18 beside the default, one process
-                 # per case, then the timeline of "producer_vt8x2" + qk_ahead with three K buffers at P1
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_ahead_P1 200 $py --iters 20 --cases P1 --ptxas \
-    --rows none,qk_18,k_buffers_3,ahead_kb3,vt8x2_ahead_kb3 --out "$OUT/diag_ahead"
-  run diag_ahead_F1 170 $py --iters 20 --cases F1 --rows none,qk_18,ahead_kb3,vt8x2_ahead_kb3 \
-    --out "$OUT/diag_ahead_F1"
-  run timeline_ahead 100 $py --timeline --cases P1 --rows vt8x2_ahead_kb3 --out "$OUT/timeline_ahead"
-  rm -f "$OUT"/timeline*/timeline_*/*trace.json
-}
-diag_prefetch() {   # the next wave's q rows and indices prefetched into L2 (4 or 8 tiles before a split's end), with
-                    # and without qk_18, beside the default; the P1 timeline of prefetch_4
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_prefetch_P1 200 $py --iters 20 --cases P1 \
-    --rows none,qk_18,prefetch_4,prefetch_8,prefetch_4+qk_18 --out "$OUT/diag_prefetch"
-  run diag_prefetch_F1 170 $py --iters 20 --cases F1 --rows none,prefetch_4,prefetch_4+qk_18 \
-    --out "$OUT/diag_prefetch_F1"
-  run timeline_prefetch 100 $py --timeline --cases P1 --rows prefetch_4 --out "$OUT/timeline_prefetch"
-  rm -f "$OUT"/timeline*/timeline_*/*trace.json
-}
-t_vt8x2() {   # its layouts (the producer's store and the multipliers' fragments) and the schedule against the reference
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_vt8x2 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
-    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py -k "split8 or (heads_m_schedules and not twin)"
-}
 timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are the prologue and the tile rate P1's?)
   run timeline_F1 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --timeline \
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
@@ -301,7 +260,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_prefetch"
+next=""
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

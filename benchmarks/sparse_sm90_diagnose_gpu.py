@@ -146,9 +146,8 @@ def _qk_skip_zero_steps(k_tiles, stage_v, r):
   return qk(r.q_sw, k_tiles)
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False,
-                exp_offset=0.0):
-  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent, exp_offset
+def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
+  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
@@ -181,14 +180,6 @@ def _zero_words(k_tile_ref, *args):
 
 def _producer_k3(tiles_per_split: int) -> dict:
   return dict(_HEADS_M_TUNING(tiles_per_split), **({"k_buffers": 3} if tiles_per_split >= 8 else {}))
-
-
-def _instead_of_producer_vt(**overrides):
-  """The op's heads-on-M choice (``sd._heads_m_tuning``) with ``overrides`` where it picks "producer_vt"."""
-  def tuning_fn(tiles_per_split: int) -> dict:
-    tuning = _HEADS_M_TUNING(tiles_per_split)
-    return dict(tuning, **overrides) if tuning.get("schedule") == "producer_vt" else tuning
-  return tuning_fn
 
 
 def _ref_stores(fn):
@@ -257,29 +248,10 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ without the two k32 steps over Q's zero columns (18 wgmmas, not 20; bitwise the same S)
     "qk_18": {(heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
-    "vt8x2+qk_18": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2"),
-                    (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
-    # QKᵀ(t + 1) in flight under the softmax of tile t (TuningConfig.qk_ahead; producer 104, multipliers 192)
-    "qk_ahead": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(qk_ahead=True)},
-    "vt8x2_ahead": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2", qk_ahead=True)},
-    # the same with three K buffers: with two, K(t + 1) (needed before the softmax of tile t) could be gathered only
-    # once the multipliers had read V(t - 1), and the producer waited 660 cycles per tile for it (thirty-first
-    # session, call 1: P1 qk_ahead 302.3, vt8x2_ahead 275.4 against 238.5 us)
-    "ahead_kb3": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(qk_ahead=True, k_buffers=3)},
-    "vt8x2_ahead_kb3": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2", qk_ahead=True,
-                                                                        k_buffers=3)},
-    # the loader prefetches the next wave's q rows and indices into L2 this many tiles before its split ends
-    "prefetch_4": {(heads_m, "NEXT_WAVE_PREFETCH_TILES"): 4},
-    "prefetch_8": {(heads_m, "NEXT_WAVE_PREFETCH_TILES"): 8},
-    "prefetch_4+qk_18": {(heads_m, "NEXT_WAVE_PREFETCH_TILES"): 4, (heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
-    # schedule "producer_vt8x2" (fp8 P·V, P = P_hi + P_lo split with two conversions per key pair; its first form,
-    # with four through f16, measured 244.2 vs 238.4 us at P1, thirtieth session) where the op runs "producer_vt"
-    "vt8x2": {(sd, "_heads_m_tuning"): _instead_of_producer_vt(schedule="producer_vt8x2")},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "vt8x2", "qk_18", "vt8x2+qk_18", "qk_ahead", "vt8x2_ahead", "ahead_kb3",
-           "vt8x2_ahead_kb3", "prefetch_4", "prefetch_8", "prefetch_4+qk_18")
+           "before_s29", "qk_18")
 
 
 @contextlib.contextmanager

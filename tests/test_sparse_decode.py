@@ -147,11 +147,6 @@ def _interpret_budget(case):
     # V tile)
     (64, (("schedule", "producer_vt"), ("k_buffers", 3))),
     (128, (("schedule", "producer_vt"), ("tiles_per_split", 2))),   # two query tiles per token, 2 splits, slots reused
-    # P handed over as e4m3 P_hi + P_lo (interpret mode: their sum in the f16 slot), P and l scaled by 2^3
-    (64, (("schedule", "producer_vt8x2"),)),
-    # QKᵀ(t + 1) issued under the softmax of tile t (TuningConfig.qk_ahead), with one and with two splits
-    (64, (("schedule", "producer_vt8x2"), ("qk_ahead", True))),
-    (128, (("schedule", "producer_vt"), ("qk_ahead", True), ("tiles_per_split", 2))),
     (32, (("schedule", "twin"), ("tiles_per_split", 4))),          # "twin", the op's choice for short splits
     # one-tile splits (the small-batch sweep's candidates): fewer tiles than K buffers, 4 partials per token
     (8, (("tiles_per_split", 1),)),
@@ -453,29 +448,10 @@ def test_xla_masking_fuzz(idx_list, tl):
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(ref_lse)))
 
 
-@pytest.mark.parametrize("schedule", ["producer_vt", "producer_vt8x2"])
-def test_qk_ahead_lowers_for_sm90(schedule):
-  """TuningConfig.qk_ahead: the first tile's QKᵀ before the loop and tile t + 1's inside it (2 x 20 fp8 wgmmas in
-  the code), the producer at 104 registers and the multipliers at 192 (heads_m.QK_AHEAD_REGS); the P·V as in
-  the schedule without it."""
-  S = jax.ShapeDtypeStruct
-  cfg = heads_m.TuningConfig(tiles_per_split=32, k_buffers=2, schedule=schedule, qk_ahead=True)
-  kern = heads_m.build(4, 4096, 1, 2, "bfloat16", cfg, heads=128, softmax_scale=576 ** -0.5)
-  low = testing.lower_for_cuda(kern, S((2 * 128, common.D_QK), jnp.bfloat16), S((4096, 576), FP8),
-                               S((2, 32, 64), jnp.int32), S((1,), jnp.float32), arch=(9, 0))
-  pv8 = 2 * 16 if schedule == "producer_vt8x2" else 0
-  assert low.count(r"m64n64k32\.f32\.e4m3\.e4m3") == 2 * 20 + pv8
-  assert low.count(r"m64n64k16\.f32\.f16\.f16") == (0 if pv8 else 2 * 16)
-  assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 104;") == 1
-  assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 192;") == 2
-  assert sum(heads_m.QK_AHEAD_REGS[:2]) + 2 * heads_m.QK_AHEAD_REGS[2] <= 512
-
-
 @pytest.mark.parametrize("H,s_q,topk,splits,k_buffers,schedule", [
     (64, 1, 2048, 1, 2, "twin"), (128, 2, 2048, 1, 2, "twin"), (32, 4, 2051, 2, 1, "twin"),      # heads on M
     (128, 2, 2048, 1, 2, "producer_vt"), (128, 2, 2048, 1, 3, "producer_vt"), (64, 1, 2051, 2, 2, "producer_vt"),
     (128, 1, 16384, 2, 2, "producer_vt"), (64, 1, 16384, 2, 2, "twin"),      # 128-tile splits (long top-k)
-    (128, 2, 2048, 1, 2, "producer_vt8x2"), (64, 1, 2051, 2, 2, "producer_vt8x2"),   # P·V in fp8, P = hi + lo
     (8, 4, 2051, 2, 4, None), (16, 1, 2048, 1, 4, None), (8, 4, 2048, 1, 3, None),               # heads on N
     (16, 1, 2048, 32, 4, None), (128, 1, 2048, 32, 2, "twin"),     # one-tile splits: fewer tiles than K buffers
 ])
@@ -504,26 +480,9 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     q_aval, qs_aval = S((n_tok * H, common.D_QK), jnp.bfloat16), None    # bf16 q, quantized by WG0
   q_args = (q_aval,) if qs_aval is None else (q_aval, qs_aval)
   low = testing.lower_for_cuda(kern, *q_args, kv, idx, S((1,), jnp.float32), arch=(9, 0))
-  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only); the fp8
-  # P·V of "producer_vt8x2" adds its own (below)
-  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20 + (2 * 16 if schedule == "producer_vt8x2" else 0)
+  # QKᵀ: 5 chunks of 128 = 4 k32 steps each, in one code path (both consumers, or consumer 0 only)
+  assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == 20
   if H > sd.HEADS_ON_N_MAX:
-    if schedule == "producer_vt8x2":
-      # "producer_vt" with P as e4m3 P_hi + P_lo: the producer's split (per thread and tile 16 key pairs: hi by
-      # integer rounding of the f32 bits, two f32x2 -> e4m3x2, nothing through f16) and 16 st.shared.b32 instead
-      # of 4 stmatrix; per multiplier 16 64-bit V loads,
-      # 64 byte permutes (a 4 x 4 transpose per 4 A registers, all 4 blocks first), no e4m3 -> f16 conversion of
-      # V, 16 m64n64k32 fp8 wgmmas (4 blocks x 2 k32 steps x 2 terms), one wait; the QKᵀ's 20 fp8 wgmmas too
-      assert low.count(r"m64n64k32\.f32\.e4m3\.e4m3") == 20 + 2 * 16     # QKᵀ (N = 64 keys) and P·V
-      assert low.count(r"m64n64k16\.f32\.f16\.f16") == 0 and low.count(r"stmatrix") == 0
-      assert low.count(r"and\.b32 u[ab], u[ab], 0xfff00000") == 2 * 16
-      assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 0 and low.count(r"e4m3x2\.f16x2") == 0
-      assert low.count(r"st\.shared\.b32") == 16
-      assert low.count(r"ld\.shared\.v2\.b32") == 2 * 16 and low.count(r"prmt\.b32") == 2 * 64
-      assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == 0
-      assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == 2
-      assert low.count(r"ex2\.approx\.ftz\.f32") > 0 and low.count(r"math\.exp2") == 0
-      return
     if schedule == "producer_vt":
       # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1

@@ -128,12 +128,10 @@ def test_cache_past_2gib(rng, H):
   testing.assert_close_fp8(out, ref_out, rel_l2=budget, min_cos=0.99, what=f"H={H}, cache past 2 GiB")
 
 
-SCHEDULE_VARIANTS = {"twin": ((), (("k_buffers", 1),)),
-                     "producer_vt": ((), (("k_buffers", 3),), (("qk_ahead", True),)),
-                     "producer_vt8x2": ((), (("k_buffers", 3),), (("qk_ahead", True),))}
+SCHEDULE_VARIANTS = {"twin": ((), (("k_buffers", 1),)), "producer_vt": ((), (("k_buffers", 3),))}
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("twin", marks=pytest.mark.slow), "producer_vt", "producer_vt8x2"])
+@pytest.mark.parametrize("schedule", [pytest.param("twin", marks=pytest.mark.slow), "producer_vt"])
 @pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), (32, 4)])
 def test_heads_m_schedules(rng, H, s_q, schedule):
   """Each heads-on-M schedule (the op picks one by split length; the others are sweep candidates) against the

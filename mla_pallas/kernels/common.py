@@ -144,8 +144,7 @@ def alpha_is_one(alpha):
 
 
 def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
-                        rescale_threshold: float | None = None, scale_in_exponent: bool = False,
-                        exp_offset: float = 0.0):
+                        rescale_threshold: float | None = None, scale_in_exponent: bool = False):
   """One online-softmax step in base 2 over a [rows, keys] f32 tile of raw logits ``s`` (register values).
 
   Args:
@@ -162,9 +161,6 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
       selects and subtracts). Needs row_scale >= 0 (a max commutes with a non-negative scale only); a zero row
       scale is taken as 1, which is exact only where that row's logits are all 0 (an all-zero q row, a padding
       row), so a masked -inf never meets a 0 scale (NaN). Same p up to the fma's single rounding.
-    exp_offset: (only with ``scale_in_exponent``) p and l come out scaled by 2^exp_offset (added to the fma's
-      per-row addend, no instruction per logit); alpha and m are not, so the caller's lse is m + log2(l) -
-      exp_offset. For a P that a narrow format should hold away from its subnormals.
   Returns:
     (p [R, T] (or [T, R]) = 2^(s' - m_new) in [0, 1] (lazy: [0, 2^t]), alpha [R] = 2^(m - m_new) to rescale the
     running output, m_new, l_new). A row with nothing valid so far keeps m = -inf and gets p = 0, alpha = 0
@@ -176,12 +172,9 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
     scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
     s = jnp.where(valid, s, -jnp.inf)
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis) * scale, rescale_threshold)
-    m_use = m_use - exp_offset if exp_offset else m_use
     p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [head_axis])
                  - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   else:
-    if exp_offset:
-      raise ValueError("online_softmax_tile: exp_offset needs scale_in_exponent=True")
     s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
     s = jnp.where(valid, s, -jnp.inf)
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)

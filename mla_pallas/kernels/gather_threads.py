@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels.raw_mgpu import (SCALAR_LAYOUT, asm, c32, c64, scalar_array, scalar_value,
-                                         thread_in_warpgroup, when, wide)
+                                         thread_in_warpgroup, wide)
 
 UNIT = 16                           # bytes per cp.async
 UNITS_PER_CHUNK = common.SW_CHUNK // UNIT      # 8
@@ -100,36 +100,3 @@ def wait_tiles(in_flight: int) -> None:
     asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {in_flight};", "", side_effects=True)
     asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "", side_effects=True)
   f()
-
-
-L2_LINE = 128                       # bytes per prefetch.global.L2
-
-
-def prefetch_l2(parts) -> None:
-  """Pallas level: the loader warpgroup's 128 threads prefetch byte ranges of GMEM into L2 (``prefetch.global.L2``,
-  one per 128-byte line; nothing returned, nothing waited for). ``parts``: ((gmem ref, first row (int32 scalar,
-  traced), row_bytes, nbytes), ...): bytes [row · row_bytes, row · row_bytes + nbytes) of the ref (64-bit
-  offsets; row_bytes and nbytes static). No address outside the range is touched, and a prefetch is only a hint
-  (no fault, no effect on any value)."""
-  refs = tuple(p[0] for p in parts)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (SCALAR_LAYOUT,) * len(refs))
-  def f(ctx, *args):
-    del ctx
-    tid, _, _ = thread_in_warpgroup()
-    for (_, _, row_bytes, nbytes), ref, row_arr in zip(parts, args[:len(refs)], args[len(refs):]):
-      base = llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu_utils.memref_ptr(ref))
-      start = arith.addi(base, arith.muli(wide(scalar_value(row_arr)), c64(row_bytes)))
-      lines = -(-nbytes // L2_LINE)
-      for k in range(-(-lines // 128)):
-        line = arith.addi(tid, c32(128 * k))
-        off = arith.minui(arith.muli(line, c32(L2_LINE)), c32(nbytes - 1))   # the last line: the range's last byte
-        addr = arith.addi(start, wide(off))
-
-        def issue(a=addr):
-          asm(ir.Type.parse("!llvm.void"), [a], "prefetch.global.L2 [$0];", "l", side_effects=True)
-        if 128 * (k + 1) <= lines:
-          issue()
-        else:
-          when(arith.cmpi(arith.CmpIPredicate.ult, line, c32(lines)), issue)
-  f(*refs, *(scalar_array(p[1]) for p in parts))

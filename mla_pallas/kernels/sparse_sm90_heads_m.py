@@ -64,19 +64,6 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
   with an f16 V tile instead (``_multiplier_interpret``: each multiplier upcasts its two V chunks and multiplies P
   from the slot; README: interpret-only code paths).
-* "producer_vt8x2" (a sweep candidate, not the op's choice until measured faster; docs/kernels/
-  sparse_decode_sm90.md): "producer_vt" with fp8 P·V. The producer's P (and l) come out of exp2 scaled by 2^3
-  (``P8_EXP_OFFSET``; lazy threshold ``RESCALE_THRESHOLD_P8`` = 5, so P <= 256) and go into the slot as two e4m3
-  terms, P_hi (P rounded to 4 significant bits by integer operations) and P_lo = e4m3(P - P_hi), two conversions
-  per key pair (``vt_registers.store_p8_pair_rows``; slot [2, 64, 64] e4m3, 64-byte swizzle, keys in the order
-  the V words hold them); the multipliers build all four blocks' fp8 A fragments from the V words without
-  conversions (2 ``prmt`` per register) and issue 16 m64n64k32 per tile (``vt_registers.pv_wgmmas8x2``). Same
-  accuracy as f16 P (~8 significant bits); the lse is corrected by -3. Interpret mode: the f16 slot holds
-  P_hi + P_lo exactly (``vt_registers.split8_value``).
-* ``TuningConfig.qk_ahead`` (either producer schedule; a sweep candidate, untimed): the producer issues QKᵀ(t + 1)
-  before the softmax of tile t and reads it after publishing P(t) (one ACC scope per tile; the first tile's S
-  before the loop, the last tile's softmax after it), so the tensor pipe computes it under the softmax; registers
-  ``QK_AHEAD_REGS`` (24 / 104 / 192).
   Interpret mode runs one CPU thread per warpgroup, each blocking in barrier waits inside XLA's CPU thread
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
@@ -149,25 +136,12 @@ LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("pr
 # time (pv_wgmmas(pipelined=True)) the kernel at 200 ran 11 % faster (docs/kernels/sparse_decode_sm90.md). The
 # loader needs no more than 24, the producer spills below 88.
 PRODUCER_REGS = (24, 88, 200)
-# ``TuningConfig.qk_ahead``: the producer holds S(t) and the in-flight accumulator of QKᵀ(t + 1) together (32 more
-# live registers than at 88, where it already spilled a few bytes); the multipliers give 8 each (setmaxnreg takes
-# multiples of 8; 24 + 104 + 2 · 192 = 512).
-QK_AHEAD_REGS = (24, 104, 192)
 
 
 # "producer_vt": lazy rescaling (common.online_softmax_tile): a row's running max moves only when the tile's max
 # exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
-# "producer_vt8x2": P reaches the multipliers as P_hi + P_lo in e4m3 (kernels/vt_registers.py, fp8 section), scaled
-# by 2^P8_EXP_OFFSET in exp2's argument; with the lazy threshold below P · 2^3 <= 2^(5 + 3) = 256 (e4m3 max 448),
-# and values down to 2^-12 of the row max keep their digits (the f16 P's accuracy: docs/kernels).
-P8_EXP_OFFSET = 3.0
-RESCALE_THRESHOLD_P8 = 5.0
-# "producer_vt" over an fp8 cache: this many tiles before the end of its split, the loader prefetches into L2 the
-# q rows and indices of the item ``next_wave`` CTAs later in launch order (``build``: the number of SMs, one CTA
-# each), which a CTA of the next wave quantizes and gathers first (0: no prefetch; a sweep candidate).
-NEXT_WAVE_PREFETCH_TILES = 0
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -182,12 +156,11 @@ class TuningConfig(common.SparseSm90Config):
   up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
   (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "producer_vt8x2")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
   cache_dtype: str = "float8_e4m3fn"   # the cache the kernel reads (module docstring, "BF16 cache")
-  qk_ahead: bool = False   # producer schedules: QKᵀ(t + 1) in flight under the softmax of tile t (a sweep candidate)
 
   def validate(self):
     if self.schedule not in self.SCHEDULES:
@@ -196,8 +169,6 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
     if self.bf16 and self.schedule != "twin":
       raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
-    if self.qk_ahead and not self.producer:
-      raise ValueError(f"TuningConfig.qk_ahead needs a producer schedule (producer_vt, producer_vt8x2); got {self}")
     super().validate()
 
   @property
@@ -219,20 +190,9 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def producer(self) -> bool:
-    """"producer_vt" / "producer_vt8x2": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and
-    WG2, which only multiply (module docstring)."""
-    return self.schedule in ("producer_vt", "producer_vt8x2")
-
-  @property
-  def p8x2(self) -> bool:
-    """"producer_vt8x2": "producer_vt" with P handed over as two e4m3 terms and fp8 P·V wgmmas (module
-    docstring, "Schedules")."""
-    return self.schedule == "producer_vt8x2"
-
-  @property
-  def producer_regs(self) -> tuple[int, int, int]:
-    """setmaxnreg of the loader, the producer and each multiplier in the producer schedules."""
-    return QK_AHEAD_REGS if self.qk_ahead else PRODUCER_REGS
+    """"producer_vt": WG0 only computes S, the softmax and P and hands P and alpha to WG1 and WG2, which only
+    multiply (module docstring)."""
+    return self.schedule == "producer_vt"
 
   @property
   def loader(self) -> int:
@@ -265,11 +225,10 @@ class TuningConfig(common.SparseSm90Config):
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
 
 
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs,
-            prefetch=None):
+def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
   """WG2 (WG3 in "producer_vt"): Q's chunks (bf16 cache only; over fp8 the kernel quantizes Q) and the split's
   indices, then the gathers of every tile (``common.gather_tiles``)."""
-  plgpu.set_max_registers(cfg.producer_regs[0] if cfg.producer else LOADER_REGS, action="decrease")
+  plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
   for c in range(0 if cfg.q_in_kernel else lay.chunks):
     plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
@@ -277,38 +236,8 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
-  before_gather = lambda t: None
-  if prefetch is not None and not interpret:
-    before_gather = functools.partial(_prefetch_next_wave, cfg, tile_q, split, r, *prefetch)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay,
-                      before_gather=before_gather)
-
-
-def _prefetch_next_wave(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, grid, tiles_per_token: int,
-                        heads: int, next_wave: int, t):
-  """The loader at tile t = tiles_per_split - ``NEXT_WAVE_PREFETCH_TILES`` (or 0): the q rows and the index rows of
-  the item ``next_wave`` CTAs later in launch order (grid (q, split), q fastest), if there is one, into L2
-  (``gather_threads.prefetch_l2``): the CTA that runs it (on whichever SM frees first) then quantizes Q and
-  gathers its first tiles from L2 instead of DRAM. ``grid``: (num_q_tiles, num_splits)."""
-  num_q_tiles, num_splits = grid
-  nxt = tile_q + num_q_tiles * split + next_wave
-
-  @pl.when((t == max(cfg.tiles_per_split - NEXT_WAVE_PREFETCH_TILES, 0)) & (nxt < num_q_tiles * num_splits))
-  def _():
-    q_next, split_next = lax.rem(nxt, num_q_tiles), lax.div(nxt, num_q_tiles)
-    token_next = lax.div(q_next, tiles_per_token)
-    row0 = token_next * heads + lax.rem(q_next, tiles_per_token) * TILE
-    rows = min(heads, TILE)
-    parts = []
-    for part in q_quant.q_parts(r.q_gmem):
-      row_bytes = part.shape[-1] * part.dtype.itemsize
-      parts.append((part, row0, row_bytes, rows * row_bytes))
-    n = cfg.tiles_per_split
-    idx_row = token_next * (num_splits * n) + split_next * n     # rows of TILE int32 in idx [T, splits · n, 64]
-    parts.append((r.idx_gmem, idx_row, TILE * 4, n * TILE * 4))
-    from mla_pallas.kernels import gather_threads   # raw Mosaic GPU code: imported where it is used
-    gather_threads.prefetch_l2(tuple(parts))
+                      n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay)
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
@@ -361,13 +290,12 @@ def _zero_state():
 
 
 def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None,
-                  scale_in_exponent: bool = False, exp_offset: float = 0.0):
+                  scale_in_exponent: bool = False):
   """The online softmax of tile t (``rescale_threshold``: lazy rescaling; ``scale_in_exponent``: the row scale
-  folded into exp2's argument; ``exp_offset``: P and l scaled by 2^exp_offset; all ``common.online_softmax_tile``)."""
+  folded into exp2's argument; both ``common.online_softmax_tile``)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
   return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
-                                    rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent,
-                                    exp_offset=exp_offset)
+                                    rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent)
 
 
 def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
@@ -494,63 +422,55 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
-def _store_p_alpha(p, alpha, p_ref, alpha_ref, interpret: bool):
-  """P into its slot and alpha ([64]) into its row, committed for the async proxy (the multipliers read P through
-  wgmma after the arrival that follows). ``p``: f16 [64, 64] into the 128-byte swizzled slot ("producer_vt"), or
-  f32 [64, 64] (scaled, <= 256; "producer_vt8x2") as P_hi and P_lo into the [2, 64, 64] e4m3 slot (64-byte
-  swizzle, ``vt_registers.store_p8_pair_rows``). On the GPU in raw Mosaic GPU (``stmatrix`` of an f16 P, plain
-  stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x`` puts a warpgroup barrier
-  before and after each store (four of the five barriers per tile in the SASS), where every producer thread only
-  writes, into a slot it has waited for itself. Interpret mode: the ref stores into the f16 slot, which holds
-  P_hi + P_lo exactly (``vt_registers.split8_value``)."""
-  split = p.dtype == jnp.float32
+def _store_p_alpha(p16, alpha, p_ref, alpha_ref, interpret: bool):
+  """P (f16 [64, 64]) into its 128-byte swizzled slot and alpha ([64]) into its row, committed for the async
+  proxy (the multipliers read P through wgmma after the arrival that follows). On the GPU in raw Mosaic GPU
+  (``stmatrix`` of P, plain stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x``
+  puts a warpgroup barrier before and after each store (four of the five barriers per tile in the SASS), where
+  every producer thread only writes, into a slot it has waited for itself. Interpret mode: the ref stores."""
   if interpret:
-    p_ref[...] = vt_registers.split8_value(p).astype(jnp.float16) if split else p
+    p_ref[...] = p16
     alpha_ref[...] = alpha
     plgpu.commit_smem()
     return
-  slot = swizzled(common.FP8, vt_registers.P8_SWIZZLE) if split else swizzled(jnp.float16, 128)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(slot), plgpu.RefType()))
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(jnp.float16, 128)),
+                                plgpu.RefType()))
   def store(ctx, p, a, p_smem, a_smem):
     del ctx
-    if split:
-      vt_registers.store_p8_pair_rows(p, p_smem)
-    else:
-      p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
+    p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
     a.store_untiled(a_smem, optimized=False)
     mgpu.commit_shared()
-  store(p, alpha, p_ref, alpha_ref)
+  store(p16, alpha, p_ref, alpha_ref)
 
 
-def _publish_p(t, pb, p, alpha, r: common.SparseRefs, interpret: bool):
-  """The producer hands tile t's P (:func:`_store_p_alpha`) and alpha to the multipliers in slot pb once that slot
-  is free (both multipliers released it)."""
+def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
+  """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
+  (both multipliers released it)."""
   with jax.named_scope("p_wait_slot"):
     @pl.when(t >= P_BUFFERS)
     def _():
       plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   with jax.named_scope("p_store"):
-    _store_p_alpha(p, alpha, r.p_sw.at[pb], r.head_smem.at[pb], interpret)
+    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb], interpret)
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
 def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
   """The producer after the last tile: kv_scale / l for the multipliers (``p_full[2]``), the lse, the final
   observation of the P slots."""
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)    # "producer_vt8x2": l and the products both scaled by 2^3
+  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
-  common.store_lse(lax.axis_index("wg"), m - P8_EXP_OFFSET if cfg.p8x2 else m, l, r.lse_smem,
-                   r.lse_gmem.at[tile_q, split])
+  common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
-def _multiplier_start(cfg: TuningConfig, tile_q, r: common.SparseRefs, half: int, q_in):
-  """A multiplier's registers (``cfg.producer_regs[2]``) and, where the kernel quantizes Q (``q_in``: heads,
+def _multiplier_start(tile_q, r: common.SparseRefs, half: int, q_in):
+  """A multiplier's registers (``PRODUCER_REGS[2]``) and, where the kernel quantizes Q (``q_in``: heads,
   interpret), its half of the tile's rows first."""
-  plgpu.set_max_registers(cfg.producer_regs[2], action="increase")
+  plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   if q_in is not None:
     with jax.named_scope("m_quantize_q"):
       _quantize_q_rows(tile_q, r, half, *q_in)
@@ -564,7 +484,7 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
   is 1) and O half += P · V half (:func:`_pv_half`, P read from the slot), and the slot's release; at the end its
   half of O (not transposed), scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel
   quantizes Q: first its half of the rows (:func:`_quantize_q_rows`)."""
-  _multiplier_start(cfg, tile_q, r, half, q_in)
+  _multiplier_start(tile_q, r, half, q_in)
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
@@ -589,15 +509,12 @@ def _zero_vt():
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * vt_registers.HALF_BLOCKS
 
 
-def _pv_vt(cfg: TuningConfig, accs, words, pb, r: common.SparseRefs):
+def _pv_vt(accs, words, pb, r: common.SparseRefs):
   """A multiplier's four Oᵀ blocks, rescaled by slot pb's alpha (skipped where every alpha is 1: the producer's
   lazy rescaling), plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major B, Vᵀ built in registers from
-  ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``; "producer_vt8x2": all four blocks' fp8
-  fragments, then the 16 fp8 wgmmas of P_hi and P_lo, ``vt_registers.pv_wgmmas8x2``)."""
+  ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
   alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
   accs = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: common.scale_columns(a, alpha), tuple(accs))
-  if cfg.p8x2:
-    return tuple(vt_registers.pv_wgmmas8x2(words, r.p_sw.at[pb], accs))
   return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE,
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
@@ -608,7 +525,7 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
   t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the slot; at the end its half of O (16-byte
   row pieces). ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half of the rows
   (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first P)."""
-  _multiplier_start(cfg, tile_q, r, half, q_in)
+  _multiplier_start(tile_q, r, half, q_in)
 
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
@@ -619,7 +536,7 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
     with jax.named_scope("m_wait_p"):
       plgpu.barrier_wait(r.p_full.at[pb])
     with jax.named_scope("m_pv"):
-      accs = _pv_vt(cfg, accs, words, pb, r)
+      accs = _pv_vt(accs, words, pb, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
@@ -631,63 +548,35 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: in
 
 
 def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None):
-  """schedule "producer_vt" / "producer_vt8x2", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V
-  from it themselves), the online softmax (lazy rescaling, the row scale in the exponent), P and alpha into slot
+  """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
+  themselves), the online softmax (lazy rescaling, the row scale in the exponent), P (f16) and alpha into slot
   t % 2 (``_publish_p``: it runs up to two tiles ahead of the multipliers); at the end kv_scale / l for WG1 / WG2
-  and the lse. It holds no O (88 registers). ``cfg.qk_ahead``: QKᵀ(t + 1) is issued before the softmax of tile t
-  and read after P(t) is published, so the tensor pipe computes it under the softmax (FA3's intra-warpgroup
-  overlap; 104 registers, ``QK_AHEAD_REGS``: S(t) and the in-flight accumulator live together).
+  and the lse. It holds no O (88 registers).
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
   with jax.named_scope("p_prologue"):
-    row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(cfg.producer_regs[1], "decrease"),
-                                            quantize=False)
-  threshold, offset = (RESCALE_THRESHOLD_P8, P8_EXP_OFFSET) if cfg.p8x2 else (RESCALE_THRESHOLD, 0.0)
+    row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
 
-  def softmax_and_publish(t, s, m, l):
-    with jax.named_scope("p_softmax"):   # "producer_vt8x2": P · 2^3 in f32 (<= 256), split by the store
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, threshold, scale_in_exponent=True,
-                                         exp_offset=offset)
-      p_out = p if cfg.p8x2 else p.astype(jnp.float16)
-    _publish_p(t, lax.rem(t, P_BUFFERS), p_out, alpha, r, interpret)
-    return m_new, l
-
-  def qk(t):   # S of tile t, waited for; the K buffer released
+  def step(t, carry):
+    m, l = carry
     with jax.named_scope("p_wait_k"):
-      kb, _, k_tiles = _landed(t, cfg, r)
+      kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("p_qk"):
       s = _qk_and_upcast(k_tiles, None, r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    return s
+    with jax.named_scope("p_softmax"):
+      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
+                                         scale_in_exponent=True)
+      p16 = p.astype(jnp.float16)
+    _publish_p(t, pb, p16, alpha, r, interpret)
+    return m_new, l
 
   _, m0, l0 = _zero_state()
-  n = cfg.tiles_per_split
-  if not cfg.qk_ahead:
-    def step(t, carry):
-      return softmax_and_publish(t, qk(t), *carry)
-    m, l = lax.fori_loop(0, n, step, (m0, l0))
-  else:   # tiles 0 .. n - 2 with the next tile's QKᵀ in flight, then the last tile's softmax alone
-    def step_ahead(t, carry):
-      s, m, l = carry
-
-      def scope(acc_ref):
-        with jax.named_scope("p_wait_k"):
-          _, _, k_next = _landed(t + 1, cfg, r)
-        for c in range(r.q_sw.shape[0]):     # QKᵀ(t + 1), asynchronous until the read below
-          plgpu.wgmma(acc_ref, r.q_sw.at[c], k_next.at[c].T)
-        m_new, l_new = softmax_and_publish(t, s, m, l)
-        with jax.named_scope("p_qk"):
-          return acc_ref[...], m_new, l_new
-
-      s_next, m_new, l_new = pl.run_scoped(scope, plgpu.ACC((TILE, TILE), jnp.float32))
-      plgpu.barrier_arrive(r.k_empty.at[lax.rem(t + 1, cfg.k_buffers)])
-      return s_next, m_new, l_new
-    s, m, l = lax.fori_loop(0, n - 1, step_ahead, (qk(0), m0, l0))
-    m, l = softmax_and_publish(n - 1, s, m, l)
+  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
   with jax.named_scope("p_finish"):
     _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
 
 
-def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, prefetch, *refs):
+def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):
   if q_split:           # q as (latent [T · H, 512], rope [T · H, 64])
     refs = (refs[:2],) + refs[2:]
   if cfg.q_in_kernel:   # q as it is, no row-scale input
@@ -709,7 +598,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
 
   @pl.when(wg == cfg.loader)
   def _():
-    _loader(cfg, num_slots, interpret, tile_q, split, token, r, prefetch)
+    _loader(cfg, num_slots, interpret, tile_q, split, token, r)
 
   if producer:
     @pl.when(wg == 0)
@@ -734,12 +623,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, out_dtype_name: str,
           cfg: TuningConfig, interpret=False, heads: int | None = None, softmax_scale: float | None = None,
-          q_split: bool = False, next_wave: int = 0):
+          q_split: bool = False):
   """The kernel for these shapes (arguments and results: see the module docstring); ``interpret``: False, True or
   a ``plgpu.InterpretGPUParams``; ``heads`` (H) and ``softmax_scale``: needed where ``cfg.q_in_kernel`` (an fp8
   cache); ``q_split`` (only with ``cfg.q_in_kernel``): q comes as two inputs, latent [T · H, 512] and
-  rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]; ``next_wave``: CTAs per wave (the SMs), the
-  launch-order distance of the item whose q and indices the loader prefetches (``NEXT_WAVE_PREFETCH_TILES``)."""
+  rope [T · H, 64] (bf16 or f32 each), instead of q [T · H, 576]."""
   if cfg.q_in_kernel and (heads is None or softmax_scale is None):
     raise ValueError(f"heads and softmax_scale are needed where the kernel quantizes q (TuningConfig.q_in_kernel: "
                      f"schedule {cfg.schedule!r} over an fp8 cache); got heads={heads}, softmax_scale={softmax_scale}")
@@ -751,18 +639,13 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   if cfg.producer:   # (the 3-warpgroup "twin" has run on 2-CPU machines without deadlocks)
     common.check_interpret_threads(interp, cfg.loader + 1, f"schedule {cfg.schedule!r}")
   q_in = (heads, float(softmax_scale)) if cfg.q_in_kernel else None
-  prefetch = ((num_q_tiles, num_splits), tiles_per_token, heads, next_wave) \
-      if NEXT_WAVE_PREFETCH_TILES and next_wave and cfg.producer and cfg.q_in_kernel else None
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split), prefetch)
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, out_dtype, interp, q_in, bool(q_split))
   producer = cfg.producer
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
   p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if (interp or producer) else []
-  if cfg.p8x2 and not interp:   # P_hi, P_lo per slot: the same bytes as one f16 P
-    p_scratch = [plgpu.SMEM((P_BUFFERS, 2, TILE, TILE), common.FP8,
-                            transforms=swizzled(common.FP8, vt_registers.P8_SWIZZLE))]
   head_scratch = [plgpu.SMEM((cfg.head_rows, TILE), jnp.float32)] if producer else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)

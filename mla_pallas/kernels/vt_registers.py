@@ -32,7 +32,6 @@ from __future__ import annotations
 import numpy as np
 
 import jax.numpy as jnp
-from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental.mosaic import gpu as mgpu
@@ -41,7 +40,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
-from mla_pallas.kernels.raw_mgpu import asm as _asm, c32 as _i32, swizzle as _swizzle, thread_in_warpgroup
+from mla_pallas.kernels.raw_mgpu import asm as _asm, c32 as _i32, thread_in_warpgroup
 
 D_V = 512            # latent columns of V
 TILE = 64            # keys per tile; rows per M block
@@ -318,162 +317,3 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# P·V in fp8 with P as the sum of two e4m3 terms (schedule "producer_vt8x2" of kernels/sparse_sm90_heads_m.py)
-#
-# P (f32, scaled by 2^P8_EXP_OFFSET so that it stays <= 256) becomes P_hi (P rounded to e4m3's 4 significant bits)
-# and P_lo = e4m3(P - P_hi);
-# P_hi + P_lo carries ~8 significant bits where the f16 P has 11 and one e4m3 term 4, and the products
-# Vᵀ·P_hiᵀ + Vᵀ·P_loᵀ are fp8 wgmmas (m64nNk32: as many instructions as the f16 k16 form, the same tensor time)
-# whose A operand is the fp8 tile's bytes as they are: per register one 4 x 4 byte transpose share (2 ``prmt``),
-# no ``cvt``, 32 A registers for all four M blocks of a multiplier (the f16 form: 64). docs/kernels/
-# sparse_decode_sm90.md ("producer_vt8x2") has the error model and the measurements.
-#
-# Key order. An fp8 A fragment register (c, h) holds K positions 16c + 4t + [0, 4); the words of
-# :func:`load_half_words` hold keys 8 (i // 2) + 2t + i % 2 (the f16 fragment's). Position 16c + 4t + j of both
-# operands is therefore key 16c + 8 (j // 2) + 2t + j % 2 (:func:`p8_position_of_key` inverts it): the A fragment
-# takes words 4c .. 4c + 3, and the producer stores P's key pair (8 j' + 2t, 8 j' + 2t + 1), j' = 2c + e, at
-# bytes 16c + 4t + 2e of the head's row (:func:`store_p8_pair_rows`), so every thread writes 4 consecutive bytes.
-
-_PAIR_LO, _PAIR_HI = 0x5140, 0x7362     # prmt selectors: [x.0, y.0, x.1, y.1], [x.2, y.2, x.3, y.3]
-_HALF_LO, _HALF_HI = 0x5410, 0x7632     # [x.0, x.1, y.0, y.1], [x.2, x.3, y.2, y.3]
-P8_SWIZZLE = 64                          # one [heads, 64 keys] fp8 row: the K-major B operand's swizzle
-
-
-def p8_position_of_key(key):
-  """The byte (K position) of ``key`` (0-63) in a row of the fp8 P slots: key 16c + 8e + 2t + b sits at
-  16c + 4t + 2e + b (numpy-friendly; for the tests)."""
-  c, rest = key // 16, key % 16
-  e, t, b = rest // 8, (rest % 8) // 2, rest % 2
-  return 16 * c + 4 * t + 2 * e + b
-
-
-def _prmt(a, b, sel: int):
-  return _asm(ir.IntegerType.get_signless(32), [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
-
-
-def half_block_operands8(words):
-  """The fp8 A operands Vᵀ[M block g] (g = 0-3, float8_e4m3fn (64, 64), ``WGMMA_LAYOUT_8BIT``) of a multiplier
-  half from :func:`load_half_words`' container (word 0 of register (i, h): blocks 0-3 of key
-  8 (i // 2) + 2t + i % 2). Register (c, h) of block g holds byte g of words 4c .. 4c + 3 (the key order of the
-  module's fp8 section): one 4 x 4 byte transpose (8 ``prmt``) per (c, h) makes the registers of all four blocks."""
-  f8 = ir.Float8E4M3FNType.get()
-  v4f8 = ir.VectorType.get((4,), f8)
-  v1i32 = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
-  regs_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape((TILE, TILE))
-  out = [np.empty(regs_shape, dtype=object) for _ in range(HALF_BLOCKS)]
-  wreg = words.registers
-  for c in range(TILE // 16):
-    for h in range(2):
-      a = [vector.extract(wreg[0, 4 * c + j, 0, 0, h, 0, 0, 0, 0], [], [0]) for j in range(4)]
-      lo01, hi01 = _prmt(a[0], a[1], _PAIR_LO), _prmt(a[0], a[1], _PAIR_HI)
-      lo23, hi23 = _prmt(a[2], a[3], _PAIR_LO), _prmt(a[2], a[3], _PAIR_HI)
-      blocks = (_prmt(lo01, lo23, _HALF_LO), _prmt(lo01, lo23, _HALF_HI),
-                _prmt(hi01, hi23, _HALF_LO), _prmt(hi01, hi23, _HALF_HI))
-      for g, val in enumerate(blocks):
-        idx = [0] * len(regs_shape)
-        idx[1], idx[4] = c, h
-        out[g][tuple(idx)] = vector.bitcast(v4f8, vector.from_elements(v1i32, [val]))
-  return [fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None) for regs in out]
-
-
-def pv_wgmmas8x2(words, p8_ref, accs):
-  """A multiplier half's accs[g] (g = 0-3, f32 (64, N) WGMMA layout) += Vᵀ[g] · P_hiᵀ + Vᵀ[g] · P_loᵀ: A the fp8
-  fragments of :func:`half_block_operands8` (all four blocks built first: 32 registers), B = ``p8_ref`` (SMEM
-  [2, N, 64] float8_e4m3fn: P_hi, P_lo as rows of heads in the section's key order, 64-byte swizzle, read as
-  the K-major B); 16 m64nNk32 wgmmas in one commit group per block, one ``wgmma.wait_group 0`` at the end.
-  Returns the new accumulators."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(common.FP8, P8_SWIZZLE)),
-                                tuple(plgpu.Layout.WGMMA for _ in accs)),
-                     return_type=_acc_types(accs))
-  def f(ctx, words, p8, accs):
-    del ctx
-    a_ops = half_block_operands8(words)
-    # tiled memref (2, N/8, 1, 8, 64) -> per term the transposed (1, N/8, 64, 8) view of Pᵀ
-    terms = [mgpu_utils.memref_transpose(mgpu_utils.memref_slice(p8, i), (1, 0, 3, 2)) for i in range(2)]
-    out = []
-    for a, acc in zip(a_ops, accs):
-      acc = mgpu.WGMMAAccumulator.from_registers(acc)
-      for term in terms:
-        acc = mgpu.wgmma(acc, a, term, swizzle=P8_SWIZZLE)
-      _commit()
-      out.append(acc)
-    _wait(0)
-    return tuple(fa.optimization_barrier(a.value) for a in out)
-  return f(words, p8_ref, tuple(accs))
-
-
-HI_ROUND, HI_MASK = 1 << 19, 0xFFF00000   # f32 bits: round half up to 4 significant bits (3 of 23 mantissa bits)
-
-
-def _split8_pair(x_lo, x_hi):
-  """Two f32 values (keys k, k + 1; in [0, 256]) -> (hi, lo) as two e4m3x2 half-words (key k in the low byte):
-  hi = x rounded half up to e4m3's 4 significant bits by integer operations on its f32 bits (exact in e4m3 for
-  x >= 2^-6), lo = e4m3(x - hi) (the difference is exact in f32). Two conversions per pair (the f16 P of
-  "producer_vt" takes one): conversions may share a quarter-rate pipe with the producer's ex2 (a reading of the
-  thirtieth session's timelines, RESULTS.md; ``benchmarks/convert_rate_gpu.py`` measures it), so the split uses
-  integer and f32 operations wherever it can."""
-  i16 = ir.IntegerType.get_signless(16)
-  res = _asm(llvm.StructType.get_literal([i16, i16]), [x_lo, x_hi],
-             "{\n.reg .b32 ua, ub;\n.reg .f32 ha, hb, ra, rb;\n"
-             "mov.b32 ua, $2;\nmov.b32 ub, $3;\n"
-             f"add.u32 ua, ua, {HI_ROUND:#x};\nadd.u32 ub, ub, {HI_ROUND:#x};\n"
-             f"and.b32 ua, ua, {HI_MASK:#x};\nand.b32 ub, ub, {HI_MASK:#x};\n"
-             "mov.b32 ha, ua;\nmov.b32 hb, ub;\n"
-             "sub.f32 ra, $2, ha;\nsub.f32 rb, $3, hb;\n"
-             "cvt.rn.satfinite.e4m3x2.f32 $0, hb, ha;\n"
-             "cvt.rn.satfinite.e4m3x2.f32 $1, rb, ra;\n}",
-             "=h,=h,f,f")
-  return llvm.extractvalue(i16, res, [0]), llvm.extractvalue(i16, res, [1])
-
-
-def store_p8_pair_rows(p, p8):
-  """The producer's store of P (f32 (64, 64) WGMMA layout, rows = heads, values in [0, 256]) as P_hi and P_lo
-  into ``p8`` (SMEM memref [2, 64, 64] float8_e4m3fn, tiled, 64-byte swizzle) in the section's key order: per
-  thread and (c, h) one ``st.shared.b32`` per term of the 4 bytes 16c + 4t + [0, 4) of row 16w + 8h + q (key
-  pairs j' = 2c and 2c + 1). 16 stores per thread; a warp's store covers 16 bytes of each of 8 rows, which the
-  swizzle puts on distinct banks. The caller fences (``mgpu.commit_shared``)."""
-  i32 = ir.IntegerType.get_signless(32)
-  w, q, t = _thread()
-  base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(p8))
-  term_bytes = TILE * TILE
-  for h in range(2):
-    row = arith.addi(arith.muli(w, _i32(16)), arith.addi(q, _i32(8 * h)))
-    row_addr = arith.addi(base, arith.addi(arith.muli(row, _i32(TILE)), arith.muli(t, _i32(4))))
-    for c in range(TILE // 16):
-      halves = []
-      for e in range(2):
-        pair = p.registers[0, 2 * c + e, 0, 0, h, 0, 0, 0, 0]
-        halves.append(_split8_pair(vector.extract(pair, [], [0]), vector.extract(pair, [], [1])))
-      for term in range(2):
-        lo16, hi16 = (arith.extui(i32, halves[e][term]) for e in range(2))
-        word = arith.ori(lo16, arith.shli(hi16, _i32(16)))
-        addr = _swizzle(arith.addi(row_addr, _i32(term * term_bytes + 16 * c)), P8_SWIZZLE)
-        _asm(ir.Type.parse("!llvm.void"), [addr, word], "st.shared.b32 [$0], $1;", "r,r", side_effects=True)
-
-
-def store_p8(p, p8_ref):
-  """Pallas-level :func:`store_p8_pair_rows` of ``p`` (f32 (64, 64), WGMMA layout) into ``p8_ref`` (SMEM
-  [2, 64, 64] float8_e4m3fn, 64-byte swizzle), fenced for the async proxy (``mgpu.commit_shared``: the fence and
-  one warpgroup barrier)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(common.FP8, P8_SWIZZLE))))
-  def f(ctx, p, p8):
-    del ctx
-    store_p8_pair_rows(p, p8)
-    mgpu.commit_shared()
-  f(p, p8_ref)
-
-
-def split8_value(p):
-  """The value P_hi + P_lo that :func:`store_p8_pair_rows` stores for ``p`` (a jax or numpy float array of values
-  in [0, 256]), as f32, computed as :func:`_split8_pair` does: hi32 = p rounded half up to 4 significant bits
-  (f32 bit operations), hi = e4m3(hi32) (equal to it for p >= 2^-6), lo = e4m3(p - hi32). |error| <= 2^-8 p
-  (lo's rounding) + 2^-9 (e4m3's subnormal steps below 2^-6). For the tests and for interpret mode, whose f16 P
-  slot holds this value exactly (at most 8 significant bits within f16's range)."""
-  x = jnp.asarray(p, jnp.float32)
-  bits = lax.bitcast_convert_type(x, jnp.uint32)
-  hi32 = lax.bitcast_convert_type((bits + jnp.uint32(HI_ROUND)) & jnp.uint32(HI_MASK), jnp.float32)
-  hi = hi32.astype(common.FP8).astype(jnp.float32)
-  lo = (x - hi32).astype(common.FP8).astype(jnp.float32)
-  return hi + lo

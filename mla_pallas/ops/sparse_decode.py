@@ -440,8 +440,7 @@ def _mosaic_kernel(parts, kv_flat, indices, softmax_scale, kv_scale, topk_length
                             cfg.kernel, interpret=interpret)
   else:
     kern = cfg.module.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, out_dtype, cfg.kernel,
-                            interpret=interpret, heads=h, softmax_scale=softmax_scale, q_split=q_split,
-                            next_wave=_dispatch.num_sms())
+                            interpret=interpret, heads=h, softmax_scale=softmax_scale, q_split=q_split)
   scal = jnp.asarray(kv_scale, jnp.float32).reshape(1)
   if arch == "sm100":   # gather4: 2-D cache, unsigned row ids (all in [0, num_slots])
     return kern(*q_args, kv_flat, rows.astype(jnp.uint32), scal)
