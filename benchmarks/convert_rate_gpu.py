@@ -2,12 +2,17 @@
 
 Why: in the sparse heads-on-M kernel the producer's softmax (32 ``ex2.approx.ftz`` and 16 f32 -> f16x2
 conversions per thread and tile) shares each SMSP with two multiplier warps that convert 64 e4m3x2 -> f16x2 per
-thread and tile. When the multipliers stopped converting ("producer_vt8x2", thirtieth session) the softmax took
-1193 instead of 1432 cycles per tile, and when the producer took 48 more conversions per thread its store grew
-by 268 cycles (RESULTS.md, thirtieth session). Both fit a quarter-rate pipe that conversions and ex2 share;
-this measures it. Each CTA (one per SM, ``--waves`` per SM) runs 4 warpgroups; every thread runs 16 independent
-chains (the registers of an f32 (64, 64) WGMMA-layout array) of ``--reps`` x 8 instructions of one kind, or
-half of its chains of each of two kinds ("a+b"). Reported: instructions (per thread) completed per clock per SM
+thread and tile. When the multipliers stopped converting ("producer_vt8x2", thirtieth session; since deleted,
+docs/kernels/sparse_decode_sm90.md) the softmax took 1193 instead of 1432 cycles per tile, and when the producer
+took 48 more conversions per thread its store grew by 268 cycles (RESULTS.md, thirtieth session). Both fit a
+quarter-rate pipe that conversions and ex2 would share; this measured it. Result (H200, thirty-first session,
+benchmarks/raw/gpu_s31_2026-12-04/call1/convert_rate.txt): conversions and ex2 do not share a pipe. Half ex2,
+half cvt.f16x2.e4m3x2 run 31.8 instructions per clock per SM, the same as ex2 + fma (31.7); ex2 alone 16.0,
+cvt.f16x2.e4m3x2 alone 51.0.
+
+Each CTA (one per SM, ``--waves`` per SM) runs 4 warpgroups; every thread runs 16 independent chains (the
+registers of an f32 (64, 64) WGMMA-layout array) of ``--reps`` x 8 instructions of one kind, or half of its
+chains of each of two kinds ("a+b"). Reported: instructions (per thread) completed per clock per SM
 at the measured SM clock, against the CUDA guide's 16 (conversions, MUFU) or 64-128 (ALU) per clock per SM.
 
     python3 benchmarks/convert_rate_gpu.py               # ~30 s on the H200
