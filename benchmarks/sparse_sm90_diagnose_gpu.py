@@ -47,7 +47,6 @@ import argparse
 import collections
 import contextlib
 import glob
-import importlib
 import json
 import os
 import re
@@ -56,11 +55,6 @@ import unittest.mock
 
 import jax
 import jax.numpy as jnp
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import fragmented_array as fa
-from jax.experimental.mosaic.gpu import mma_utils, utils as mgpu_utils
 
 from mla_pallas import bench, testing
 from mla_pallas.bench_engine import format_table, run_spec
@@ -98,52 +92,11 @@ def _zero_s(k_tiles, stage_v, r):
   return pl.run_scoped(body, plgpu.ACC((common.TILE, common.TILE), jnp.float32))
 
 
-_QK_AND_UPCAST = heads_m._qk_and_upcast
-mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
-
-
-def _qk_skip_zero_steps(k_tiles, stage_v, r):
-  """``heads_m._qk_and_upcast`` over an fp8 cache (no V staging: "producer_vt"'s producer) with 18 QKᵀ wgmmas
-  instead of 20: the first two k32 steps of the fifth chunk multiply Q's 64 zero columns (the tile holds cache
-  columns 448-575 there, Q 64 zeros and the rope) and are not issued. Adding their exact zero changes no bit, so
-  S is bitwise the default's. Mosaic GPU's ``wgmma`` always issues a 128-byte group's 4 steps, so the last
-  two steps are issued through its ``mma_utils.create_descriptor`` / ``wgmma.wgmma_m64`` (descriptors advanced
-  by two k-steps; ``wgmma_m64``'s ``swizzle`` argument only sets how many steps it issues, the descriptors keep
-  the tiles' 128-byte swizzle). Everything else as ``plgpu.wgmma``; waited for before it returns."""
-  if stage_v is not None or r.q_sw.shape[0] != 5:
-    return _QK_AND_UPCAST(k_tiles, stage_v, r)
-  sw = plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK))
-
-  @plgpu.inline_mgpu(arg_types=(sw, sw), return_type=plgpu.ShapeDtypeStruct(
-      (common.TILE, common.TILE), jnp.float32, layout=plgpu.Layout.WGMMA))
-  def qk(ctx, q8, k8):
-    del ctx
-    acc = mgpu.WGMMAAccumulator.zero(common.TILE, common.TILE)
-    views = [(mgpu_utils.memref_slice(q8, c), mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k8, c),
-                                                                          (1, 0, 3, 2))) for c in range(5)]
-    for a, b in views[:4]:
-      acc = mgpu.wgmma(acc, a, b, swizzle=common.SW_CHUNK)
-    a, b = views[4]
-    (a_desc, a_k), _, a_fast = mma_utils.create_descriptor(a, swizzle=common.SW_CHUNK, large_tile=(64, 128),
-                                                           group_size=(64, 128), logical_k_major=False)
-    (b_desc, b_k), _, b_fast = mma_utils.create_descriptor(b, swizzle=common.SW_CHUNK, large_tile=(128, 128),
-                                                           group_size=(128, 64), logical_k_major=True)
-    a_k, b_k = a_k[1][0], b_k[1][0]
-    i64 = ir.IntegerType.get_signless(64)
-    skip = lambda desc, stride: llvm.add(desc, llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, 2 * (stride >> 4))),
-                                         overflow_flags=llvm.IntegerOverflowFlags.none)
-    f8 = ir.Float8E4M3FNType.get()
-    internal = acc._value          # the accumulator's own (32-bit ACC) layout, as mgpu.wgmma keeps it
-    regs = internal.registers.copy()
-    regs[0:1] = mgpu_wgmma.wgmma_m64(regs[0:1], skip(a_desc, a_k), skip(b_desc, b_k), a_transpose=a_fast != mma_utils.Dim.K,
-                                b_transpose=b_fast != mma_utils.Dim.K, a_k_stride=a_k, b_k_stride=b_k,
-                                n=common.TILE, swizzle=64, a_element_type=f8, b_element_type=f8)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
-    done = mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=internal.layout, _is_signed=None),
-                                 _original_layout=acc._original_layout, _sync=False)
-    return fa.optimization_barrier(done.value)
-  return qk(r.q_sw, k_tiles)
+def _qk_20(k_tiles, r, interpret):
+  """The producer's QKᵀ as five ``plgpu.wgmma`` chunks (20 k32 steps; the default before the thirty-first session
+  skips the two over Q's zero columns: ``heads_m._qk_fp8_18``)."""
+  del interpret
+  return heads_m._qk_and_upcast(k_tiles, None, r)
 
 
 def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
@@ -212,7 +165,8 @@ class _ExactPlgpu:
 ROWS = {
     "none": {},
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
-    "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s},
+    "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s,
+              (heads_m, "_qk_producer"): lambda k_tiles, r, interpret: _zero_s(k_tiles, None, r)},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
     "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words, (vt_registers, "load_v_half_words"): _zero_words},
@@ -246,12 +200,14 @@ ROWS = {
     # skip the rescale in a tile where no row grew): 261.1 against 245.3 us lazily at P1, twenty-eighth session;
     # 258.5 against 244.2, twenty-ninth session call 1
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
-    # the producer's QKᵀ without the two k32 steps over Q's zero columns (18 wgmmas, not 20; bitwise the same S)
-    "qk_18": {(heads_m, "_qk_and_upcast"): _qk_skip_zero_steps},
+    # the producer's QKᵀ with the two k32 steps over Q's zero columns (20 wgmmas, not 18; bitwise the same S)
+    "qk_20": {(heads_m, "_qk_producer"): _qk_20},
+    # a copy of the multipliers' code per half (the form before the thirty-first session) instead of one path
+    "mult_2copies": {(heads_m, "SHARED_MULTIPLIER_CODE"): False},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_18")
+           "before_s29", "qk_20", "mult_2copies")
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ LANE_VALUES = 16           # values per lane and row: latent [16 l, 16 l + 16) o
 Q_LOAD_REGS = 128
 
 
-def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, count: int | None = None,
+def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first=0, count: int | None = None,
                            q_rope=None) -> None:
   """Raw Mosaic GPU body (one warpgroup): tile rows ``first .. first + count`` (default: all) of the Q tile ``q8``
   (SMEM memref [5, tile_rows, 128] fp8, Tiling(8, 128) + 128-byte swizzle: latent | 64 zeros | rope) from rows
@@ -79,7 +79,8 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
   q_rope [R, 64] the rope part, each bf16 or f32: the row is their concatenation), quantized per row as in the
   module docstring, and
   each row's max |q| into ``amax_out[r]`` (SMEM memref of >= tile_rows f32); tile rows ``r >= rows`` get zeros
-  (and amax 0). ``row0``: i32 value; ``rows``, ``first``, ``count`` (a multiple of 4) static.
+  (and amax 0). ``row0``: i32 value; ``rows``, ``count`` (a multiple of 4) static; ``first`` static or an i32
+  value (one code path for both halves of a tile).
 
   Warp w takes tile rows first + w, first + w + 4, ...; lane l loads latent values [16 l, 16 l + 16) and lanes 4-7
   also rope values [16 (l - 4), 16 (l - 4) + 16), the loads of up to ``Q_LOAD_REGS`` registers' worth of rows
@@ -92,7 +93,11 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
   q8_shape = ir.MemRefType(q8.type).shape   # tiled: [5, rows / 8, 1, 8, 128]
   tile_rows = q8_shape[1] * q8_shape[3] if len(q8_shape) == 5 else q8_shape[1]
   count = tile_rows if count is None else count
-  assert count % 4 == 0 and 0 <= first and first + count <= tile_rows, (first, count, tile_rows)
+  if isinstance(first, int):
+    assert count % 4 == 0 and 0 <= first and first + count <= tile_rows, (first, count, tile_rows)
+    first = raw.c32(first)
+  else:                    # an i32 value: the caller keeps first + count <= tile_rows
+    assert count % 4 == 0 and count <= tile_rows, (count, tile_rows)
   dtype = ir.MemRefType(q.type).element_type
   item = raw.float_bytes(dtype)
   _, warp, lane = raw.thread_in_warpgroup()
@@ -114,7 +119,7 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
   rope_part = arith.select(rope_lane, arith.subi(lane, raw.c32(4)), raw.c32(0))
   tail_lane = arith.cmpi(arith.CmpIPredicate.ult, lane, raw.c32(8))
   def load(j):          # row j of this warp: its raw latent and rope vectors (rows past `rows` read row 0)
-    r = arith.addi(warp, raw.c32(first + 4 * j))
+    r = arith.addi(arith.addi(warp, first), raw.c32(4 * j))
     real = arith.cmpi(arith.CmpIPredicate.ult, r, raw.c32(rows))
     src = raw.wide(arith.addi(row0, arith.select(real, r, raw.c32(0))))
     latent = raw.load_vectors(q_base, arith.addi(arith.muli(src, raw.c64(row_bytes)), raw.wide(
@@ -149,21 +154,29 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first: int = 0, cou
                lambda r=r, a=amax: raw.st_shared_f32(arith.addi(amax_base, arith.muli(r, raw.c32(4))), a))
 
 
-def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0, count: int | None = None) -> None:
+def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first=0, count: int | None = None) -> None:
   """Pallas-level :func:`quantize_head_rows_raw` (run by one warpgroup; not in interpret mode): ``q_ref`` GMEM
   [R, 576] bf16 / f32, or a pair (latent [R, 512], rope [R, 64]) of GMEM refs (:func:`q_parts`), ``q8_ref`` SMEM
   [5, tile_rows, 128] fp8 (``common.q_scratch``), ``amax_ref`` SMEM [>= tile_rows] f32; ``row0`` an int32 scalar
-  (traced), ``rows``, ``first``, ``count`` static."""
+  (traced), ``rows``, ``count`` static, ``first`` static or an int32 scalar (traced; first + count <= the tile's
+  rows)."""
   parts = q_parts(q_ref)
   sw = plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK))
+  static_first = isinstance(first, int)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(parts) + (sw, plgpu.RefType(), raw.SCALAR_LAYOUT))
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(parts) + (sw, plgpu.RefType(), raw.SCALAR_LAYOUT) +
+                     (() if static_first else (raw.SCALAR_LAYOUT,)))
   def f(ctx, *args):
     del ctx
-    *qs, q8, amax, row0_fa = args
-    quantize_head_rows_raw(qs[0], q8, amax, raw.scalar_value(row0_fa), rows, first, count,
+    if static_first:
+      *qs, q8, amax, row0_fa = args
+      first_v = first
+    else:
+      *qs, q8, amax, row0_fa, first_fa = args
+      first_v = raw.scalar_value(first_fa)
+    quantize_head_rows_raw(qs[0], q8, amax, raw.scalar_value(row0_fa), rows, first_v, count,
                            q_rope=qs[1] if len(qs) > 1 else None)
-  f(*parts, q8_ref, amax_ref, raw.scalar_array(row0))
+  f(*parts, q8_ref, amax_ref, raw.scalar_array(row0), *(() if static_first else (raw.scalar_array(first),)))
 
 
 def q_parts(q_ref) -> tuple:

@@ -118,17 +118,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import ClassVar
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import mma_utils, utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common, q_quant, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
+
+mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
 
 LOADER = 2   # "twin": warpgroup index of the loader; consumers are 0 and 1 ("producer_vt": 3; multipliers 1, 2)
 # "producer_vt": loader, producer, each multiplier (24 + 88 + 2 · 200 = 4 · 128). With all four blocks' A fragments
@@ -142,6 +149,9 @@ PRODUCER_REGS = (24, 88, 200)
 # exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
+# "producer_vt" on hardware: both multiplier warpgroups run one code path with their half traced (False: a copy
+# per half, the code before the thirty-first session; an A/B of the instruction-cache footprint, to be settled)
+SHARED_MULTIPLIER_CODE = True
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -256,6 +266,65 @@ def _qk_and_upcast(k_tiles, stage_v, r: common.SparseRefs):
       plgpu.commit_smem()
     return acc_ref[...]
   return pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
+
+
+def _qk_producer(k_tiles, r: common.SparseRefs, interpret: bool):
+  """The producer's S = Q·Kᵀ of one tile over an fp8 cache, waited for: :func:`_qk_fp8_18` on hardware; in
+  interpret mode (no ``inline_mgpu`` there) :func:`_qk_and_upcast`'s five wgmmas (the same S)."""
+  if interpret:
+    return _qk_and_upcast(k_tiles, None, r)
+  return _qk_fp8_18(r.q_sw, k_tiles)
+
+
+QK_STEPS = 4 * common.SW_CHUNKS - 2   # k32 steps of the producer's QKᵀ: all but the two over Q's zero columns
+
+
+def _qk_fp8_18(q_sw, k_tiles):
+  """S = Q·Kᵀ [64, 64] f32 (WGMMA layout) from the fp8 Q tile ``q_sw`` and K tile ``k_tiles`` ([5, 64, 128] fp8
+  each, 128-byte swizzled) with 18 m64n64k32 wgmmas instead of 20: in the fifth chunk Q holds 64 zero columns
+  against cache columns 448-511 (which chunk 3 already multiplies) and then the rope, so its first two k32 steps
+  add exact zeros and are not issued (S is bit for bit the five-chunk product's). Mosaic GPU's ``wgmma`` issues
+  all four steps of a 128-byte chunk, so chunks 0-3 go through it and the fifth chunk's last two steps through its
+  descriptor helpers (``mma_utils.create_descriptor``, ``wgmma.wgmma_m64``: both descriptors advanced by two
+  k-steps; ``wgmma_m64``'s ``swizzle`` argument only sets how many steps it issues, the descriptors keep the
+  tiles' 128-byte swizzle). One commit group, waited for before returning."""
+  sw = plgpu.RefType(swizzled(common.FP8, common.SW_CHUNK))
+
+  @plgpu.inline_mgpu(arg_types=(sw, sw), return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.float32,
+                                                                               layout=plgpu.Layout.WGMMA))
+  def qk(ctx, q8, k8):
+    del ctx
+    acc = mgpu.WGMMAAccumulator.zero(TILE, TILE)
+    views = [(mgpu_utils.memref_slice(q8, c), mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k8, c),
+                                                                          (1, 0, 3, 2)))
+             for c in range(common.SW_CHUNKS)]
+    for a, b in views[:-1]:
+      acc = mgpu.wgmma(acc, a, b, swizzle=common.SW_CHUNK)
+    a, b = views[-1]
+    (a_desc, a_k), _, a_fast = mma_utils.create_descriptor(a, swizzle=common.SW_CHUNK, large_tile=(TILE, 128),
+                                                           group_size=(TILE, 128), logical_k_major=False)
+    (b_desc, b_k), _, b_fast = mma_utils.create_descriptor(b, swizzle=common.SW_CHUNK, large_tile=(128, 128),
+                                                           group_size=(128, TILE), logical_k_major=True)
+    a_k, b_k = a_k[1][0], b_k[1][0]
+    i64 = ir.IntegerType.get_signless(64)
+
+    def skip(desc, stride):   # the descriptor two k32 steps on (its address field counts 16-byte units)
+      return llvm.add(desc, llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, 2 * (stride >> 4))),
+                      overflow_flags=llvm.IntegerOverflowFlags.none)
+    f8 = ir.Float8E4M3FNType.get()
+    internal = acc._value     # the accumulator's own (32-bit ACC) layout, as mgpu.wgmma keeps it
+    regs = internal.registers.copy()
+    regs[0:1] = mgpu_wgmma.wgmma_m64(regs[0:1], skip(a_desc, a_k), skip(b_desc, b_k),
+                                     a_transpose=a_fast != mma_utils.Dim.K, b_transpose=b_fast != mma_utils.Dim.K,
+                                     a_k_stride=a_k, b_k_stride=b_k, n=TILE, swizzle=64, a_element_type=f8,
+                                     b_element_type=f8)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    done = mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=internal.layout,
+                                                           _is_signed=None),
+                                 _original_layout=acc._original_layout, _sync=False)
+    return fa.optimization_barrier(done.value)
+  return qk(q_sw, k_tiles)
 
 
 def _upcast_half(k_tiles, wg, r: common.SparseRefs):
@@ -561,7 +630,7 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     with jax.named_scope("p_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("p_qk"):
-      s = _qk_and_upcast(k_tiles, None, r)
+      s = _qk_producer(k_tiles, r, interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
       p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
@@ -606,13 +675,21 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
       _producer(cfg, num_slots, interpret, tile_q, split, r,
                 (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
 
-    # interpret mode's multipliers: the same products with V upcast to the f16 tile
-    multiply = functools.partial(_multiplier_interpret, cfg, out_dtype) if interpret else \
-        functools.partial(_multiplier, cfg)
-    for half in range(2):
-      @pl.when(wg == 1 + half)
+    q_mult = (q_in[0], interpret) if cfg.q_in_kernel else None
+    if interpret:   # interpret mode's multipliers: the same products with V upcast to the f16 tile
+      for half in range(2):
+        @pl.when(wg == 1 + half)
+        def _():
+          _multiplier_interpret(cfg, out_dtype, tile_q, split, r, half=half, q_in=q_mult)
+    elif SHARED_MULTIPLIER_CODE:   # one code path, the half traced (WG1: 0, WG2: 1)
+      @pl.when((wg == 1) | (wg == 2))
       def _():
-        multiply(tile_q, split, r, half=half, q_in=(q_in[0], interpret) if cfg.q_in_kernel else None)
+        _multiplier(cfg, tile_q, split, r, half=wg - 1, q_in=q_mult)
+    else:
+      for half in range(2):
+        @pl.when(wg == 1 + half)
+        def _():
+          _multiplier(cfg, tile_q, split, r, half=half, q_in=q_mult)
   else:
     @pl.when(wg < LOADER)
     def _():
