@@ -251,14 +251,6 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
-diag_s31() {   # the new default (qk_18: the producer's QKᵀ in 18 wgmmas; one code path for both multipliers) beside
-               # each part reverted; the default's P1 timeline and PTX (for the SASS: the kernel's code footprint)
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_s31_P1 150 $py --iters 20 --cases P1 --ptxas --rows none,qk_20,mult_2copies --out "$OUT/diag_s31"
-  run diag_s31_F1 170 $py --iters 20 --cases F1 --rows none,qk_20,mult_2copies --out "$OUT/diag_s31_F1"
-  run timeline_s31 100 $py --timeline --cases P1 --rows none,mult_2copies --out "$OUT/timeline_s31"
-  rm -f "$OUT"/timeline*/timeline_*/*trace.json
-}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
@@ -268,7 +260,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_s31,t_gpu_par"
+next=""
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -202,12 +202,10 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ with the two k32 steps over Q's zero columns (20 wgmmas, not 18; bitwise the same S)
     "qk_20": {(heads_m, "_qk_producer"): _qk_20},
-    # a copy of the multipliers' code per half (the form before the thirty-first session) instead of one path
-    "mult_2copies": {(heads_m, "SHARED_MULTIPLIER_CODE"): False},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "mult_2copies")
+           "before_s29", "qk_20")
 
 
 @contextlib.contextmanager
@@ -409,10 +407,10 @@ def main(argv=None) -> int:
       if a.timeline:
         lower_timeline(op, shape, a.out, a.timeline_space, tuning)
     return 0
-  if a.timeline:
+  if a.timeline:   # every requested row, ablations too (a timeline checks no values)
     report = []
     for name, (op, shape) in cases.items():
-      for row in [r for r in rows if r in CHECKED]:
+      for row in rows:
         with patched(row):
           report += timeline(name if row == "none" else f"{name}_{row}", op, shape, a.out, a.timeline_space,
                              tuning)

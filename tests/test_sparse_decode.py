@@ -485,37 +485,35 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
   assert low.count(r"wgmma\.mma_async[^ ]*e4m3\.e4m3") == (heads_m.QK_STEPS if schedule == "producer_vt" else 20)
   assert heads_m.QK_STEPS == 18
   if H > sd.HEADS_ON_N_MAX:
-    # the multipliers' code: one path for both halves (heads_m.SHARED_MULTIPLIER_CODE), else a copy per half
-    copies = 1 if heads_m.SHARED_MULTIPLIER_CODE else 2
     if schedule == "producer_vt":
       # 4 warpgroups: the loader and the producer give registers back, the two multipliers take them
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 24;") == 1
       assert low.count(r"setmaxnreg\.dec\.sync\.aligned\.u32 88;") == 1
-      assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == copies
+      assert low.count(r"setmaxnreg\.inc\.sync\.aligned\.u32 200;") == 1    # one code path for both multipliers
       # the producer's P / alpha hand-off in raw Mosaic GPU (heads_m._store_p_alpha): P by 4 stmatrix, one
-      # warpgroup barrier per tile (the kernel's 11 with two multiplier copies; Pallas ref stores made it 15);
-      # exp2 / log2 as the approximate ftz forms (approx_math: no math.exp2 left), the lse's log2 on two paths
+      # warpgroup barrier per tile (the kernel's 10; Pallas ref stores made it 14); exp2 / log2 as the
+      # approximate ftz forms (approx_math: no math.exp2 left), the lse's log2 on two paths
       assert low.count(r"stmatrix") == 4
-      assert low.count(r"bar\.sync \$0, 128;") == 9 + copies    # (+ the multipliers' Q fence per code copy)
+      assert low.count(r"bar\.sync \$0, 128;") == 10
       assert low.count(r"ex2\.approx\.ftz\.f32") > 0 and low.count(r"math\.exp2") == 0
       assert low.count(r"lg2\.approx\.ftz\.f32") == 2
     else:   # "twin": exact exp2 (not measured with approx_math)
       assert low.count(r"ex2\.approx") == 0 and low.count(r"math\.exp2") > 0
     if schedule == "producer_vt":
-      # Oᵀ: per multiplier 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 16 64-bit loads (one per
+      # Oᵀ (one code path for both multipliers): 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 16 64-bit loads (one per
       # key: both row halves of its 4 blocks), one byte permute per A register (one block at a time: 64; block
       # i - 2 retired by a wait_group 1 before block i is built), 64 e4m3x2 -> f16x2 conversions; O in 16-byte
       # bf16 pieces (8 head groups x 2 heads, 8 consecutive latent columns each)
-      assert low.count(r"m64n64k16\.f32\.f16\.f16") == copies * 16
-      assert low.count(r"ld\.shared\.v2\.b32") == copies * 16
+      assert low.count(r"m64n64k16\.f32\.f16\.f16") == 16
+      assert low.count(r"ld\.shared\.v2\.b32") == 16
       assert low.count(r"ld\.shared\.b32 ") == 4        # the thread gather's 4 row-id loads
-      assert low.count(r"prmt\.b32") == copies * 64
-      assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == copies * 64
-      assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == copies * 2
-      assert low.count(r"\{alignment = 16 : i64\} : vector<8xbf16>") == copies * 8 * 2
+      assert low.count(r"prmt\.b32") == 64
+      assert low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 64
+      assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == 2
+      assert low.count(r"\{alignment = 16 : i64\} : vector<8xbf16>") == 8 * 2
       # Q quantized by the multipliers (q_quant.quantize_head_rows, 32 rows each, 4 rows per warp): a 16-byte
       # store of latent and one of the tail chunk per row and lane
-      assert low.count(r"st\.shared\.v4\.b32") == copies * 8 * 2
+      assert low.count(r"st\.shared\.v4\.b32") == 8 * 2
     else:
       # P·V ("twin"): 4 k16 steps of m64n256k16 in the one code path both consumers share, P from registers
       assert low.count(r"wgmma\.mma_async[^ ]*f16\.f16") == 4

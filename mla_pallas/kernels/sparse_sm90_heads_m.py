@@ -149,9 +149,6 @@ PRODUCER_REGS = (24, 88, 200)
 # exceeds it by more than this (base-2 logits), so P <= 2^8 (f16 holds it with the same 11-bit precision) and most
 # tiles leave every alpha at 1, where the multipliers skip the rescale of their 128 accumulator registers.
 RESCALE_THRESHOLD = 8.0
-# "producer_vt" on hardware: both multiplier warpgroups run one code path with their half traced (False: a copy
-# per half, the code before the thirty-first session; an A/B of the instruction-cache footprint, to be settled)
-SHARED_MULTIPLIER_CODE = True
 P_BUFFERS = 2        # P / alpha slots of the hand-off
 INV_SLOT = P_BUFFERS  # head_smem row of kv_scale / l (after the alpha rows)
 
@@ -681,15 +678,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
         @pl.when(wg == 1 + half)
         def _():
           _multiplier_interpret(cfg, out_dtype, tile_q, split, r, half=half, q_in=q_mult)
-    elif SHARED_MULTIPLIER_CODE:   # one code path, the half traced (WG1: 0, WG2: 1)
+    else:   # one code path for both multipliers, the half traced (WG1: 0, WG2: 1; docs/kernels: a copy per half
+            # made the second one's Q quantization 4 k cycles longer)
       @pl.when((wg == 1) | (wg == 2))
       def _():
         _multiplier(cfg, tile_q, split, r, half=wg - 1, q_in=q_mult)
-    else:
-      for half in range(2):
-        @pl.when(wg == 1 + half)
-        def _():
-          _multiplier(cfg, tile_q, split, r, half=half, q_in=q_mult)
   else:
     @pl.when(wg < LOADER)
     def _():
