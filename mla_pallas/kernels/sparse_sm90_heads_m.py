@@ -45,12 +45,11 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   8-128-tile splits. The schedule of the bf16 cache.
 * "producer_vt" (4 warpgroups; the op's choice over an fp8 cache): WG0 — the *producer* (88 registers) — alone
   computes S (one QKᵀ per tile: 18 fp8 m64n64k32 wgmmas, ``_qk_fp8_18``, the two k32 steps over Q's zero columns
-  not issued), releases the K buffer, runs the online softmax and writes P (f16 [64, 64],
-  128-byte swizzled) and alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles
-  ahead); after the last tile it publishes kv_scale / l (``p_full[2]``) and writes the lse. WG1 and WG2 — the
-  *multipliers* (200 registers; one code path, their half traced) — first quantize 32 rows of Q each (section
-  "Q in the kernel"), then each hold
-  half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built from the fp8 K
+  not issued), releases the K buffer, runs the online softmax and writes P (f16 [64, 64], 128-byte swizzled) and
+  alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles ahead); after the last
+  tile it publishes kv_scale / l (``p_full[2]``) and writes the lse. WG1 and WG2 — the *multipliers* (200
+  registers; one code path, their half traced) — first quantize 32 rows of Q each (section "Q in the kernel"),
+  then each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built from the fp8 K
   tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the
   K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each (``vt_registers.latent_of_half_row``: thread
   (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its rows of the 4 blocks; 4 × 32 f32 registers).
