@@ -33,7 +33,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas import testing
+from mla_pallas import bench_timing, testing
 from mla_pallas.kernels import common
 from mla_pallas.kernels.raw_mgpu import asm
 
@@ -116,12 +116,7 @@ def main(argv=None) -> int:
       testing.lower_for_cuda(kern, arch=(9, 0))
       print(f"{row}: lowered", flush=True)
       continue
-    from jax.experimental.mosaic.gpu import profiler
-    f = jax.jit(kern)
-    jax.block_until_ready(f())
-    _, t = profiler.measure(f, aggregate=False, iterations=a.iters)()
-    its = t if isinstance(t[0][0], (tuple, list)) else [t]
-    us = statistics.median(sum(ms for _, ms in it) for it in its) * 1e3
+    us = statistics.median(bench_timing.time_cupti(kern, [()], iters=a.iters, warmup=1)[0])
     instr = ctas * 512 * 32 * a.reps * INNER          # thread-level instructions (32 f32 values per thread)
     per_clk = instr / SMS / (us * 1e-6 * a.clock_mhz * 1e6)
     print(f"{row:36s} {us:9.1f} us  {per_clk:6.1f} per clock per SM", flush=True)

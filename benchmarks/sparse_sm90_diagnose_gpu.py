@@ -93,8 +93,8 @@ def _zero_s(k_tiles, stage_v, r):
 
 
 def _qk_20(k_tiles, r, interpret):
-  """The producer's QKᵀ as five ``plgpu.wgmma`` chunks (20 k32 steps; the default before the thirty-first session
-  skips the two over Q's zero columns: ``heads_m._qk_fp8_18``)."""
+  """The producer's QKᵀ as five ``plgpu.wgmma`` chunks (20 k32 steps: the form before the thirty-first session;
+  the default, ``heads_m._qk_fp8_18``, skips the two over Q's zero columns)."""
   del interpret
   return heads_m._qk_and_upcast(k_tiles, None, r)
 

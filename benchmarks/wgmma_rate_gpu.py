@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas import testing
+from mla_pallas import bench_timing, testing
 from mla_pallas.kernels import common
 
 M = 64
@@ -100,12 +100,7 @@ def main(argv=None) -> int:
       testing.lower_for_cuda(kern, *args, arch=(9, 0))
       print(f"{name}: lowered", flush=True)
       continue
-    from jax.experimental.mosaic.gpu import profiler
-    f = jax.jit(kern)
-    jax.block_until_ready(f(*args))
-    _, t = profiler.measure(f, aggregate=False, iterations=a.iters)(*args)
-    its = t if isinstance(t[0][0], (tuple, list)) else [t]      # per iteration: [(kernel, ms), ...]
-    us = statistics.median(sum(ms for _, ms in it) for it in its) * 1e3
+    us = statistics.median(bench_timing.time_cupti(kern, [args], iters=a.iters, warmup=1)[0])
     instr = ctas * w * a.reps * 4                 # wgmma instructions in all
     tflops = instr * 2 * M * n * (k // 4) / (us * 1e-6) / 1e12
     ns = us * 1e3 / (instr / SMS)

@@ -500,10 +500,10 @@ def test_kernel_lowers_for_sm90(H, s_q, topk, splits, k_buffers, schedule):
     else:   # "twin": exact exp2 (not measured with approx_math)
       assert low.count(r"ex2\.approx") == 0 and low.count(r"math\.exp2") > 0
     if schedule == "producer_vt":
-      # Oᵀ (one code path for both multipliers): 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 16 64-bit loads (one per
-      # key: both row halves of its 4 blocks), one byte permute per A register (one block at a time: 64; block
-      # i - 2 retired by a wait_group 1 before block i is built), 64 e4m3x2 -> f16x2 conversions; O in 16-byte
-      # bf16 pieces (8 head groups x 2 heads, 8 consecutive latent columns each)
+      # Oᵀ (one code path for both multipliers): 4 blocks x 4 k16 steps of m64n64k16 with Vᵀ from registers: 16
+      # 64-bit loads (one per key: both row halves of its 4 blocks), one byte permute per A register (one block at
+      # a time: 64; block i - 2 retired by a wait_group 1 before block i is built), 64 e4m3x2 -> f16x2
+      # conversions; O in 16-byte bf16 pieces (8 head groups x 2 heads, 8 consecutive latent columns each)
       assert low.count(r"m64n64k16\.f32\.f16\.f16") == 16
       assert low.count(r"ld\.shared\.v2\.b32") == 16
       assert low.count(r"ld\.shared\.b32 ") == 4        # the thread gather's 4 row-id loads

@@ -40,6 +40,16 @@ def asm(result_type, args, text: str, constraints: str, side_effects: bool = Fal
   return llvm.inline_asm(result_type, args, text, constraints, has_side_effects=side_effects)
 
 
+def wgmma_commit() -> None:
+  """``wgmma.commit_group``: the wgmmas issued since the last commit form one group."""
+  asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", side_effects=True)
+
+
+def wgmma_wait(pending: int) -> None:
+  """``wgmma.wait_group``: wait until at most ``pending`` of this warpgroup's newest groups are in flight."""
+  asm(ir.Type.parse("!llvm.void"), [], f"wgmma.wait_group.sync.aligned {pending};", "", side_effects=True)
+
+
 def scalar_array(x):
   """An int32 scalar (traced) as a warpgroup array: ``inline_mgpu`` takes refs and register arrays only."""
   return plgpu.layout_cast(jnp.full((THREADS,), x, jnp.int32), SCALAR_LAYOUT)

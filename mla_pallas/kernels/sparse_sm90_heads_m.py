@@ -133,7 +133,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import mma_utils, utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, q_quant, vt_registers
+from mla_pallas.kernels import common, q_quant, raw_mgpu, vt_registers
 from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
 mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
@@ -316,8 +316,8 @@ def _qk_fp8_18(q_sw, k_tiles):
                                      a_transpose=a_fast != mma_utils.Dim.K, b_transpose=b_fast != mma_utils.Dim.K,
                                      a_k_stride=a_k, b_k_stride=b_k, n=TILE, swizzle=64, a_element_type=f8,
                                      b_element_type=f8)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    raw_mgpu.wgmma_commit()
+    raw_mgpu.wgmma_wait(0)
     done = mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=internal.layout,
                                                            _is_signed=None),
                                  _original_layout=acc._original_layout, _sync=False)
@@ -390,11 +390,11 @@ def _amax_row(r: common.SparseRefs):
   return r.head_smem if len(r.head_smem.shape) == 1 else r.head_smem.at[INV_SLOT + 1]
 
 
-def _quantize_q_rows(tile_q, r: common.SparseRefs, half: int, heads: int, interpret: bool):
+def _quantize_q_rows(tile_q, r: common.SparseRefs, half, heads: int, interpret: bool):
   """``TuningConfig.q_in_kernel``: this warpgroup quantizes tile rows [32 half, 32 half + 32) of query tile
   ``tile_q`` (heads 64 (tile_q % tiles) + r of token tile_q // tiles; rows past H are zeros) from q [T · H, 576]
   into ``q_sw`` and their max |q| into :func:`_amax_row`, fences them and arrives on ``q_bar`` (two arrivals:
-  the tile is complete)."""
+  the tile is complete). ``half``: 0 or 1, a Python int or traced (the multipliers' one code path)."""
   tiles = max(1, heads // TILE)
   row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
   quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
@@ -534,7 +534,7 @@ def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.
   common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
 
 
-def _multiplier_start(tile_q, r: common.SparseRefs, half: int, q_in):
+def _multiplier_start(tile_q, r: common.SparseRefs, half, q_in):
   """A multiplier's registers (``PRODUCER_REGS[2]``) and, where the kernel quantizes Q (``q_in``: heads,
   interpret), its half of the tile's rows first."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
@@ -586,8 +586,8 @@ def _pv_vt(accs, words, pb, r: common.SparseRefs):
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
 
-def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
-  """"producer_vt" (hardware), multiplier WG1 + ``half``: per tile its bytes of V (latent columns 256 half ...
+def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_in=None):
+  """"producer_vt" (hardware), multiplier WG1 + ``half`` (traced: both multipliers run this code): per tile its bytes of V (latent columns 256 half ...
   256 half + 255, ``vt_registers.load_v_half_words``) from the K tile, the K buffer's release, then after slot
   t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the slot; at the end its half of O (16-byte
   row pieces). ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half of the rows

@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels.raw_mgpu import (SCALAR_LAYOUT, asm as _asm, c32 as _i32, scalar_array, scalar_value,
-                                         thread_in_warpgroup)
+                                         thread_in_warpgroup, wgmma_commit as _commit, wgmma_wait as _wait)
 
 D_V = 512            # latent columns of V
 TILE = 64            # keys per tile; rows per M block
@@ -118,21 +118,16 @@ def latent_of_half_row(half: int, g: int, r):
   return 256 * half + 64 * (r // 16) + 8 * (r % 8) + 4 * ((r // 8) % 2) + g
 
 
-def _half_value(half):
-  """A multiplier half (0 or 1) as an i32 value: ``half`` a Python int or already an i32 value (one code path
-  for both multiplier warpgroups)."""
-  return _i32(half) if isinstance(half, int) else half
-
-
 def load_half_words(k_tile, half):
   """Multiplier ``half``'s bytes of V (latent columns 256 half ... 256 half + 255, :func:`latent_of_half_row`)
   from the K tile ``k_tile`` (Mosaic memref [5, 8, 1, 8, 128] fp8, 128-byte swizzle) in :func:`load_words`'
   container, read as word 0: register (i, h) holds, in both lanes, the 4 bytes (blocks 0-3) of key
   8 (i // 2) + 2t + i % 2 at columns 256 half + 64w + 8q + 4h + [0, 4). One ``ld.shared.v2.b32`` per key (16 per
   thread; chunk 2 half + w // 2, unit 4 (w % 2) + q // 2): the four keys of one instruction take 64 bytes of a
-  row each, two on each half of the banks (2 wavefronts for 256 bytes, no conflict)."""
+  row each, two on each half of the banks (2 wavefronts for 256 bytes, no conflict). ``half``: an i32 value (0 or
+  1: one code path for both multipliers)."""
   w, q, _ = _thread()
-  chunk = arith.addi(arith.muli(_half_value(half), _i32(2)), arith.divui(w, _i32(2)))
+  chunk = arith.addi(arith.muli(half, _i32(2)), arith.divui(w, _i32(2)))
   unit = arith.addi(arith.muli(arith.remui(w, _i32(2)), _i32(4)), arith.divui(q, _i32(2)))
 
   def place(regs, i, _, lo, hi):
@@ -145,11 +140,10 @@ def store_half_rows(accs, o, half):
   """Stores multiplier ``half``'s Oᵀ: accs[g] (g = 0-3, f32 (64, N) WGMMA-layout arrays in the
   :func:`latent_of_half_row` order) to ``o`` (GMEM memref [out_heads, 512], bf16 or f32): for each of its heads
   8j + 2t + v a thread holds the 8 consecutive columns 256 half + 64w + 8q + [0, 8) (h = 0, 1 times blocks 0-3),
-  one 16-byte (bf16) or two (f32) vector stores each."""
+  one 16-byte (bf16) or two (f32) vector stores each. ``half``: an i32 value (0 or 1)."""
   assert len(accs) == HALF_BLOCKS, len(accs)
   w, q, _ = _thread()
-  col = arith.addi(arith.muli(_half_value(half), _i32(256)), arith.addi(arith.muli(w, _i32(64)),
-                                                                       arith.muli(q, _i32(8))))
+  col = arith.addi(arith.muli(half, _i32(256)), arith.addi(arith.muli(w, _i32(64)), arith.muli(q, _i32(8))))
   _store_vectors(o, col, [(0, [(a, h) for h in range(2) for a in accs])])
 
 
@@ -242,29 +236,23 @@ def store_o(accs, o_ref):
 
 def store_half_o(accs, o_ref, half):
   """Pallas-level :func:`store_half_rows`: multiplier ``half``'s ``accs`` (4 f32 (64, N) arrays, WGMMA layout,
-  already normalised) to ``o_ref`` (GMEM [out_heads, 512]); ``half`` a Python int or an int32 scalar (traced)."""
-  static = isinstance(half, int)
-
-  @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs), plgpu.RefType())
-                     + (() if static else (SCALAR_LAYOUT,)))
-  def f(ctx, accs, o, *h):
+  already normalised) to ``o_ref`` (GMEM [out_heads, 512]); ``half`` an int32 scalar (traced or a Python int)."""
+  @plgpu.inline_mgpu(arg_types=(tuple(plgpu.Layout.WGMMA for _ in accs), plgpu.RefType(), SCALAR_LAYOUT))
+  def f(ctx, accs, o, half_arr):
     del ctx
-    store_half_rows(accs, o, half if static else scalar_value(h[0]))
-  f(tuple(accs), o_ref, *(() if static else (scalar_array(half),)))
+    store_half_rows(accs, o, scalar_value(half_arr))
+  f(tuple(accs), o_ref, scalar_array(half))
 
 
 def load_v_half_words(k_tile_ref, half):
   """Pallas-level :func:`load_half_words` of the K tile ``k_tile_ref`` ([5, 64, 128] fp8, 128-byte swizzled);
-  ``half`` a Python int or an int32 scalar (traced)."""
-  static = isinstance(half, int)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)),)
-                     + (() if static else (SCALAR_LAYOUT,)),
+  ``half`` an int32 scalar (traced or a Python int)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(common.swizzled(common.FP8, ROW_BYTES)), SCALAR_LAYOUT),
                      return_type=plgpu.ShapeDtypeStruct((TILE, 2 * TILE), jnp.int32, layout=plgpu.Layout.WGMMA))
-  def f(ctx, k_tile, *h):
+  def f(ctx, k_tile, half_arr):
     del ctx
-    return load_half_words(k_tile, half if static else scalar_value(h[0]))
-  return f(k_tile_ref, *(() if static else (scalar_array(half),)))
+    return load_half_words(k_tile, scalar_value(half_arr))
+  return f(k_tile_ref, scalar_array(half))
 
 
 def load_v_words(k_tile_ref):
@@ -292,15 +280,6 @@ def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bo
     out.append(mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc), a, pt, swizzle=swizzle))
     _commit()
   return out
-
-
-def _commit():
-  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-
-
-def _wait(pending: int):
-  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"wgmma.wait_group.sync.aligned {pending};", "",
-                  has_side_effects=True)
 
 
 def _acc_types(accs):
