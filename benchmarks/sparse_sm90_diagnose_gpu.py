@@ -99,8 +99,8 @@ def _qk_20(k_tiles, r, interpret):
   return heads_m._qk_and_upcast(k_tiles, None, r)
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
-  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent
+def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False, keys=None):
+  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent, keys
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
@@ -149,6 +149,11 @@ _SOFTMAX_STEP = heads_m._softmax_step
 def _softmax_step_scaled_logits(*args, **kwargs):
   """``heads_m._softmax_step`` with the row scale applied to the logits first (multiply, select, subtract)."""
   return _SOFTMAX_STEP(*args, **{**kwargs, "scale_in_exponent": False})
+
+
+def _softmax_step_masked(*args, **kwargs):
+  """``heads_m._softmax_step`` with the mask applied in every tile (the caller's ``keys`` ignored)."""
+  return _SOFTMAX_STEP(*args, **{**kwargs, "keys": None})
 
 
 class _ExactPlgpu:
@@ -202,10 +207,12 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ with the two k32 steps over Q's zero columns (20 wgmmas, not 18; bitwise the same S)
     "qk_20": {(heads_m, "_qk_producer"): _qk_20},
+    # the producer's softmax always masked (no all-valid branch; the default before the thirty-first session)
+    "mask_always": {(heads_m, "_softmax_step"): _softmax_step_masked},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20")
+           "before_s29", "qk_20", "mask_always")
 
 
 @contextlib.contextmanager
