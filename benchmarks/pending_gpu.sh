@@ -251,13 +251,16 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
-diag_mask() {   # the producer's all-valid fast path (default) against the mask in every tile, then the producer
-                # schedule's GPU test with a partial last tile (the masked branch)
+diag_queued() {   # the queued candidates beside the default: the all-valid fast path (default on this branch)
+                  # against the mask in every tile (mask_always), the Vᵀ fragments two blocks at a time (pv_pairs);
+                  # then the producer schedule's GPU test with a partial last tile (the masked branch)
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_mask_P1 80 $py --iters 20 --cases P1 --rows none,mask_always --out "$OUT/diag_mask"
-  run diag_mask_F1 100 $py --iters 10 --cases F1 --rows none,mask_always --out "$OUT/diag_mask_F1"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_mask 60 $PY -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer_vt and 128-2"
+  run diag_queued_P1 120 $py --iters 20 --cases P1 --ptxas --rows none,mask_always,pv_pairs --out "$OUT/diag_queued"
+  run diag_queued_F1 150 $py --iters 20 --cases F1 --rows none,mask_always,pv_pairs --out "$OUT/diag_queued_F1"
+  run timeline_queued 60 $py --timeline --cases P1 --rows none,pv_pairs --out "$OUT/timeline_queued"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_queued 100 $PY -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer_vt or producer_lazy_rescale"
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
@@ -268,7 +271,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_mask"
+next="diag_queued"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -119,10 +119,11 @@ _PV_WGMMAS = vt_registers.pv_wgmmas
 _HEADS_M_TUNING = sd._heads_m_tuning
 
 
-def _pv_forced(pipelined: bool):
-  """``vt_registers.pv_wgmmas`` with its A fragments built one block at a time (``pipelined``) or all first."""
+def _pv_forced(pipelined: bool, pairs: bool = False):
+  """``vt_registers.pv_wgmmas`` with its A fragments built one block at a time (``pipelined``), two at a time
+  (``pairs``) or all first."""
   def pv(*args, **kwargs):
-    return _PV_WGMMAS(*args, **{**kwargs, "pipelined": pipelined})
+    return _PV_WGMMAS(*args, **{**kwargs, "pipelined": pipelined and not pairs, "pairs": pairs})
   return pv
 
 
@@ -181,6 +182,8 @@ ROWS = {
     # 1 between blocks; "producer_vt"'s form) or all first (the others' form)
     "pv_pipelined": {(vt_registers, "pv_wgmmas"): _pv_forced(True)},
     "pv_all_blocks": {(vt_registers, "pv_wgmmas"): _pv_forced(False)},
+    # two blocks at a time: half the byte permutes, the previous pair retired before the next is built (queued)
+    "pv_pairs": {(vt_registers, "pv_wgmmas"): _pv_forced(False, pairs=True)},
     # register splits of "producer_vt" (loader, producer, each multiplier)
     "regs_56_88_184": {(heads_m, "PRODUCER_REGS"): (56, 88, 184)},
     "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
@@ -212,7 +215,7 @@ ROWS = {
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "mask_always")
+           "before_s29", "qk_20", "mask_always", "pv_pairs")
 
 
 @contextlib.contextmanager
