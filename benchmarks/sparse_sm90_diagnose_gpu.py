@@ -152,6 +152,11 @@ def _softmax_step_scaled_logits(*args, **kwargs):
   return _SOFTMAX_STEP(*args, **{**kwargs, "scale_in_exponent": False})
 
 
+def _alpha_min(r, pb):
+  """The multipliers' rescale test as the minimum of slot pb's 64 alphas (``common.alpha_is_one``)."""
+  return common.alpha_is_one(plgpu.load(r.head_smem.at[pb], layout=heads_m.COL_LAYOUT, optimized=False))
+
+
 def _softmax_step_masked(*args, **kwargs):
   """``heads_m._softmax_step`` with the mask applied in every tile (the caller's ``keys`` ignored)."""
   return _SOFTMAX_STEP(*args, **{**kwargs, "keys": None})
@@ -212,10 +217,12 @@ ROWS = {
     "qk_20": {(heads_m, "_qk_producer"): _qk_20},
     # the producer's softmax always masked (no all-valid branch; the default before the thirty-first session)
     "mask_always": {(heads_m, "_softmax_step"): _softmax_step_masked},
+    # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
+    "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "mask_always", "pv_pairs")
+           "before_s29", "qk_20", "mask_always", "pv_pairs", "alpha_min")
 
 
 @contextlib.contextmanager

@@ -107,8 +107,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     Mosaic reduction scratch                               2 048
     total                                                200 192   (limit 232 448: one CTA per SM)
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
-    "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax rows
-    1 024 = 152 064; with k_buffers = 3: 193 024; 128-tile splits: + 24 576 of indices
+    "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax / rescale-flag rows
+    1 280 (2 048 rounded) = 153 088; with k_buffers = 3: 194 048; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
 Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
 setmaxnreg moves registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is
@@ -126,7 +126,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -209,9 +209,9 @@ class TuningConfig(common.SparseSm90Config):
 
   @property
   def head_rows(self) -> int:
-    """"producer_vt": rows of ``head_smem`` [rows, 64] f32: the alpha slots, kv_scale / l, and with Q in the
-    kernel the rows' max |q|."""
-    return INV_SLOT + (2 if self.q_in_kernel else 1)
+    """"producer_vt": rows of ``head_smem`` [rows, 64] f32: the alpha slots, kv_scale / l, with Q in the kernel
+    the rows' max |q|, and last the rescale flags (:func:`_flags`)."""
+    return INV_SLOT + (3 if self.q_in_kernel else 2)
 
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
@@ -508,26 +508,69 @@ def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
   return kb, lax.rem(t, P_BUFFERS), r.k_sw.at[kb]
 
 
-def _store_p_alpha(p16, alpha, p_ref, alpha_ref, interpret: bool):
-  """P (f16 [64, 64]) into its 128-byte swizzled slot and alpha ([64]) into its row, committed for the async
-  proxy (the multipliers read P through wgmma after the arrival that follows). On the GPU in raw Mosaic GPU
-  (``stmatrix`` of P, plain stores of alpha, the proxy fence and one warpgroup barrier): Pallas's ``ref[...] = x``
-  puts a warpgroup barrier before and after each store (four of the five barriers per tile in the SASS), where
-  every producer thread only writes, into a slot it has waited for itself. Interpret mode: the ref stores."""
+def _flags(r: common.SparseRefs, pb):
+  """Slot pb's rescale flags: entries 4 pb ... 4 pb + 3 of ``head_smem``'s last row, one per producer warp (1.0
+  where one of the warp's 16 rows moved its maximum, i.e. has alpha != 1; else 0.0)."""
+  return r.head_smem.at[r.head_smem.shape[0] - 1, pl.ds(4 * pb, 4)]
+
+
+def _all_alpha_one(r: common.SparseRefs, pb):
+  """True (a scalar) where slot pb's alpha is 1 in every row: the sum of the producer warps' four flags is 0
+  (four scalar SMEM loads, instead of each multiplier loading the 64 alphas and reducing them)."""
+  flags = _flags(r, pb)
+  return (flags[0] + flags[1]) + (flags[2] + flags[3]) == 0.0
+
+
+def _store_p_alpha(p16, alpha, p_ref, alpha_ref, flags_ref, interpret: bool):
+  """P (f16 [64, 64]) into its 128-byte swizzled slot, alpha ([64]) into its row and the slot's rescale flags
+  (:func:`_flags`, ``flags_ref`` [4] f32) committed for the async proxy (the multipliers read P through wgmma
+  after the arrival that follows). On the GPU in raw Mosaic GPU (``stmatrix`` of P, plain stores of alpha, a warp
+  vote per producer warp and lane 0's store of its flag, the proxy fence and one warpgroup barrier): Pallas's
+  ``ref[...] = x`` puts a warpgroup barrier before and after each store (four of the five barriers per tile in
+  the SASS), where every producer thread only writes, into a slot it has waited for itself. Interpret mode: the
+  ref stores (all four flags the warpgroup's)."""
   if interpret:
     p_ref[...] = p16
     alpha_ref[...] = alpha
+    flag = jnp.where(common.alpha_is_one(alpha), 0.0, 1.0).astype(jnp.float32)
+    for w in range(4):    # scalar stores (a [4] array store has no warpgroup layout on hardware)
+      flags_ref[w] = flag
     plgpu.commit_smem()
     return
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(jnp.float16, 128)),
-                                plgpu.RefType()))
-  def store(ctx, p, a, p_smem, a_smem):
+                                plgpu.RefType(), plgpu.RefType()))
+  def store(ctx, p, a, p_smem, a_smem, f_smem):
     del ctx
     p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
     a.store_untiled(a_smem, optimized=False)
+    _store_warp_flag(a, f_smem)
     mgpu.commit_shared()
-  store(p16, alpha, p_ref, alpha_ref)
+  store(p16, alpha, p_ref, alpha_ref, flags_ref)
+
+
+def _store_warp_flag(a, f_smem):
+  """Inside an ``inline_mgpu`` body: lane 0 of each warp stores 1.0 at ``f_smem[warp]`` (SMEM memref [4] f32)
+  where any of the warp's rows has alpha != 1 (``a``: the ROW_LAYOUT alpha, this thread's rows' values;
+  ``vote.sync.any``), else 0.0."""
+  f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+  one = arith.constant(f32, 1.0)
+  moved = None
+  for reg in a.registers.flat:
+    vals = [vector.extract(reg, [], [k]) for k in range(ir.VectorType(reg.type).shape[0])] \
+        if str(reg.type).startswith("vector") else [reg]
+    for v in vals:
+      m = arith.cmpf(arith.CmpFPredicate.UNE, v, one)
+      moved = m if moved is None else arith.ori(moved, m)
+  any_moved = raw_mgpu.asm(i32, [arith.extui(i32, moved)],
+                           "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nvote.sync.any.pred q, p, 0xffffffff;\n"
+                           "selp.u32 $0, 1, 0, q;\n}", "=r,r", side_effects=True)
+  _, warp, lane = raw_mgpu.thread_in_warpgroup()
+  flag = arith.uitofp(f32, any_moved)
+  base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(f_smem))
+  addr = arith.addi(base, arith.muli(warp, raw_mgpu.c32(4)))
+  raw_mgpu.when(arith.cmpi(arith.CmpIPredicate.eq, lane, raw_mgpu.c32(0)),
+                lambda: raw_mgpu.st_shared_f32(addr, flag))
 
 
 def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
@@ -538,7 +581,7 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
     def _():
       plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   with jax.named_scope("p_store"):
-    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb], interpret)
+    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb], _flags(r, pb), interpret)
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
@@ -578,9 +621,8 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
-    alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    acc = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]),
-                   acc)
+    acc = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: a * lax.broadcast_in_dim(
+        plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False), a.shape, [0]), acc)
     acc = _pv_half(acc, r.p_sw.at[pb], half, True, r)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
@@ -599,8 +641,8 @@ def _pv_vt(accs, words, pb, r: common.SparseRefs):
   """A multiplier's four Oᵀ blocks, rescaled by slot pb's alpha (skipped where every alpha is 1: the producer's
   lazy rescaling), plus Vᵀ[its blocks] · Pᵀ (P of slot pb read as K-major B, Vᵀ built in registers from
   ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
-  alpha = plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)
-  accs = lax.cond(common.alpha_is_one(alpha), lambda a: a, lambda a: common.scale_columns(a, alpha), tuple(accs))
+  accs = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: common.scale_columns(
+      a, plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)), tuple(accs))
   return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE,
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
