@@ -219,10 +219,12 @@ ROWS = {
     "mask_always": {(heads_m, "_softmax_step"): _softmax_step_masked},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
+    # the producer's running sum as a [64] row sum reduced across the quad in every tile (the default before)
+    "l_rows": {(heads_m, "SUM_COLS"): 0},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "mask_always", "pv_pairs", "alpha_min")
+           "before_s29", "qk_20", "mask_always", "pv_pairs", "alpha_min", "l_rows")
 
 
 @contextlib.contextmanager

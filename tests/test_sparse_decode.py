@@ -225,6 +225,28 @@ def test_producer_lazy_rescale_interpret(rng):
   assert np.asarray(lse)[0, 0, 0] > np.asarray(lse)[0, 0, 1:].max() + 8    # the spike did land in head 0
 
 
+def test_online_softmax_column_residue_sums():
+  """common.online_softmax_tile with l as [R, g] partial sums per column residue (the "producer_vt" producer's
+  SUM_COLS form): the same p, alpha and m as with an [R] row sum, and after the caller's final sum the same l to
+  f32 rounding, over lazily rescaled tiles with masked keys and a jump that moves one row's max."""
+  r = np.random.default_rng(5)
+  tiles = [r.normal(size=(8, 64)).astype(np.float32) * 3.0 for _ in range(3)]
+  tiles[1][4, 9] += 40.0
+  valid = jnp.asarray(r.random(64) > 0.2)
+  scale = jnp.full((8,), 0.7, jnp.float32)
+  m_row = m_res = jnp.full((8,), -jnp.inf, jnp.float32)
+  l_row, l_res = jnp.zeros((8,), jnp.float32), jnp.zeros((8, 8), jnp.float32)
+  for t in tiles:
+    p1, a1, m_row, l_row = common.online_softmax_tile(jnp.asarray(t), valid, scale, m_row, l_row,
+                                                      rescale_threshold=8.0, scale_in_exponent=True)
+    p2, a2, m_res, l_res = common.online_softmax_tile(jnp.asarray(t), valid, scale, m_res, l_res,
+                                                      rescale_threshold=8.0, scale_in_exponent=True)
+    np.testing.assert_array_equal(np.asarray(p1), np.asarray(p2))
+    np.testing.assert_array_equal(np.asarray(a1), np.asarray(a2))
+  np.testing.assert_array_equal(np.asarray(m_row), np.asarray(m_res))
+  np.testing.assert_allclose(np.asarray(l_res.sum(axis=1)), np.asarray(l_row), rtol=1e-6)   # summation order
+
+
 def test_online_softmax_lazy_rescale():
   """common.online_softmax_tile with rescale_threshold over tiles of logits with a late jump: the normalised
   result equals the eager form's (to f32 rounding), p stays <= 2^t, alpha is exactly 1 in the rows whose max

@@ -153,7 +153,9 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
       None (every key counts: no select);
     row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
     log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
-    (running sums per element: no reduction over the keys in this step, the caller sums once at the end).
+    (running sums per element: no reduction over the keys in this step, the caller sums once at the end), or
+    [R, g] with g dividing T (keys_axis 1: sums per column residue mod g, in-thread adds of the tile's g-column
+    slices where a warp layout gives each thread whole slices: no cross-lane reduction until the caller's sum).
     rescale_threshold: None: m is the running maximum. A float t (lazy rescaling): m moves to the new maximum only
       where that exceeds m by more than t (or m is -inf), so p <= 2^t and alpha is exactly 1 in the rows that
       keep their m (a tile where no row moves needs no rescale of the output: ``alpha_is_one``).
@@ -183,8 +185,15 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
     s = s if valid is None else jnp.where(valid, s, -jnp.inf)
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
-  if l.ndim == s.ndim:   # running sums kept per element (summed over the keys by the caller, after the last tile)
+  if l.ndim == s.ndim and l.shape == s.shape:   # running sums per element (summed over the keys by the caller)
     return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, s.shape, [head_axis]) + p
+  if l.ndim == s.ndim:   # [R, g] running sums per column residue (keys k = j (mod g); the caller sums once)
+    g = l.shape[1]
+    assert keys_axis == 1 and s.shape[1] % g == 0, (l.shape, s.shape, keys_axis)
+    part = p[:, :g]
+    for j in range(1, s.shape[1] // g):
+      part = part + p[:, j * g:(j + 1) * g]
+    return p, alpha, m_new, l * lax.broadcast_in_dim(alpha, l.shape, [0]) + part
   return p, alpha, m_new, l * alpha + p.sum(axis=keys_axis)
 
 

@@ -699,10 +699,23 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     _publish_p(t, pb, p16, alpha, r, interpret)
     return m_new, l
 
-  _, m0, l0 = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
+  _, m0, _ = _zero_state()
+  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, _producer_l0()))
   with jax.named_scope("p_finish"):
-    _finish_softmax(cfg, kv_scale, m, l, tile_q, split, r)
+    _finish_softmax(cfg, kv_scale, m, l.sum(axis=1) if l.ndim == 2 else l, tile_q, split, r)
+
+
+# The producer's running softmax sum: [64, SUM_COLS] partial sums per column residue (each thread adds its own
+# columns' slices; the quad's shuffle reduction once after the last tile, not per tile), or 0: a [64] row sum
+# reduced in every tile.
+SUM_COLS = 8
+
+
+def _producer_l0():
+  """The producer's initial running sum (``SUM_COLS``): zeros [64, SUM_COLS] (WGMMA layout) or [64] (rows)."""
+  if SUM_COLS:
+    return plgpu.layout_cast(jnp.zeros((TILE, SUM_COLS), jnp.float32), plgpu.Layout.WGMMA)
+  return _zero_state()[2]
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):
