@@ -255,11 +255,12 @@ diag_queued() {   # the queued candidates beside the default: the all-valid fast
                   # against the mask in every tile (mask_always), the Vᵀ fragments two blocks at a time (pv_pairs),
                   # the producer's rescale flags (default on this branch) against the multipliers' own alpha
                   # minimum (alpha_min), the producer's running sum per column residue (default on this
-                  # branch) against the row sum reduced in every tile (l_rows);
+                  # branch) against the row sum reduced in every tile (l_rows), and s31_base: all three reverted
+                  # (main's default when they were queued);
                   # then the producer schedule's GPU test with a partial last tile (the masked branch)
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_queued_P1 150 $py --iters 20 --cases P1 --ptxas --rows none,mask_always,pv_pairs,alpha_min,l_rows --out "$OUT/diag_queued"
-  run diag_queued_F1 240 $py --iters 20 --cases F1 --rows none,mask_always,pv_pairs,alpha_min,l_rows --out "$OUT/diag_queued_F1"
+  run diag_queued_P1 170 $py --iters 20 --cases P1 --ptxas --rows none,s31_base,mask_always,pv_pairs,alpha_min,l_rows --out "$OUT/diag_queued"
+  run diag_queued_F1 280 $py --iters 20 --cases F1 --rows none,s31_base,mask_always,pv_pairs,alpha_min,l_rows --out "$OUT/diag_queued_F1"
   run timeline_queued 60 $py --timeline --cases P1 --rows none,pv_pairs --out "$OUT/timeline_queued"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_queued 100 $PY -m pytest -q -m gpu -p no:cacheprovider \

@@ -221,10 +221,14 @@ ROWS = {
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
     # the producer's running sum as a [64] row sum reduced across the quad in every tile (the default before)
     "l_rows": {(heads_m, "SUM_COLS"): 0},
+    # all three of the branch's defaults reverted at once: main's default at the time they were queued (the
+    # producer still stores its rescale flags)
+    "s31_base": {(heads_m, "_softmax_step"): _softmax_step_masked, (heads_m, "_all_alpha_one"): _alpha_min,
+                 (heads_m, "SUM_COLS"): 0},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "mask_always", "pv_pairs", "alpha_min", "l_rows")
+           "before_s29", "qk_20", "mask_always", "pv_pairs", "alpha_min", "l_rows", "s31_base")
 
 
 @contextlib.contextmanager
