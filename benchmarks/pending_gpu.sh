@@ -251,19 +251,14 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
-diag_queued() {   # the queued candidates beside the default: the all-valid fast path (default on this branch)
-                  # against the mask in every tile (mask_always), the Vᵀ fragments two blocks at a time (pv_pairs),
-                  # the producer's rescale flags (default on this branch) against the multipliers' own alpha
-                  # minimum (alpha_min), the producer's running sum per column residue (default on this
-                  # branch) against the row sum reduced in every tile (l_rows), and s31_base: all three reverted
-                  # (main's default when they were queued);
-                  # then the producer schedule's GPU test with a partial last tile (the masked branch)
+diag_s32() {   # the queued candidates kept, one by one reverted, beside main's default before them:
+              # the producer's rescale flags (alpha_min: the multipliers' own alpha minimum), the running sum per
+              # column residue (l_rows: the row sum reduced in every tile), s31_base (both reverted), and the Vᵀ
+              # fragments two blocks at a time (pv_pairs); then the producer schedule's GPU tests
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_queued_P1 170 $py --iters 20 --cases P1 --ptxas --rows none,s31_base,mask_always,pv_pairs,alpha_min,l_rows --out "$OUT/diag_queued"
-  run diag_queued_F1 280 $py --iters 20 --cases F1 --rows none,s31_base,mask_always,pv_pairs,alpha_min,l_rows --out "$OUT/diag_queued_F1"
-  run timeline_queued 60 $py --timeline --cases P1 --rows none,pv_pairs --out "$OUT/timeline_queued"
-  rm -f "$OUT"/timeline*/timeline_*/*trace.json
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_queued 100 $PY -m pytest -q -m gpu -p no:cacheprovider \
+  run diag_s32_P1 150 $py --iters 20 --cases P1 --rows none,s31_base,pv_pairs,alpha_min,l_rows --out "$OUT/diag_s32"
+  run diag_s32_F1 240 $py --iters 20 --cases F1 --rows none,s31_base,pv_pairs,alpha_min,l_rows --out "$OUT/diag_s32_F1"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_s32 200 $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer_vt or producer_lazy_rescale"
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
@@ -275,7 +270,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_queued"
+next="diag_s32"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

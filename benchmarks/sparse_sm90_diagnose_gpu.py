@@ -99,8 +99,8 @@ def _qk_20(k_tiles, r, interpret):
   return heads_m._qk_and_upcast(k_tiles, None, r)
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False, keys=None):
-  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent, keys
+def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
+  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
@@ -157,11 +157,6 @@ def _alpha_min(r, pb):
   return common.alpha_is_one(plgpu.load(r.head_smem.at[pb], layout=heads_m.COL_LAYOUT, optimized=False))
 
 
-def _softmax_step_masked(*args, **kwargs):
-  """``heads_m._softmax_step`` with the mask applied in every tile (the caller's ``keys`` ignored)."""
-  return _SOFTMAX_STEP(*args, **{**kwargs, "keys": None})
-
-
 class _ExactPlgpu:
   """``plgpu`` as ``sparse_sm90_heads_m`` sees it, with ``approx_math`` off in its CompilerParams (exp2 / log2 as
   the exact forms, with the subnormal fix-ups around each MUFU op)."""
@@ -215,20 +210,17 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ with the two k32 steps over Q's zero columns (20 wgmmas, not 18; bitwise the same S)
     "qk_20": {(heads_m, "_qk_producer"): _qk_20},
-    # the producer's softmax always masked (no all-valid branch; the default before the thirty-first session)
-    "mask_always": {(heads_m, "_softmax_step"): _softmax_step_masked},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
     # the producer's running sum as a [64] row sum reduced across the quad in every tile (the default before)
     "l_rows": {(heads_m, "SUM_COLS"): 0},
-    # all three of the branch's defaults reverted at once: main's default at the time they were queued (the
+    # both kept candidates reverted at once: main's default before the thirty-second session (the
     # producer still stores its rescale flags)
-    "s31_base": {(heads_m, "_softmax_step"): _softmax_step_masked, (heads_m, "_all_alpha_one"): _alpha_min,
-                 (heads_m, "SUM_COLS"): 0},
+    "s31_base": {(heads_m, "_all_alpha_one"): _alpha_min, (heads_m, "SUM_COLS"): 0},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "mask_always", "pv_pairs", "alpha_min", "l_rows", "s31_base")
+           "before_s29", "qk_20", "pv_pairs", "alpha_min", "l_rows", "s31_base")
 
 
 @contextlib.contextmanager

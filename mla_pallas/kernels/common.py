@@ -149,8 +149,7 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
 
   Args:
     s: [R, T] f32 raw Q.K products (``keys_axis=0``: the transposed tile Sᵀ [T, R], heads on the columns);
-    valid_cols: [T] bool (False: masked key), or a mask of the shape of ``s`` (per element: causal masks), or
-      None (every key counts: no select);
+    valid_cols: [T] bool (False: masked key), or a mask of the shape of ``s`` (per element: causal masks);
     row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
     log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
     (running sums per element: no reduction over the keys in this step, the caller sums once at the end), or
@@ -170,19 +169,16 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
     (lazy: 1; never NaN).
   """
   head_axis = 1 - keys_axis
-  if valid_cols is None:    # every key counts: no mask
-    valid = None
-  else:
-    valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+  valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
   if scale_in_exponent:
     scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
-    s = s if valid is None else jnp.where(valid, s, -jnp.inf)
+    s = jnp.where(valid, s, -jnp.inf)
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis) * scale, rescale_threshold)
     p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [head_axis])
                  - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   else:
     s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
-    s = s if valid is None else jnp.where(valid, s, -jnp.inf)
+    s = jnp.where(valid, s, -jnp.inf)
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   if l.ndim == s.ndim and l.shape == s.shape:   # running sums per element (summed over the keys by the caller)

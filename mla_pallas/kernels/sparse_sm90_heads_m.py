@@ -357,31 +357,12 @@ def _zero_state():
 
 
 def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None,
-                  scale_in_exponent: bool = False, keys=None):
+                  scale_in_exponent: bool = False):
   """The online softmax of tile t (``rescale_threshold``: lazy rescaling; ``scale_in_exponent``: the row scale
-  folded into exp2's argument; both ``common.online_softmax_tile``). ``keys``: :func:`_tile_keys` of tile t,
-  computed by the caller ahead of S: where every key of the tile is valid the softmax runs without the mask's
-  selects (a warp-uniform branch); None: the mask from the indices here, always applied."""
-  def softmax(valid):
-    return common.online_softmax_tile(s, valid, row_scale, m, l, rescale_threshold=rescale_threshold,
-                                      scale_in_exponent=scale_in_exponent)
-  if keys is None:
-    return softmax(_tile_valid(t, num_slots, r))
-  valid, full = keys
-  return lax.cond(full, lambda: softmax(None), lambda: softmax(valid))
-
-
-def _tile_valid(t, num_slots: int, r: common.SparseRefs):
-  """Tile t's key mask [64] bool (COL_LAYOUT): ids in [0, num_slots)."""
+  folded into exp2's argument; both ``common.online_softmax_tile``)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
-  return common.valid_keys(cols, num_slots)
-
-
-def _tile_keys(t, num_slots: int, r: common.SparseRefs):
-  """Tile t's key mask (:func:`_tile_valid`) and whether all 64 keys are valid (a scalar: a max over the
-  columns, which every warp holds, so shuffles within each warp and no SMEM)."""
-  valid = _tile_valid(t, num_slots, r)
-  return valid, jnp.max(jnp.where(valid, 0.0, 1.0)) == 0.0
+  return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
+                                    rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent)
 
 
 def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, str] = (CONSUMER_REGS, "increase"),
@@ -686,7 +667,6 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
 
   def step(t, carry):
     m, l = carry
-    keys = _tile_keys(t, num_slots, r)   # ahead of S: the indices are in SMEM from the start
     with jax.named_scope("p_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("p_qk"):
@@ -694,7 +674,7 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
       p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
-                                         scale_in_exponent=True, keys=keys)
+                                         scale_in_exponent=True)
       p16 = p.astype(jnp.float16)
     _publish_p(t, pb, p16, alpha, r, interpret)
     return m_new, l
