@@ -254,12 +254,11 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
 diag_s32() {   # the queued candidates kept, one by one reverted, beside main's default before them:
               # the producer's rescale flags (alpha_min: the multipliers' own alpha minimum), the running sum per
               # column residue (l_rows: the row sum reduced in every tile), s31_base (both reverted), and the Vᵀ
-              # fragments two blocks at a time (pv_pairs); then the producer schedule's GPU tests
+              # fragments two blocks at a time (pv_pairs); then t_gpu_par on the default
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
   run diag_s32_P1 150 $py --iters 20 --cases P1 --rows none,s31_base,pv_pairs,alpha_min,l_rows --out "$OUT/diag_s32"
   run diag_s32_F1 240 $py --iters 20 --cases F1 --rows none,s31_base,pv_pairs,alpha_min,l_rows --out "$OUT/diag_s32_F1"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_s32 200 $PY -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_sparse_decode_gpu.py -k "heads_m_schedules and producer_vt or producer_lazy_rescale"
+  t_gpu_par
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
