@@ -251,15 +251,6 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
-diag_s32() {   # the queued candidates kept, one by one reverted, beside main's default before them:
-              # the producer's rescale flags (alpha_min: the multipliers' own alpha minimum), the running sum per
-              # column residue (l_rows: the row sum reduced in every tile), s31_base (both reverted), and the Vᵀ
-              # fragments two blocks at a time (pv_pairs); then t_gpu_par on the default
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_s32_P1 150 $py --iters 20 --cases P1 --rows none,s31_base,pv_pairs,alpha_min,l_rows --out "$OUT/diag_s32"
-  run diag_s32_F1 240 $py --iters 20 --cases F1 --rows none,s31_base,pv_pairs,alpha_min,l_rows --out "$OUT/diag_s32_F1"
-  t_gpu_par
-}
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
@@ -269,7 +260,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_s32"
+next=""
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -119,11 +119,10 @@ _PV_WGMMAS = vt_registers.pv_wgmmas
 _HEADS_M_TUNING = sd._heads_m_tuning
 
 
-def _pv_forced(pipelined: bool, pairs: bool = False):
-  """``vt_registers.pv_wgmmas`` with its A fragments built one block at a time (``pipelined``), two at a time
-  (``pairs``) or all first."""
+def _pv_forced(pipelined: bool):
+  """``vt_registers.pv_wgmmas`` with its A fragments built one block at a time (``pipelined``) or all first."""
   def pv(*args, **kwargs):
-    return _PV_WGMMAS(*args, **{**kwargs, "pipelined": pipelined and not pairs, "pairs": pairs})
+    return _PV_WGMMAS(*args, **{**kwargs, "pipelined": pipelined})
   return pv
 
 
@@ -182,8 +181,6 @@ ROWS = {
     # 1 between blocks; "producer_vt"'s form) or all first (the others' form)
     "pv_pipelined": {(vt_registers, "pv_wgmmas"): _pv_forced(True)},
     "pv_all_blocks": {(vt_registers, "pv_wgmmas"): _pv_forced(False)},
-    # two blocks at a time: half the byte permutes, the previous pair retired before the next is built (queued)
-    "pv_pairs": {(vt_registers, "pv_wgmmas"): _pv_forced(False, pairs=True)},
     # register splits of "producer_vt" (loader, producer, each multiplier)
     "regs_56_88_184": {(heads_m, "PRODUCER_REGS"): (56, 88, 184)},
     "regs_24_72_208": {(heads_m, "PRODUCER_REGS"): (24, 72, 208)},
@@ -212,15 +209,10 @@ ROWS = {
     "qk_20": {(heads_m, "_qk_producer"): _qk_20},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
-    # the producer's running sum as a [64] row sum reduced across the quad in every tile (the default before)
-    "l_rows": {(heads_m, "SUM_COLS"): 0},
-    # both kept candidates reverted at once: main's default before the thirty-second session (the
-    # producer still stores its rescale flags)
-    "s31_base": {(heads_m, "_all_alpha_one"): _alpha_min, (heads_m, "SUM_COLS"): 0},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "pv_pairs", "alpha_min", "l_rows", "s31_base")
+           "before_s29", "qk_20", "alpha_min")
 
 
 @contextlib.contextmanager

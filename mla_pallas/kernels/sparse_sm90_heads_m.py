@@ -682,20 +682,18 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
   _, m0, _ = _zero_state()
   m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, _producer_l0()))
   with jax.named_scope("p_finish"):
-    _finish_softmax(cfg, kv_scale, m, l.sum(axis=1) if l.ndim == 2 else l, tile_q, split, r)
+    _finish_softmax(cfg, kv_scale, m, l.sum(axis=1), tile_q, split, r)
 
 
 # The producer's running softmax sum: [64, SUM_COLS] partial sums per column residue (each thread adds its own
-# columns' slices; the quad's shuffle reduction once after the last tile, not per tile), or 0: a [64] row sum
-# reduced in every tile.
+# columns' slices; the quad's shuffle reduction once after the last tile, not per tile; docs/kernels: a [64] row
+# sum reduced in every tile was slower).
 SUM_COLS = 8
 
 
 def _producer_l0():
-  """The producer's initial running sum (``SUM_COLS``): zeros [64, SUM_COLS] (WGMMA layout) or [64] (rows)."""
-  if SUM_COLS:
-    return plgpu.layout_cast(jnp.zeros((TILE, SUM_COLS), jnp.float32), plgpu.Layout.WGMMA)
-  return _zero_state()[2]
+  """The producer's initial running sum: zeros [64, SUM_COLS] (WGMMA layout)."""
+  return plgpu.layout_cast(jnp.zeros((TILE, SUM_COLS), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, *refs):

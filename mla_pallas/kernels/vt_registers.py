@@ -265,25 +265,13 @@ def load_v_words(k_tile_ref):
   return f(k_tile_ref)
 
 
-def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bool, pairs: bool = False):
+def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bool):
   """Inside an ``inline_mgpu`` body: issue (and commit) accs[i] += Vᵀ[M block blocks[i]] · Pᵀ, one wgmma group per
   block; returns the accumulators (the last group's wgmmas in flight). ``pipelined``: block i's A fragments are
-  built only after ``wgmma.wait_group 1`` has retired block i - 2's group (:func:`pv_wgmmas`). ``pairs``: blocks
-  built two at a time (one ``prmt`` per register pair of the two), each pair after ``wgmma.wait_group 0`` has
-  retired the previous pair (the same 32 A registers live as ``pipelined``, half its ``prmt``)."""
+  built only after ``wgmma.wait_group 1`` has retired block i - 2's group (:func:`pv_wgmmas`)."""
   if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
     pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
   out = []
-  if pairs:
-    assert len(blocks) % 2 == 0 and all(g % 2 == 0 for g in blocks[::2]), blocks
-    for i in range(0, len(blocks), 2):
-      if i:
-        _wait(0)   # the previous pair done: its A registers are free
-      a_ops = block_operands(words, blocks[i:i + 2])
-      for a, acc in zip(a_ops, accs[i:i + 2]):
-        out.append(mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc), a, pt, swizzle=swizzle))
-        _commit()
-    return out
   a_ops = None if pipelined else block_operands(words, blocks)
   for i, (g, acc) in enumerate(zip(blocks, accs)):
     if pipelined and i >= 2:
@@ -298,8 +286,7 @@ def _acc_types(accs):
   return tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
 
 
-def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, pipelined: bool = False,
-              pairs: bool = False):
+def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, pipelined: bool = False):
   """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
   B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
   of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators.
@@ -309,9 +296,8 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
   across the wgmmas (16 registers per block). ``pipelined``: block i's fragments are built (one ``prmt`` per
   register) while block i - 1's wgmmas run, after a ``wgmma.wait_group 1`` has retired block i - 2, so at most
   two blocks' A are live: the form for a warpgroup with fewer registers than its accumulators and all A
-  fragments need ("producer_vt"'s multipliers at 200; docs/kernels/sparse_decode_sm90.md measures both forms).
-  ``pairs`` (a queued candidate): two blocks at a time, half the ``prmt`` of ``pipelined`` at the same live A
-  registers, without building under the previous pair's wgmmas (:func:`_issue_pv`).
+  fragments need ("producer_vt"'s multipliers at 200; docs/kernels/sparse_decode_sm90.md measures both forms and
+  a third, two blocks at a time after a full wait, which was slower).
 
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
@@ -321,7 +307,7 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
                      return_type=_acc_types(accs))
   def f(ctx, words, pt, accs):
     del ctx
-    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, pipelined, pairs)
+    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, pipelined)
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
   return f(words, pt_ref, tuple(accs))
