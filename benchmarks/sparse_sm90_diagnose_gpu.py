@@ -55,6 +55,11 @@ import unittest.mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from mla_pallas import bench, testing
 from mla_pallas.bench_engine import format_table, run_spec
@@ -124,6 +129,38 @@ def _pv_forced(pipelined: bool):
   def pv(*args, **kwargs):
     return _PV_WGMMAS(*args, **{**kwargs, "pipelined": pipelined})
   return pv
+
+
+def _words_unpaired(words, blocks):
+  del blocks
+  return words
+
+
+def _operand_per_register(words, g):
+  """Block g's A operand straight from the words: one ``prmt`` and one ``cvt`` per register (the pipelined
+  form before the thirty-second session)."""
+  return vt_registers._fragments(words, (g,), per_prmt=1)[0]
+
+
+def _key_words_per_key(k_tile, chunk, units, place):
+  """``vt_registers._key_words`` as before the thirty-second session: each key's swizzled address computed
+  from the key itself (ptxas kept 16 per-key offsets live across the multipliers' loop, partly in local memory)."""
+  i32 = ir.IntegerType.get_signless(32)
+  _, q, t = vt_registers._thread()
+  c32 = vt_registers._i32
+  base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
+  regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((common.TILE, 2 * common.TILE)), dtype=object)
+  row0 = arith.addi(arith.addi(base, arith.muli(chunk, c32(vt_registers.CHUNK_BYTES))),
+                    arith.muli(arith.remui(q, c32(2)), c32(8)))
+  for i in range(vt_registers.KEYS_PER_THREAD):
+    key = arith.addi(arith.muli(t, c32(2)), c32(8 * (i // 2) + i % 2))
+    row = arith.addi(row0, arith.muli(key, c32(vt_registers.ROW_BYTES)))
+    for j, unit in enumerate(units):
+      addr = arith.addi(row, arith.muli(arith.xori(unit, arith.remui(key, c32(8))), c32(16)))
+      pair = vt_registers._asm(llvm.StructType.get_literal([i32, i32]), [addr], "ld.shared.v2.b32 {$0, $1}, [$2];",
+                               "=r,=r,r", side_effects=True)
+      place(regs, i, j, llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1]))
+  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
 
 
 def _zero_words(k_tile_ref, *args):
@@ -207,12 +244,22 @@ ROWS = {
     "eager_rescale": {(heads_m, "RESCALE_THRESHOLD"): 0.0},
     # the producer's QKᵀ with the two k32 steps over Q's zero columns (20 wgmmas, not 18; bitwise the same S)
     "qk_20": {(heads_m, "_qk_producer"): _qk_20},
+    # the pipelined P·V's A fragments with one prmt per register from the words (the form before the thirty-second
+    # session; the default makes the byte pairs of two blocks with one prmt first)
+    "pv_prmt_each": {(vt_registers, "paired_words"): _words_unpaired,
+                     (vt_registers, "paired_operand"): _operand_per_register},
+    # the Vᵀ words' SMEM addresses computed per key (the form before the thirty-second session)
+    "key_words_each": {(vt_registers, "_key_words"): _key_words_per_key},
+    # both of the above: the multipliers' V words and fragments as before the thirty-second session's second change
+    "s32_base": {(vt_registers, "paired_words"): _words_unpaired,
+                 (vt_registers, "paired_operand"): _operand_per_register,
+                 (vt_registers, "_key_words"): _key_words_per_key},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "alpha_min")
+           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base")
 
 
 @contextlib.contextmanager

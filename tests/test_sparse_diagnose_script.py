@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 
 import jax
 import pytest
@@ -40,7 +41,7 @@ def test_rows_patch_the_kernel(diag, H, tuning):
   vt = H <= 16 or tuning == (("schedule", "producer_vt"),)
   rows += ["no_vt_words", "pv_all_blocks" if tuning and tuning[0][1] == "producer_vt" else "pv_pipelined"] if vt else []
   producer_rows = ["regs_56_88_184", "regs_24_72_208", "p_slots_3", "eager_rescale", "p_store_ref", "exact_math",
-                   "scaled_logits", "before_s29", "qk_20", "alpha_min"]
+                   "scaled_logits", "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base"]
   rows += producer_rows if tuning == (("schedule", "producer_vt"),) else []
   for row in rows:
     assert ir(row) != base, row
@@ -62,18 +63,27 @@ def test_qk_20_issues_the_zero_steps(diag):
 
 
 def test_multiplier_pv_instruction_counts(diag):
-  """The multipliers' Vᵀ fragments per tile (lowered default): 64 ``prmt`` (one per register, block by block
-  under the previous block's wgmmas), 64 e4m3x2 → f16x2 conversions, 16 P·V wgmmas and two ``wait_group 1``
-  (docs/kernels/sparse_decode_sm90.md: two blocks per ``prmt`` after a full wait measured slower)."""
+  """The multipliers' Vᵀ fragments per tile (lowered default): 32 ``prmt`` (one per register pair of two blocks,
+  made before the first wgmma), 64 e4m3x2 → f16x2 conversions (of a pair register's low or high half), 16 P·V
+  wgmmas and two ``wait_group 1`` (one block at a time); row pv_prmt_each builds each block from the words, 64
+  ``prmt``. The 16 V loads per tile take their key's offset as an immediate (2 base registers), row key_words_each
+  an address register per key."""
   spec = bench.get_spec("sparse_mla_decode")
   full = spec.shape({"B": "2", "s_q": "1", "H": "128", "topk": "2048", "ctx": "4096"})
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in spec.make_inputs(full, jax.random.key(0))]
   tuning = (("schedule", "producer_vt"),)
-  with diag.patched("none"):
-    low = testing.lower_for_cuda(spec.tuned_op(full, tuning, False), *avals)
-  assert low.count(r"prmt\.b32") == 64 and low.count(r"cvt\.rn\.f16x2\.e4m3x2") == 64
-  assert low.count(r"m64n64k16\.f32\.f16\.f16") == 16
-  assert low.count(r"wgmma\.wait_group\.sync\.aligned 1;") == 2
+
+  def lowered(row):
+    with diag.patched(row):
+      return testing.lower_for_cuda(spec.tuned_op(full, tuning, False), *avals)
+  low, each = lowered("none"), lowered("pv_prmt_each")
+  assert low.count(r"prmt.b32") == 32 and each.count(r"prmt.b32") == 64
+  for text in (low, each):
+    assert text.count(r"cvt.rn.f16x2.e4m3x2") == 64 and text.count(r"m64n64k16.f32.f16.f16") == 16
+    assert text.count(r"wgmma.wait_group.sync.aligned 1;") == 2
+  loads = re.findall(r"ld\.shared\.v2\.b32 \{\$0, \$1\}, \[\$2(\+\d+)?\]", "\n".join(low.mosaic))
+  assert sorted(loads, key=lambda o: int(o[1:])) == [f"+{1024 * (i // 2)}" for i in range(16)], loads
+  assert lowered("key_words_each").count(r"ld\.shared\.v2\.b32 \{\$0, \$1\}, \[\$2\]") == 16
 
 
 def test_cli_lower_only(diag, capsys):

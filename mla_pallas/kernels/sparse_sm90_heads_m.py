@@ -58,9 +58,10 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   uses approximate exp2 / log2 (``approx_math``: the kernel's only ones are the producer's) and stores P
   (stmatrix) and alpha in raw Mosaic GPU with one warpgroup barrier (``_store_p_alpha``). Per tile a multiplier
   loads its Vᵀ bytes, releases the K buffer, waits for the slot, rescales by alpha unless every alpha is 1
-  (``common.alpha_is_one``), issues its 16 m64n64k16 wgmmas one block at a time (``pv_wgmmas(pipelined=True)``:
-  at most two blocks' A fragments live; with all four built first ptxas serialized the wgmmas even at 200
-  registers) and releases the slot
+  (the producer's per-warp rescale flags, ``_all_alpha_one``), makes the byte pairs of its four blocks (32
+  ``prmt``, ``vt_registers.paired_words``), issues its 16 m64n64k16 wgmmas one block at a time, each block
+  converted under the previous one's wgmmas (``pv_wgmmas(pipelined=True)``: at most two blocks' A fragments
+  live; with all four built first ptxas serialized the wgmmas even at 200 registers) and releases the slot
   (``p_empty``, two arrivals); at the end it stores its half of O in 16-byte (bf16) row pieces. WG3 loads. No
   f16 V tile and no upcast pass (k_buffers up to 3). Raw Mosaic GPU code: interpret mode runs the same hand-off
   with an f16 V tile instead (``_multiplier_interpret``: each multiplier upcasts its two V chunks and multiplies P

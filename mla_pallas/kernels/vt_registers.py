@@ -70,22 +70,29 @@ def _key_words(k_tile, chunk, units, place):
   8 (i // 2) + 2t + i % 2 and each 16-byte unit u of ``units`` (i32 values, before the swizzle), one
   ``ld.shared.v2.b32`` of the 8 bytes at byte (q % 2) * 8 of that unit in the key's row of K chunk ``chunk``,
   i.e. address base + chunk * CHUNK_BYTES + key * 128 + (u ^ (key % 8)) * 16 + (q % 2) * 8; ``place(regs, i, j,
-  lo, hi)`` puts unit j's two words into the (64, 128) int32 WGMMA-layout container. The loads are
-  side-effecting inline asm so that LLVM keeps them before the caller's release of the K buffer (an mbarrier
-  arrive that follows them)."""
+  lo, hi)`` puts unit j's two words into the (64, 128) int32 WGMMA-layout container. key % 8 is 2t + i % 2 (the
+  8 (i // 2) drops out), so each (unit, i % 2) has one base address and the keys differ from it by constants
+  (8 (i // 2) · 128 bytes): two base registers per unit and the constants as the loads' immediate offsets, instead of a swizzled
+  offset per key (which ptxas kept in local memory across the multipliers' loop). The loads are side-effecting
+  inline asm so that LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that
+  follows them)."""
   i32 = ir.IntegerType.get_signless(32)
   _, q, t = _thread()
   base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
   regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE, 2 * TILE)), dtype=object)
   row0 = arith.addi(arith.addi(base, arith.muli(chunk, _i32(CHUNK_BYTES))),
                     arith.muli(arith.remui(q, _i32(2)), _i32(8)))
-  for i in range(KEYS_PER_THREAD):
-    key = arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
-    row = arith.addi(row0, arith.muli(key, _i32(ROW_BYTES)))
+  bases = {}
+  for parity in range(2):
+    key_mod8 = arith.addi(arith.muli(t, _i32(2)), _i32(parity))      # key % 8 of keys 8m + 2t + parity (t <= 3)
+    row = arith.addi(row0, arith.muli(key_mod8, _i32(ROW_BYTES)))
     for j, unit in enumerate(units):
-      addr = arith.addi(row, arith.muli(arith.xori(unit, arith.remui(key, _i32(8))), _i32(16)))
-      pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
-                  side_effects=True)
+      bases[parity, j] = arith.addi(row, arith.muli(arith.xori(unit, key_mod8), _i32(16)))
+  for i in range(KEYS_PER_THREAD):
+    for j in range(len(units)):
+      offset = 8 * (i // 2) * ROW_BYTES     # an immediate of the load: no address register per key
+      pair = _asm(llvm.StructType.get_literal([i32, i32]), [bases[i % 2, j]],
+                  f"ld.shared.v2.b32 {{$0, $1}}, [$2+{offset}];", "=r,=r,r", side_effects=True)
       place(regs, i, j, llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1]))
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
 
@@ -185,9 +192,46 @@ def block_operands(words, blocks=ALL_BLOCKS):
   return _fragments(words, blocks, per_prmt=2)
 
 
-def block_operand(words, g: int):
-  """The A operand Vᵀ[M block g] alone (f16 (64, 64), WGMMA layout): one ``prmt`` and one ``cvt`` per register."""
-  return _fragments(words, (g,), per_prmt=1)[0]
+def paired_words(words, blocks):
+  """The byte pairs of ``blocks`` (a run of whole pairs (2i, 2i + 1)) from ``load_words``' container, one ``prmt``
+  per (key pair c, row half h, block pair): {(c, h, g): i32} for even g, holding the (key 8c + 2t, key 8c + 2t + 1)
+  bytes of block g in its low 16 bits and of block g + 1 in its high 16 bits (what :func:`_fragments` gathers with
+  ``per_prmt=2``, kept apart from the conversions). The words die as their pairs are made, and each pair register
+  dies with the second block's conversion, so building the blocks one at a time from them holds fewer registers
+  than from the words (which every block reads)."""
+  i32 = ir.IntegerType.get_signless(32)
+  assert all(g % 2 == 0 and g + 1 in blocks for g in blocks[::2]), blocks
+  wreg = words.registers
+  paired = {}
+  for c in range(8):
+    for h in range(2):
+      wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
+      wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
+      for g in blocks[::2]:
+        b, word = g % 4, g // 4
+        sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
+        paired[c, h, g] = _asm(i32, [vector.extract(wa, [], [word]), vector.extract(wb, [], [word])],
+                               f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
+  return paired
+
+
+def paired_operand(paired, g: int):
+  """The A operand Vᵀ[M block g] (f16 (64, 64), WGMMA layout) from :func:`paired_words`: one
+  ``cvt.rn.f16x2.e4m3x2`` per register, of the low (even g) or high (odd g) half of its pair register (SASS
+  ``F2FP ... R.H1``: no extra instruction for the high half)."""
+  i32 = ir.IntegerType.get_signless(32)
+  f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
+  out = np.empty(regs_shape, dtype=object)
+  half = "hi" if g % 2 else "lo"
+  for c in range(8):
+    for h in range(2):
+      val = _asm(i32, [paired[c, h, g - g % 2]],
+                 f"{{\n.reg .b16 lo, hi;\nmov.b32 {{lo, hi}}, $1;\ncvt.rn.f16x2.e4m3x2 $0, {half};\n}}", "=r,r")
+      idx = [0] * len(regs_shape)
+      idx[1], idx[4] = c, h
+      out[tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
+  return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
 def _store_vectors(o, col, vectors) -> None:
@@ -267,16 +311,18 @@ def load_v_words(k_tile_ref):
 
 def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bool):
   """Inside an ``inline_mgpu`` body: issue (and commit) accs[i] += Vᵀ[M block blocks[i]] · Pᵀ, one wgmma group per
-  block; returns the accumulators (the last group's wgmmas in flight). ``pipelined``: block i's A fragments are
-  built only after ``wgmma.wait_group 1`` has retired block i - 2's group (:func:`pv_wgmmas`)."""
+  block; returns the accumulators (the last group's wgmmas in flight). ``pipelined``: the byte pairs of all blocks
+  first (:func:`paired_words`), then block i's A fragments converted only after ``wgmma.wait_group 1`` has retired
+  block i - 2's group (:func:`pv_wgmmas`)."""
   if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
     pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
   out = []
   a_ops = None if pipelined else block_operands(words, blocks)
+  paired = paired_words(words, blocks) if pipelined else None
   for i, (g, acc) in enumerate(zip(blocks, accs)):
     if pipelined and i >= 2:
       _wait(1)     # block i - 2 done: its A registers are free for block i's
-    a = block_operand(words, g) if pipelined else a_ops[i]
+    a = paired_operand(paired, g) if pipelined else a_ops[i]
     out.append(mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc), a, pt, swizzle=swizzle))
     _commit()
   return out
@@ -293,11 +339,12 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
 
   Default: the A fragments of all ``blocks`` are built (``prmt`` + ``cvt``, two blocks per ``prmt``) and then
   the wgmmas issued, one group per block; with many accumulator registers live ptxas keeps every block's A alive
-  across the wgmmas (16 registers per block). ``pipelined``: block i's fragments are built (one ``prmt`` per
-  register) while block i - 1's wgmmas run, after a ``wgmma.wait_group 1`` has retired block i - 2, so at most
+  across the wgmmas (16 registers per block). ``pipelined`` (``blocks`` a run of whole pairs): the byte pairs of
+  every two blocks first (one ``prmt`` per register pair, :func:`paired_words`), then block i's fragments
+  converted while block i - 1's wgmmas run, after a ``wgmma.wait_group 1`` has retired block i - 2, so at most
   two blocks' A are live: the form for a warpgroup with fewer registers than its accumulators and all A
-  fragments need ("producer_vt"'s multipliers at 200; docs/kernels/sparse_decode_sm90.md measures both forms and
-  a third, two blocks at a time after a full wait, which was slower).
+  fragments need ("producer_vt"'s multipliers at 200; docs/kernels/sparse_decode_sm90.md measures the forms,
+  among them a ``prmt`` per register built from the words and two blocks at a time after a full wait).
 
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
