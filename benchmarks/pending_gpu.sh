@@ -251,15 +251,16 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
-diag_s32b() {   # the multipliers' Vᵀ byte pairs made once per two blocks (32 prmt per tile, not 64) and their V words
-               # loaded at immediate offsets from two base registers (ptxas: 60 fewer spill bytes): the default
-               # against s32_base (both reverted) at P1 and F1; then the GPU files of the sparse kernels
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_s32b_P1 60 $py --iters 20 --cases P1 --ptxas --rows none,s32_base --out "$OUT/diag_s32b"
-  run diag_s32b_F1 100 $py --iters 20 --cases F1 --rows none,s32_base --out "$OUT/diag_s32b_F1"
+t_gpu_par_vt() {   # t_gpu_par's three files and tests/test_vt_registers.py (~240 s with 6 processes)
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_gpu_par_vt 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 6 \
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py \
     tests/test_batch_invariance_gpu.py
+}
+diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
+                # words; key_words_each: an address register per key) beside the default, P1 and F1
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_s32c_P1 60 $py --iters 20 --cases P1 --rows none,pv_prmt_each,key_words_each --out "$OUT/diag_s32c"
+  run diag_s32c_F1 120 $py --iters 20 --cases F1 --rows none,pv_prmt_each,key_words_each --out "$OUT/diag_s32c_F1"
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
@@ -270,7 +271,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_s32b"
+next="t_gpu_par_vt,diag_s32c"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
