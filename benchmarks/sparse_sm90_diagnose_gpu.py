@@ -139,7 +139,8 @@ def _words_unpaired(words, blocks):
 def _operand_per_register(words, g):
   """Block g's A operand straight from the words: one ``prmt`` and one ``cvt`` per register (the pipelined
   form before the thirty-second session)."""
-  return vt_registers._fragments(words, (g,), per_prmt=1)[0]
+  return vt_registers._operand(lambda c, h: vt_registers._convert_half(vt_registers._byte_pairs(words, c, h, g),
+                                                                      False))
 
 
 def _key_words_per_key(k_tile, chunk, units, place):

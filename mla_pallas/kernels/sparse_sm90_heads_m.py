@@ -49,10 +49,11 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles ahead); after the last
   tile it publishes kv_scale / l (``p_full[2]``) and writes the lse. WG1 and WG2 — the *multipliers* (200
   registers; one code path, their half traced) — first quantize 32 rows of Q each (section "Q in the kernel"),
-  then each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built from the fp8 K
-  tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key, ``prmt``, exact e4m3x2 → f16x2), Pᵀ the
-  K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each (``vt_registers.latent_of_half_row``: thread
-  (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its rows of the 4 blocks; 4 × 32 f32 registers).
+  then each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built
+  from the fp8 K tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key, ``prmt``, exact e4m3x2 →
+  f16x2), Pᵀ the K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each
+  (``vt_registers.latent_of_half_row``: thread (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its
+  rows of the 4 blocks; 4 × 32 f32 registers).
   The producer's softmax rescales lazily (``RESCALE_THRESHOLD``: a row's max moves only when it grows by more than
   2^8, so P <= 256 and alpha is 1 in most tiles), folds the row scale into exp2's argument (one fma per logit),
   uses approximate exp2 / log2 (``approx_math``: the kernel's only ones are the producer's) and stores P
@@ -630,11 +631,12 @@ def _pv_vt(accs, words, pb, r: common.SparseRefs):
 
 
 def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_in=None):
-  """"producer_vt" (hardware), multiplier WG1 + ``half`` (traced: both multipliers run this code): per tile its bytes of V (latent columns 256 half ...
-  256 half + 255, ``vt_registers.load_v_half_words``) from the K tile, the K buffer's release, then after slot
-  t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the slot; at the end its half of O (16-byte
-  row pieces). ``q_in`` (heads, interpret) where the kernel quantizes Q: first its half of the rows
-  (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first P)."""
+  """"producer_vt" (hardware), multiplier WG1 + ``half`` (traced: both multipliers run this code): per tile its
+  bytes of V (latent columns 256 half ... 256 half + 255, ``vt_registers.load_v_half_words``) from the K tile,
+  the K buffer's release, then after slot t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the
+  slot; at the end its half of O (16-byte row pieces). ``q_in`` (heads, interpret) where the kernel quantizes
+  Q: first its half of the rows (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first
+  P)."""
   _multiplier_start(tile_q, r, half, q_in)
 
   def step(t, accs):

@@ -72,10 +72,10 @@ def _key_words(k_tile, chunk, units, place):
   i.e. address base + chunk * CHUNK_BYTES + key * 128 + (u ^ (key % 8)) * 16 + (q % 2) * 8; ``place(regs, i, j,
   lo, hi)`` puts unit j's two words into the (64, 128) int32 WGMMA-layout container. key % 8 is 2t + i % 2 (the
   8 (i // 2) drops out), so each (unit, i % 2) has one base address and the keys differ from it by constants
-  (8 (i // 2) · 128 bytes): two base registers per unit and the constants as the loads' immediate offsets, instead of a swizzled
-  offset per key (which ptxas kept in local memory across the multipliers' loop). The loads are side-effecting
-  inline asm so that LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that
-  follows them)."""
+  (8 (i // 2) · 128 bytes): two base registers per unit and the constants as the loads' immediate offsets,
+  instead of a swizzled offset per key (which ptxas kept in local memory across the multipliers' loop). The
+  loads are side-effecting inline asm so that LLVM keeps them before the caller's release of the K buffer (an
+  mbarrier arrive that follows them)."""
   i32 = ir.IntegerType.get_signless(32)
   _, q, t = _thread()
   base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
@@ -154,84 +154,62 @@ def store_half_rows(accs, o, half):
   _store_vectors(o, col, [(0, [(a, h) for h in range(2) for a in accs])])
 
 
-def _fragments(words, blocks, per_prmt: int):
-  """The A operands Vᵀ[M block g] for g in ``blocks`` from ``load_words``' container. Per (key pair, half) one
-  ``prmt`` gathers byte b = g % 4 and b + 1 of the two keys' 32-bit words g // 4 into two (key, key) byte pairs,
-  each converted by one ``cvt.rn.f16x2.e4m3x2``; ``per_prmt`` = 2 converts both (blocks g, g + 1: ``blocks`` a run
-  of whole pairs), 1 only block g's."""
+def _byte_pairs(words, c: int, h: int, g: int):
+  """One ``prmt`` (an i32 value): the (key 8c + 2t, key 8c + 2t + 1) bytes of M block g in the low 16 bits and of
+  block g + 1 in the high 16 bits, from row half h of ``load_words``' container (byte b = g % 4 of the keys'
+  32-bit words g // 4)."""
+  wreg = words.registers
+  wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
+  wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
+  b, word = g % 4, g // 4
+  sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
+  return _asm(ir.IntegerType.get_signless(32), [vector.extract(wa, [], [word]), vector.extract(wb, [], [word])],
+              f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
+
+
+def _convert_half(pair, high: bool):
+  """One ``cvt.rn.f16x2.e4m3x2`` of the low or high 16 bits of ``pair`` (SASS ``F2FP ... R.H1``: no extra
+  instruction for the high half)."""
+  half = "hi" if high else "lo"
+  return _asm(ir.IntegerType.get_signless(32), [pair],
+              f"{{\n.reg .b16 lo, hi;\nmov.b32 {{lo, hi}}, $1;\ncvt.rn.f16x2.e4m3x2 $0, {half};\n}}", "=r,r")
+
+
+def _operand(value):
+  """An A operand (f16 (64, 64), WGMMA layout) whose register (c, h) is the f16x2 i32 ``value(c, h)``."""
   i32 = ir.IntegerType.get_signless(32)
   f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
   regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
-  out = {g: np.empty(regs_shape, dtype=object) for g in blocks}
-  wreg = words.registers
-  cvt = "cvt.rn.f16x2.e4m3x2 $0, lo;\n" + ("cvt.rn.f16x2.e4m3x2 $1, hi;\n" if per_prmt == 2 else "")
-  result = llvm.StructType.get_literal([i32, i32]) if per_prmt == 2 else i32
+  out = np.empty(regs_shape, dtype=object)
   for c in range(8):
     for h in range(2):
-      wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
-      wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
-      for g in blocks[::per_prmt]:
-        b, word = g % 4, g // 4
-        sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
-        conv = _asm(result, [vector.extract(wa, [], [word]), vector.extract(wb, [], [word])],
-                    "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
-                    f"prmt.b32 p, ${per_prmt}, ${per_prmt + 1}, {sel:#x};\nmov.b32 {{lo, hi}}, p;\n{cvt}}}",
-                    ",".join(["=r"] * per_prmt + ["r", "r"]))
-        vals = [llvm.extractvalue(i32, conv, [j]) for j in range(2)] if per_prmt == 2 else [conv]
-        for j, val in enumerate(vals):
-          idx = [0] * len(regs_shape)
-          idx[1], idx[4] = c, h
-          out[g + j][tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
-  return [fa.FragmentedArray(_registers=out[g], _layout=fa.WGMMA_LAYOUT, _is_signed=None) for g in blocks]
+      idx = [0] * len(regs_shape)
+      idx[1], idx[4] = c, h
+      out[tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [value(c, h)]))
+  return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def paired_words(words, blocks):
+  """The byte pairs of ``blocks`` (a run of whole pairs (2i, 2i + 1)) from ``load_words``' container, one ``prmt``
+  per (key pair c, row half h, block pair): {(c, h, g): i32} for even g (:func:`_byte_pairs`). The words die as
+  their pairs are made, and each pair register dies with the second block's conversion, so building the blocks
+  one at a time from them holds fewer registers than from the words (which every block reads)."""
+  assert all(g % 2 == 0 and g + 1 in blocks for g in blocks[::2]), blocks
+  return {(c, h, g): _byte_pairs(words, c, h, g) for c in range(8) for h in range(2) for g in blocks[::2]}
+
+
+def paired_operand(paired, g: int):
+  """The A operand Vᵀ[M block g] (f16 (64, 64), WGMMA layout) from :func:`paired_words`: one
+  ``cvt.rn.f16x2.e4m3x2`` per register, of the low (even g) or high (odd g) half of its pair register."""
+  return _operand(lambda c, h: _convert_half(paired[c, h, g - g % 2], g % 2 == 1))
 
 
 def block_operands(words, blocks=ALL_BLOCKS):
   """The A operands Vᵀ[M block g] for g in ``blocks`` (f16 (64, 64) arrays, WGMMA layout) from ``load_words``'
   container; ``blocks`` is a run of whole pairs (2i, 2i + 1), e.g. all 8 or the 4 of one 32-bit word (one
-  ``prmt`` per register pair of the two blocks)."""
-  return _fragments(words, blocks, per_prmt=2)
-
-
-def paired_words(words, blocks):
-  """The byte pairs of ``blocks`` (a run of whole pairs (2i, 2i + 1)) from ``load_words``' container, one ``prmt``
-  per (key pair c, row half h, block pair): {(c, h, g): i32} for even g, holding the (key 8c + 2t, key 8c + 2t + 1)
-  bytes of block g in its low 16 bits and of block g + 1 in its high 16 bits (what :func:`_fragments` gathers with
-  ``per_prmt=2``, kept apart from the conversions). The words die as their pairs are made, and each pair register
-  dies with the second block's conversion, so building the blocks one at a time from them holds fewer registers
-  than from the words (which every block reads)."""
-  i32 = ir.IntegerType.get_signless(32)
-  assert all(g % 2 == 0 and g + 1 in blocks for g in blocks[::2]), blocks
-  wreg = words.registers
-  paired = {}
-  for c in range(8):
-    for h in range(2):
-      wa = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0]       # key 8c + 2t
-      wb = wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]   # key 8c + 2t + 1
-      for g in blocks[::2]:
-        b, word = g % 4, g // 4
-        sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
-        paired[c, h, g] = _asm(i32, [vector.extract(wa, [], [word]), vector.extract(wb, [], [word])],
-                               f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
-  return paired
-
-
-def paired_operand(paired, g: int):
-  """The A operand Vᵀ[M block g] (f16 (64, 64), WGMMA layout) from :func:`paired_words`: one
-  ``cvt.rn.f16x2.e4m3x2`` per register, of the low (even g) or high (odd g) half of its pair register (SASS
-  ``F2FP ... R.H1``: no extra instruction for the high half)."""
-  i32 = ir.IntegerType.get_signless(32)
-  f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-  regs_shape = fa.WGMMA_LAYOUT.registers_shape((TILE, TILE))
-  out = np.empty(regs_shape, dtype=object)
-  half = "hi" if g % 2 else "lo"
-  for c in range(8):
-    for h in range(2):
-      val = _asm(i32, [paired[c, h, g - g % 2]],
-                 f"{{\n.reg .b16 lo, hi;\nmov.b32 {{lo, hi}}, $1;\ncvt.rn.f16x2.e4m3x2 $0, {half};\n}}", "=r,r")
-      idx = [0] * len(regs_shape)
-      idx[1], idx[4] = c, h
-      out[tuple(idx)] = vector.bitcast(f16x2, vector.from_elements(ir.VectorType.get((1,), i32), [val]))
-  return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+  ``prmt`` per register pair of the two blocks, :func:`paired_words`)."""
+  paired = paired_words(words, blocks)
+  return [paired_operand(paired, g) for g in blocks]
 
 
 def _store_vectors(o, col, vectors) -> None:
