@@ -251,10 +251,20 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
     --shape B=1056,s_q=1,H=128,topk=2048,page=64,ctx=8192 --out "$OUT/timeline"
   rm -f "$OUT"/timeline*/timeline_*/*trace.json
 }
-t_gpu_par_vt() {   # t_gpu_par's three files and tests/test_vt_registers.py (~240 s with 6 processes)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_gpu_par_vt 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 6 \
+t_gpu_par_vt() {   # t_gpu_par's three files and tests/test_vt_registers.py (~240 s with 6 processes before the
+                   # dense kernel's route doubled tests/test_dense_decode_gpu.py)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_gpu_par_vt 400 $PY -m pytest -q -m gpu -p no:cacheprovider -n 6 \
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py \
     tests/test_batch_invariance_gpu.py
+}
+b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, other split lengths) beside the sparse
+                     # route (route=sparse) and XLA at the peer kit's D1 and D2, and D3 (H16: the sparse route only)
+  run b_dense_routes_D1 200 $B dense_mla_decode --impl xla,mosaic --sweep --shape B=128,s_q=1,H=128,ctx=4096,page=64 \
+    "${common[@]}"
+  run b_dense_routes_D2 200 $B dense_mla_decode --impl xla,mosaic --sweep --shape B=128,s_q=1,H=64,ctx=8192,page=64 \
+    "${common[@]}"
+  run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic --sweep --shape B=64,s_q=1,H=16,ctx=32768,page=64 \
+    "${common[@]}"
 }
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1
@@ -271,7 +281,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_gpu_par_vt,diag_s32c"
+next="t_gpu_par_vt,b_dense_routes,diag_s32c"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -104,8 +104,8 @@ def _qk_20(k_tiles, r, interpret):
   return heads_m._qk_and_upcast(k_tiles, None, r)
 
 
-def _no_softmax(t, s, m, l, row_scale, num_slots, r, rescale_threshold=None, scale_in_exponent=False):
-  del t, row_scale, num_slots, r, rescale_threshold, scale_in_exponent
+def _no_softmax(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent=False):
+  del row_scale, valid, rescale_threshold, scale_in_exponent
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 

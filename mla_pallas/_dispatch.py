@@ -26,6 +26,7 @@ IMPLS: tuple[str, ...] = ("auto", "mosaic", "xla")
 
 _log = logging.getLogger("mla_pallas")
 _last: dict[str, str] = {}
+_kernel: dict[str, str] = {}
 
 
 def check_impl(impl: str) -> None:
@@ -115,9 +116,22 @@ def choose(op: str, impl: str, *, interpret: bool,
 
 
 def record(op: str, used: str) -> str:
-  """Remember which implementation ``op`` used last; returns ``used``."""
+  """Remember which implementation ``op`` used last; returns ``used``. Forgets the op's last kernel name
+  (:func:`record_kernel`)."""
   _last[op] = used
+  _kernel.pop(op, None)
   return used
+
+
+def record_kernel(op: str, kernel: str) -> None:
+  """Name the kernel an op with several Mosaic routes ran in its last call (after :func:`record`), e.g.
+  ``dense_mla_decode``'s "dense_sm90" or "sparse route"."""
+  _kernel[op] = kernel
+
+
+def last_kernel(op: str) -> str | None:
+  """The kernel named by :func:`record_kernel` for the last call of ``op`` (None: not named, or XLA ran)."""
+  return _kernel.get(op)
 
 
 def last_impl(op: str | None = None):

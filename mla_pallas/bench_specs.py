@@ -284,6 +284,18 @@ def _dense_kwargs(s):
   return {**_scales(s), "causal": bool(s["causal"])}
 
 
+def _dense_tuned(s, tuning, interpret):
+  """BenchSpec.tuned_op of dense_mla_decode: the dense kernel (``_dense_kernel_jit(tuning=)``), or with the label
+  ``(("route", "sparse"),)`` of ``dense_decode.sweep_configs`` the sparse-kernel route (``sparse_route``)."""
+  kw = dict(softmax_scale=float(s["softmax_scale"]), causal=bool(s["causal"]), interpret=interpret)
+  kv_scale = jnp.float32(s["kv_scale"])
+  if tuple(tuning) == (("route", "sparse"),):
+    route = _op_attr("dense_decode", "sparse_route")
+    return lambda q, cache, table, lens: route(q, cache, table, lens, kv_scale, **kw)
+  jitted = _op_attr("dense_decode", "_dense_kernel_jit")
+  return lambda q, cache, table, lens: jitted(q, cache, table, lens, kv_scale, tuning=tuple(tuning), **kw)
+
+
 register(BenchSpec(
     name="dense_mla_decode",
     keys=_DENSE_KEYS,
@@ -305,6 +317,10 @@ register(BenchSpec(
     tolerance=lambda s: _attn_tolerance(s, s["ctx"]),
     outputs=("out", "lse"),
     module="mla_pallas.ops.dense_decode",
+    sweep=_sweep("dense_decode", lambda s: dict(h=s["H"], batch_tokens=s["B"] * s["s_q"],
+                                                n_pos=_pages_per_seq(s) * s["page"], page=s["page"],
+                                                cache_dtype=jnp.dtype(_cache_dtype(s)).name)),
+    tuned_op=_dense_tuned,
     conventions={"flops": "2*B*s_q*H*ctx*(576+512) (non-causal count)",
                  "gathered_bytes": "cache bytes read: B*ctx*576 (FP8 rows; 1152 for bf16), each once"},
 ))

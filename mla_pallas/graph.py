@@ -223,7 +223,10 @@ class _Steps:
     self.steps = []
 
   def op(self, step, op):
-    self.steps.append(dict(step=step, op=op, impl=_dispatch.last_impl(op) or "?"))
+    impl = _dispatch.last_impl(op) or "?"
+    if (kernel := _dispatch.last_kernel(op)) is not None:
+      impl = f"{impl} ({kernel})"
+    self.steps.append(dict(step=step, op=op, impl=impl))
 
   def xla(self, step, what):
     self.steps.append(dict(step=step, op=what, impl="xla"))

@@ -630,3 +630,16 @@ def test_invariant_shape_key_reaches_the_op_not_the_reference(rng):
   (res,) = bench.run("dense_mla_decode", ("xla",), dict(invariant=1, B=2, ctx=128), iters=1, n_inputs=1,
                      progress=False)
   assert res.ok and res.check_ok
+
+
+def test_sweep_dense_decode_runs_both_routes_in_interpret_mode():
+  # Dense decode: sweep_configs gets h, batch_tokens, n_pos (pages · page), page, cache dtype; the candidates are
+  # the dense kernel (default, k_buffers=3) and the sparse-kernel route, each checked against the reference.
+  shape = bench.parse_shape("B=2,s_q=1,H=64,ctx=100,page=64")
+  results = bench.run("dense_mla_decode", ("mosaic",), shape, sweep=True, iters=1, n_inputs=1, progress=False,
+                      interpret=True)
+  assert [r.label for r in results] == ["mosaic:default[interpret]", "mosaic:route=sparse[interpret]",
+                                        "mosaic:k_buffers=3[interpret]"]
+  assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
+  from mla_pallas.ops import dense_decode
+  assert list(dense_decode.sweep_configs(16, 2, 128)) == ["route=sparse"]       # H 16: the sparse route only

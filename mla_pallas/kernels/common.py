@@ -112,11 +112,20 @@ def valid_keys(ids, num_slots: int):
   return (ids >= 0) & (ids < num_slots)
 
 
-def drain(barrier, n_steps: int, n_slots: int):
+def drain(barrier, n_steps, n_slots: int):
   """Observe the last completed phase of each ring slot (required by the interpret-mode barrier rule; harmless on
-  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps."""
-  for s in range(max(n_steps - n_slots, 0), n_steps):
-    plgpu.barrier_wait(barrier.at[s % n_slots])
+  hardware): wait once more on the 'consumed' barrier of the last ``min(n_steps, n_slots)`` steps, in order.
+  ``n_steps``: a Python int, or traced (a CTA's own step count)."""
+  if isinstance(n_steps, int):
+    for s in range(max(n_steps - n_slots, 0), n_steps):
+      plgpu.barrier_wait(barrier.at[s % n_slots])
+    return
+  for back in range(n_slots, 0, -1):
+    step = n_steps - back
+
+    @pl.when(step >= 0)
+    def _():
+      plgpu.barrier_wait(barrier.at[lax.rem(step, n_slots)])
 
 def running_max_step(m, tile_max, rescale_threshold: float | None = None):
   """The running max of an online softmax after a tile whose per-row max of the (scaled, masked) logits is
@@ -149,7 +158,8 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
 
   Args:
     s: [R, T] f32 raw Q.K products (``keys_axis=0``: the transposed tile Sᵀ [T, R], heads on the columns);
-    valid_cols: [T] bool (False: masked key), or a mask of the shape of ``s`` (per element: causal masks);
+    valid_cols: [T] bool (False: masked key), or a mask of the shape of ``s`` (per element: causal masks), or None
+      (every key counts: no masking);
     row_scale: [R] f32 (folds q_scale, kv_scale, softmax_scale and
     log2 e); m, l: [R] running max (base-2 logits) and running sum; ``l`` may also have the shape of ``s``
     (running sums per element: no reduction over the keys in this step, the caller sums once at the end), or
@@ -169,16 +179,19 @@ def online_softmax_tile(s, valid_cols, row_scale, m, l, keys_axis: int = 1,
     (lazy: 1; never NaN).
   """
   head_axis = 1 - keys_axis
-  valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+  if valid_cols is None:
+    mask = lambda x: x
+  else:
+    valid = valid_cols if valid_cols.ndim == s.ndim else lax.broadcast_in_dim(valid_cols, s.shape, [keys_axis])
+    mask = lambda x: jnp.where(valid, x, -jnp.inf)
   if scale_in_exponent:
     scale = jnp.where(row_scale == 0.0, 1.0, row_scale)
-    s = jnp.where(valid, s, -jnp.inf)
+    s = mask(s)
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis) * scale, rescale_threshold)
     p = jnp.exp2(s * lax.broadcast_in_dim(scale, s.shape, [head_axis])
                  - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   else:
-    s = s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis])
-    s = jnp.where(valid, s, -jnp.inf)
+    s = mask(s * lax.broadcast_in_dim(row_scale, s.shape, [head_axis]))
     m_new, m_use, alpha = running_max_step(m, s.max(axis=keys_axis), rescale_threshold)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [head_axis]))
   if l.ndim == s.ndim and l.shape == s.shape:   # running sums per element (summed over the keys by the caller)
@@ -342,14 +355,17 @@ def k_full_arrivals(interpret: bool, layout: TileLayout = FP8_TILES) -> int:
   return layout.chunks * TILE if interpret else 1
 
 
-def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles: int, k_buffers: int,
-                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES):
+def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_tiles, k_buffers: int,
+                 interpret: bool, before_gather=lambda t: None, layout: TileLayout = FP8_TILES, runs=None):
   """The loader's gathers: per 64-key tile t, once the consumers have released K buffer ``t % k_buffers``
   (``k_empty``), the rows ``idx_smem[t]`` of ``kv_gmem`` [num_slots, 576] land in the 128-byte-swizzled K tile
   (chunks 0-3: cache columns 0-511; chunk 4: columns 448-575) and ``k_full`` is signalled. An id outside
   [0, num_slots) is an invalid key: its row is zero-filled and nothing outside the cache is read.
   ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather. ``layout``: the
   cache dtype's :class:`TileLayout` (the chunks above are fp8's; bf16 rows land in nine 64-column chunks).
+  ``runs`` (fp8 only; ``idx_smem`` unused): tile t is instead the ``count`` consecutive rows from ``first``,
+  ``(first, count) = runs(t)`` (traced scalars; rows count ... 63 zero-filled, all of them where ``first`` is
+  outside [0, num_slots)): the dense kernel's tiles of pages. ``n_tiles``: a Python int, or traced.
 
   On hardware the loader warpgroup's 128 threads gather each tile with 16-byte ``cp.async`` loads
   (``kernels/gather_threads.py``: 20 per thread and tile, one group per tile) and keep ``k_buffers - 2`` tiles in
@@ -380,7 +396,10 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
     lag = max(k_buffers - 2, 0)     # tiles left in flight behind the newest one
 
     def gather_by_threads(t, kb):
-      gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots, layout=layout)
+      if runs is None:
+        gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots, layout=layout)
+      else:
+        gather_threads.copy_run(kv_gmem, k_sw.at[kb], *runs(t), num_slots=num_slots)
       gather_threads.wait_tiles(lag)
 
       @pl.when(t >= lag)
@@ -388,12 +407,27 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
         plgpu.barrier_arrive(k_full.at[lax.rem(t - lag, k_buffers)])
     tiles(gather_by_threads)
     gather_threads.wait_tiles(0)
-    for tile in range(max(n_tiles - lag, 0), n_tiles):
-      plgpu.barrier_arrive(k_full.at[tile % k_buffers])
+    if isinstance(n_tiles, int):
+      for tile in range(max(n_tiles - lag, 0), n_tiles):
+        plgpu.barrier_arrive(k_full.at[tile % k_buffers])
+    else:
+      for back in range(lag, 0, -1):
+        tile = n_tiles - back
+
+        @pl.when(tile >= 0)
+        def _():
+          plgpu.barrier_arrive(k_full.at[lax.rem(tile, k_buffers)])
   else:
     def gather_rows(t, kb):
+      run = None if runs is None else runs(t)
+
       def issue_row(r):
-        row = kv_gmem.at[pl.ds(safe_row(idx_smem[t, r], num_slots), 1)]
+        if run is None:
+          rid = safe_row(idx_smem[t, r], num_slots)
+        else:
+          first, count = run
+          rid = jnp.where((r < count) & (first >= 0) & (first < num_slots - r), first + r, num_slots)
+        row = kv_gmem.at[pl.ds(rid, 1)]
         for c in range(layout.chunks):
           src = row.at[:, pl.ds(layout.cols[c], layout.chunk_cols)]
           plgpu.copy_gmem_to_smem(src, k_sw.at[kb, c, pl.ds(r, 1)], k_full.at[kb])

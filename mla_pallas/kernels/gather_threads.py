@@ -45,11 +45,14 @@ CP_ASYNC_PER_THREAD = PASSES * common.SW_CHUNKS  # 20
 CP_ASYNC = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
 
 
-def issue_tile(kv, k_tile, idx, t, num_slots: int, layout: common.TileLayout = common.FP8_TILES) -> None:
+def issue_tile(kv, k_tile, idx, t, num_slots: int, layout: common.TileLayout = common.FP8_TILES,
+               run=None) -> None:
   """Inside an ``inline_mgpu`` body: this thread's ``4 · layout.chunks`` ``cp.async`` (fp8: 20) of tile ``t`` (i32
   value) from ``kv`` (GMEM memref [num_slots, 576] of the layout's dtype) into ``k_tile`` (SMEM memref of one
   [chunks, 64, chunk_cols] swizzled K tile; fp8 [5, 64, 128]), row ids from ``idx`` (SMEM memref [n_tiles, 64]
-  int32), committed as one group (module docstring; a bf16 row is 1152 bytes in nine chunks)."""
+  int32), committed as one group (module docstring; a bf16 row is 1152 bytes in nine chunks). ``run`` = (first,
+  count) (i32 values; ``idx`` and ``t`` unused): the tile is the ``count`` consecutive rows from ``first`` instead
+  (row r has id first + r where r < count, else none: a dense tile of a page, cut at a sequence's limit)."""
   item = layout.dtype.itemsize
   i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
   tid, _, _ = thread_in_warpgroup()
@@ -58,13 +61,17 @@ def issue_tile(kv, k_tile, idx, t, num_slots: int, layout: common.TileLayout = c
   swz = arith.muli(arith.xori(j, arith.remui(r0, c32(8))), c32(UNIT))   # r % 8 == r0 % 8 for every pass
   kv_base = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(kv))
   k_base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
-  idx_base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(idx))
-  row_ids = arith.addi(idx_base, arith.muli(t, c32(common.TILE * 4)))
+  if run is None:
+    idx_base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(idx))
+    row_ids = arith.addi(idx_base, arith.muli(t, c32(common.TILE * 4)))
   unit_col = arith.muli(j, c32(UNIT))
   for i in range(PASSES):
     r = arith.addi(r0, c32(ROWS_PER_PASS * i))
-    rid = asm(i32, [arith.addi(row_ids, arith.muli(r, c32(4)))], "ld.shared.b32 $0, [$1];", "=r,r",
-              side_effects=True)
+    if run is None:
+      rid = asm(i32, [arith.addi(row_ids, arith.muli(r, c32(4)))], "ld.shared.b32 $0, [$1];", "=r,r",
+                side_effects=True)
+    else:
+      rid = arith.select(arith.cmpi(arith.CmpIPredicate.slt, r, run[1]), arith.addi(run[0], r), c32(-1))
     valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, rid, c32(0)),
                        arith.cmpi(arith.CmpIPredicate.slt, rid, c32(num_slots)))
     row = arith.select(valid, rid, c32(0))
@@ -91,6 +98,20 @@ def gather_tile(kv_gmem, k_tile_ref, idx_smem, t, *, num_slots: int,
   f(kv_gmem, k_tile_ref, idx_smem, scalar_array(t))
 
 
+def copy_run(kv_gmem, k_tile_ref, first, count, *, num_slots: int) -> None:
+  """Pallas level: the loader warpgroup issues the copy of ``count`` consecutive cache rows from ``first`` (traced
+  i32 scalars; rows count ... 63 zero-filled, as is every row when ``first`` is outside [0, num_slots)) into the
+  fp8 K tile ``k_tile_ref``, one ``cp.async`` group per thread (:func:`issue_tile` with ``run``);
+  :func:`wait_tiles` waits for it."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
+                                SCALAR_LAYOUT, SCALAR_LAYOUT))
+  def f(ctx, kv, k_tile, first_arr, count_arr):
+    del ctx
+    issue_tile(kv, k_tile, None, None, num_slots, common.FP8_TILES,
+               run=(scalar_value(first_arr), scalar_value(count_arr)))
+  f(kv_gmem, k_tile_ref, scalar_array(first), scalar_array(count))
+
+
 def wait_tiles(in_flight: int) -> None:
   """Pallas level: each loader thread waits until at most ``in_flight`` of its newest tile groups are pending,
   then fences its completed writes for the async proxy (wgmma)."""
@@ -100,3 +121,4 @@ def wait_tiles(in_flight: int) -> None:
     asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {in_flight};", "", side_effects=True)
     asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "", side_effects=True)
   f()
+

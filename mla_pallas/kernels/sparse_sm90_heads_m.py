@@ -122,7 +122,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 from jax import lax
@@ -358,12 +358,29 @@ def _zero_state():
   return acc0, m0, l0
 
 
-def _softmax_step(t, s, m, l, row_scale, num_slots: int, r: common.SparseRefs, rescale_threshold=None,
-                  scale_in_exponent: bool = False):
-  """The online softmax of tile t (``rescale_threshold``: lazy rescaling; ``scale_in_exponent``: the row scale
-  folded into exp2's argument; both ``common.online_softmax_tile``)."""
+def _id_mask(t, num_slots: int, r: common.SparseRefs):
+  """Tile t's key mask [64] bool (COL_LAYOUT): its ids in ``idx_smem`` inside [0, num_slots)."""
   cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
-  return common.online_softmax_tile(s, common.valid_keys(cols, num_slots), row_scale, m, l,
+  return common.valid_keys(cols, num_slots)
+
+
+class KeyTiles(NamedTuple):
+  """The key tiles a CTA's producer and multipliers run ("producer_vt"): ``n_tiles`` (a Python int, or traced)
+  and the producer's ``segments``, consecutive ranges ``(lo, hi, mask)`` covering [0, n_tiles), ``mask(t)`` tile
+  t's key mask ([64] bool, COL_LAYOUT) or None (every key counts: no masking code in that range's loop)."""
+  n_tiles: object
+  segments: tuple
+
+
+def sparse_key_tiles(cfg: TuningConfig, num_slots: int, r: common.SparseRefs) -> KeyTiles:
+  """The sparse kernel's tiles: all ``tiles_per_split`` of the split, each key masked by its id."""
+  return KeyTiles(cfg.tiles_per_split, ((0, cfg.tiles_per_split, lambda t: _id_mask(t, num_slots, r)),))
+
+
+def _softmax_step(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent: bool = False):
+  """The online softmax of one tile; ``valid``: its key mask or None (``rescale_threshold``: lazy rescaling;
+  ``scale_in_exponent``: the row scale folded into exp2's argument; all ``common.online_softmax_tile``)."""
+  return common.online_softmax_tile(s, valid, row_scale, m, l,
                                     rescale_threshold=rescale_threshold, scale_in_exponent=scale_in_exponent)
 
 
@@ -440,7 +457,7 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
     plgpu.barrier_wait(r.k_full.at[kb])
     s = _qk_and_upcast(k_tiles, lambda: _upcast_half(k_tiles, wg, r), r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, _id_mask(t, num_slots, r))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return _pv_half(acc, _p_operand(p, jnp.float16, wg, interpret, r), wg, interpret, r), m_new, l
 
@@ -463,7 +480,7 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
     k_tiles = r.k_sw.at[kb]
     plgpu.barrier_wait(r.k_full.at[kb])
     s = _qk_and_upcast(k_tiles, None, r)
-    p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r)
+    p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, _id_mask(t, num_slots, r))
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
     p_op = _p_operand(p, jnp.bfloat16, wg, interpret, r)
 
@@ -568,15 +585,15 @@ def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
-def _finish_softmax(cfg: TuningConfig, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
-  """The producer after the last tile: kv_scale / l for the multipliers (``p_full[2]``), the lse, the final
-  observation of the P slots."""
+def _finish_softmax(n_tiles, kv_scale, m, l, tile_q, split, r: common.SparseRefs):
+  """The producer after the last of its ``n_tiles`` tiles: kv_scale / l for the multipliers (``p_full[2]``), the
+  lse, the final observation of the P slots."""
   inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_SLOT][...] = inv
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.p_full.at[INV_SLOT])
   common.store_lse(lax.axis_index("wg"), m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
-  common.drain(r.p_empty, cfg.tiles_per_split, P_BUFFERS)
+  common.drain(r.p_empty, n_tiles, P_BUFFERS)
 
 
 def _multiplier_start(tile_q, r: common.SparseRefs, half, q_in):
@@ -588,15 +605,18 @@ def _multiplier_start(tile_q, r: common.SparseRefs, half, q_in):
       _quantize_q_rows(tile_q, r, half, *q_in)
 
 
-def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None):
+def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None,
+                          n_tiles=None):
   """"producer_vt" in interpret mode (the interpreter runs neither its raw Mosaic GPU Vᵀ loads nor a wgmma with A
   in registers), multiplier WG1 + ``half``: the same hand-off and the same products with V upcast to the f16 V
   tile (``TuningConfig.v_tile(interpret=True)``): per tile the upcast of V chunks 2 half, 2 half + 1, the K
   buffer's release, then after slot t % 2 arrives the rescale by the producer's alpha (skipped where every alpha
   is 1) and O half += P · V half (:func:`_pv_half`, P read from the slot), and the slot's release; at the end its
   half of O (not transposed), scaled by the producer's kv_scale / l. ``q_in`` (heads, interpret) where the kernel
-  quantizes Q: first its half of the rows (:func:`_quantize_q_rows`)."""
+  quantizes Q: first its half of the rows (:func:`_quantize_q_rows`). ``n_tiles``: a function returning the
+  number of tiles to run (int or traced), called after the start; None: ``tiles_per_split``."""
   _multiplier_start(tile_q, r, half, q_in)
+  n_tiles = cfg.tiles_per_split if n_tiles is None else n_tiles()
 
   def step(t, acc):
     kb, pb, k_tiles = _landed(t, cfg, r)
@@ -610,7 +630,7 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
 
-  acc = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_state()[0])
+  acc = lax.fori_loop(0, n_tiles, step, _zero_state()[0])
   plgpu.barrier_wait(r.p_full.at[INV_SLOT])
   inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
   _store_half(acc, inv, half, out_dtype, tile_q, split, r)
@@ -630,14 +650,16 @@ def _pv_vt(accs, words, pb, r: common.SparseRefs):
                                       blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
 
 
-def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_in=None):
+def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_in=None, n_tiles=None):
   """"producer_vt" (hardware), multiplier WG1 + ``half`` (traced: both multipliers run this code): per tile its
   bytes of V (latent columns 256 half ... 256 half + 255, ``vt_registers.load_v_half_words``) from the K tile,
   the K buffer's release, then after slot t % 2 arrives its four Oᵀ blocks += Vᵀ · Pᵀ and the release of the
   slot; at the end its half of O (16-byte row pieces). ``q_in`` (heads, interpret) where the kernel quantizes
   Q: first its half of the rows (:func:`_quantize_q_rows`; the multipliers would otherwise wait for the first
-  P)."""
+  P). ``n_tiles``: a function returning the number of tiles to run (int or traced), called after the start;
+  None: ``tiles_per_split``."""
   _multiplier_start(tile_q, r, half, q_in)
+  n_tiles = cfg.tiles_per_split if n_tiles is None else n_tiles()
 
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
@@ -652,23 +674,27 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  accs = lax.fori_loop(0, cfg.tiles_per_split, step, _zero_vt())
+  accs = lax.fori_loop(0, n_tiles, step, _zero_vt())
   with jax.named_scope("m_store"):
     plgpu.barrier_wait(r.p_full.at[INV_SLOT])
     inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
     vt_registers.store_half_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], half)
 
 
-def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None):
+def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None,
+              keys=None):
   """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
   themselves), the online softmax (lazy rescaling, the row scale in the exponent), P (f16) and alpha into slot
   t % 2 (``_publish_p``: it runs up to two tiles ahead of the multipliers); at the end kv_scale / l for WG1 / WG2
   and the lse. It holds no O (88 registers).
-  ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row."""
+  ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row.
+  ``keys``: a function returning the :class:`KeyTiles` to run, called after the prologue's waits (the dense
+  kernel reads them from the table the loader copies); None: :func:`sparse_key_tiles`."""
   with jax.named_scope("p_prologue"):
     row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
+  keys = sparse_key_tiles(cfg, num_slots, r) if keys is None else keys()
 
-  def step(t, carry):
+  def step(mask, t, carry):
     m, l = carry
     with jax.named_scope("p_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
@@ -676,16 +702,18 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
       s = _qk_producer(k_tiles, r, interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(t, s, m, l, row_scale, num_slots, r, RESCALE_THRESHOLD,
+      p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, None if mask is None else mask(t), RESCALE_THRESHOLD,
                                          scale_in_exponent=True)
       p16 = p.astype(jnp.float16)
     _publish_p(t, pb, p16, alpha, r, interpret)
     return m_new, l
 
   _, m0, _ = _zero_state()
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, _producer_l0()))
+  m, l = m0, _producer_l0()
+  for lo, hi, mask in keys.segments:
+    m, l = lax.fori_loop(lo, hi, functools.partial(step, mask), (m, l))
   with jax.named_scope("p_finish"):
-    _finish_softmax(cfg, kv_scale, m, l.sum(axis=1), tile_q, split, r)
+    _finish_softmax(keys.n_tiles, kv_scale, m, l.sum(axis=1), tile_q, split, r)
 
 
 # The producer's running softmax sum: [64, SUM_COLS] partial sums per column residue (each thread adds its own

@@ -3,16 +3,22 @@
 Semantics are those of :func:`mla_pallas.reference.dense_mla_decode`; the implementations differ only in where
 FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 
-* ``impl="mosaic"``: there is no dense kernel; the sparse top-k kernel runs it. The block table and the cache
-  lengths are turned into per-token flat slot ids ``indices [B, s_q, P * page_size]`` (position ``p`` of sequence
-  ``b`` -> ``block_table[b, p // page_size] * page_size + p % page_size``; ``-1`` for positions past the
-  sequence, past the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to the
-  sparse op's kernel (:mod:`mla_pallas.ops.sparse_decode`, its default config), which gathers the rows of every
-  64-key tile like any top-k. Q is quantized to e4m3 per
-  (token, head) row and QKᵀ runs on FP8 tensor cores; on sm_90 P·V is f16 (P kept in f16, the e4m3 V upcast
-  exactly), f32 accumulation throughout (the sparse op's docstring has the sm_100 variant). The key
-  count is the whole block table (``P * page_size``), whatever the lengths are: size the block table to the
-  longest sequence of the batch.
+* ``impl="mosaic"``, two routes (:func:`mosaic_route`):
+  - "dense": the dense kernel (``kernels/dense_sm90.py``; sm_90, an fp8 cache, H in DENSE_KERNEL_HEADS, a page
+    size that is a multiple of 64): the sparse heads-on-M kernel's attention core over whole 64-key tiles of the
+    sequence's pages (copied by the loader warpgroup's threads, rows past the limit zero-filled), each CTA
+    running only the tiles below its token's limit. Its inputs are a
+    per-(token, split) table (:func:`dense_tile_table`) of each tile's first cache slot and the split's tile
+    counts, made by a few fused XLA ops.
+  - "sparse": the sparse top-k kernel. The block table and the cache lengths are turned into per-token flat slot
+    ids ``indices [B, s_q, P * page_size]`` (position ``p`` of sequence ``b`` ->
+    ``block_table[b, p // page_size] * page_size + p % page_size``; ``-1`` for positions past the sequence, past
+    the token's causal limit, or whose page id is outside ``[0, num_pages)``) and handed to the sparse op's
+    kernel (:mod:`mla_pallas.ops.sparse_decode`, its default config), which gathers the rows of every 64-key tile
+    like any top-k; its key count is the whole block table (``P * page_size``), whatever the lengths are.
+  In both, Q is quantized to e4m3 per (token, head) row and QKᵀ runs on FP8 tensor cores; on sm_90 P·V is f16 (P
+  kept in f16, the e4m3 V upcast exactly), f32 accumulation throughout (the sparse op's docstring has the sm_100
+  variant). Size the block table to the longest sequence of the batch (it sets the split plan).
 * ``impl="xla"``: Q and P quantized to e4m3 (P as fp8(256 p)) with FP8 ``dot_general``s in XLA, as a
   flash-style scan over chunks of pages (online softmax), so at most ~256 MiB of logits and gathered fp8 rows
   (one chunk) are live at a time, never a ``[B, s_q, H, P * page_size]`` tensor for long contexts.
@@ -43,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_pallas import _checks, _dispatch
-from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E
+from mla_pallas.kernels.common import D_QK, D_V, FP8, LOG2E, TILE
 from mla_pallas.ops import sparse_decode as _sparse
 
-__all__ = ["dense_mla_decode", "dense_indices"]
+__all__ = ["dense_mla_decode", "dense_indices", "dense_tile_table"]
 
 OP = "dense_mla_decode"
 # Bytes live per scan step of the XLA path (logits, p and fp8 p of [B, s_q, H, chunk], plus the gathered fp8 rows,
@@ -207,6 +213,161 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
   return check
 
 
+# The dense kernel (kernels/dense_sm90.py): heads on M only; H <= 16 keeps the sparse route's heads-on-N kernel.
+DENSE_KERNEL_HEADS = (32, 64, 128)
+DENSE_PAGE_MULTIPLE = TILE     # a 64-key tile never crosses a page
+# Families where the dense kernel ran and matched the reference on hardware ("auto" takes the sparse route
+# elsewhere; "mosaic" runs the dense kernel wherever it can).
+DENSE_VALIDATED_ON: tuple[str, ...] = ()
+DENSE_KERNEL, SPARSE_ROUTE = "dense kernel", "sparse kernel"     # the routes' names in graph_report()
+
+
+def _dense_kernel_supported(q_shape, kv_cache, arch: str | None):
+  """Raise NotImplementedError where the dense kernel cannot take this input (the op then takes the sparse
+  route)."""
+  h = q_shape[2]
+  if arch != "sm90":
+    raise NotImplementedError(f"the dense decode kernel is sm_90 only; the kernel family here is {arch!r}")
+  if jnp.dtype(kv_cache.dtype) != FP8:
+    raise NotImplementedError(f"the dense decode kernel reads an float8_e4m3fn cache; got {kv_cache.dtype}")
+  if h not in DENSE_KERNEL_HEADS:
+    raise NotImplementedError(f"the dense decode kernel takes H in {DENSE_KERNEL_HEADS}; got H={h}")
+  if kv_cache.shape[1] % DENSE_PAGE_MULTIPLE:
+    raise NotImplementedError(f"the dense decode kernel needs a page size that is a multiple of "
+                              f"{DENSE_PAGE_MULTIPLE}; got {kv_cache.shape[1]}")
+
+
+def mosaic_route(q_shape, kv_cache, impl: str, interpret: bool) -> str:
+  """The Mosaic route of one call: "dense" (the dense kernel) where it can take the input and either ``impl`` is
+  "mosaic", or it runs in interpret mode, or it has been validated on this GPU family (DENSE_VALIDATED_ON);
+  "sparse" (the sparse kernel on per-token slot ids) otherwise."""
+  arch = _dispatch.mosaic_arch(interpret)
+  try:
+    _dense_kernel_supported(q_shape, kv_cache, arch)
+  except NotImplementedError:
+    return "sparse"
+  return "dense" if impl == "mosaic" or interpret or arch in DENSE_VALIDATED_ON else "sparse"
+
+
+def dense_plan(h: int, batch_tokens: int, n_pos: int, batch_invariant: bool = False):
+  """(num_splits, tiles_per_split) of the dense kernel for H heads, B · s_q query tokens and a block table of
+  ``n_pos`` positions: the sparse heads-on-M plan (``sparse_decode._plan``, waves × (tiles + CTA overhead)) with
+  the table's width as the top-k; ``batch_invariant``: splits of ``sparse_decode.INVARIANT_SPLIT_TILES`` tiles."""
+  k_tiles = max(1, -(-n_pos // TILE))
+  if batch_invariant:
+    tps = _sparse.INVARIANT_SPLIT_TILES
+    return -(-k_tiles // tps), tps
+  ctas = batch_tokens * max(1, h // TILE)
+  return _sparse._plan(batch_tokens, max(1, h // TILE), n_pos, _dispatch.num_sms(), _sparse.HEADS_M_MAX_SPLIT_TILES,
+                       _sparse._min_split_tiles("sm90_heads_m", ctas, n_pos))
+
+
+def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
+                  cache_dtype: str = "float8_e4m3fn") -> dict[str, tuple[tuple[str, object], ...]]:
+  """Labelled candidates for benchmark sweeps of the Mosaic routes: ``"default": ()`` (the dense kernel with its
+  plan), ``"route=sparse"`` (label ``(("route", "sparse"),)``: the sparse-kernel route, which the bench spec runs
+  through :func:`sparse_route`), and the dense kernel with ``k_buffers=3`` and the other split lengths (8-128
+  tiles) where the table is long enough to differ. Only the sparse route where the dense kernel cannot take the
+  input (H, page size, cache dtype)."""
+  out = {"route=sparse": (("route", "sparse"),)}
+  pages = jax.ShapeDtypeStruct((1, page, D_QK), cache_dtype)
+  try:
+    _dense_kernel_supported((1, 1, h, D_QK), pages, "sm90")
+  except NotImplementedError:
+    return out
+  _, tps = dense_plan(h, batch_tokens, n_pos)
+  k_tiles = max(1, -(-n_pos // TILE))
+  out = {"default": (), **out, "k_buffers=3": (("k_buffers", 3),)}
+  for t in (8, 16, 32, 64, 128):
+    if t != tps and t < 2 * k_tiles:
+      out[f"tiles_per_split={t}"] = (("tiles_per_split", t),)
+  return out
+
+
+def dense_tile_table(block_table, cache_seqlens, *, page_size: int, num_pages: int, s_q: int, causal: bool,
+                     num_splits: int, tiles_per_split: int):
+  """The dense kernel's table ``[B · s_q · num_splits, TAB]`` int32 (``kernels/dense_sm90.py``, module docstring),
+  row ``(b · s_q + i) · num_splits + s`` for query token i of sequence b and split s: ``n_full`` (leading tiles
+  wholly inside the token's limit and on valid pages), ``n_tiles`` (tiles holding a position below the limit,
+  at most ``tiles_per_split``), ``rel`` (the limit minus the split's first position), 0, then each tile's first
+  cache slot ``block_table[b, p // page_size] * page_size + p % page_size`` (p = 64 · tile), or num_slots where
+  the page id is outside [0, num_pages) or past the table; zeros to the row's width. Jit-able."""
+  from mla_pallas.kernels import dense_sm90
+  if page_size % TILE:
+    raise ValueError(f"page_size must be a multiple of {TILE} for the dense kernel's table; got {page_size}")
+  b, max_pages = block_table.shape
+  n_pos = max_pages * page_size
+  num_slots = num_pages * page_size
+  tps = tiles_per_split
+  pos0 = jnp.arange(num_splits * tps, dtype=jnp.int32) * TILE                 # each tile's first position
+  col = pos0 // page_size
+  page = block_table[:, jnp.minimum(col, max_pages - 1)]                      # [B, tiles]
+  ok = (col < max_pages)[None] & (page >= 0) & (page < num_pages)
+  first = jnp.where(ok, page * page_size + pos0 % page_size, num_slots)
+  limit = _limits(cache_seqlens, s_q, n_pos, causal)                          # [B, s_q]
+  full = ok[:, None, :] & (pos0[None, None, :] + TILE <= limit[:, :, None])   # [B, s_q, tiles]
+  full = full.reshape(b, s_q, num_splits, tps).astype(jnp.int32)
+  n_full = jnp.sum(jnp.cumprod(full, axis=-1), axis=-1)                       # the leading run
+  rel = limit[:, :, None] - jnp.arange(num_splits, dtype=jnp.int32) * (tps * TILE)   # [B, s_q, S]
+  n_tiles = jnp.clip(-(-rel // TILE), 0, tps)
+  header = jnp.stack([n_full, n_tiles, rel, jnp.zeros_like(rel)], axis=-1)   # [B, s_q, S, 4]
+  rows = jnp.broadcast_to(first.reshape(b, 1, num_splits, tps), (b, s_q, num_splits, tps))
+  width = dense_sm90.table_width(tps)
+  pad = jnp.zeros((b, s_q, num_splits, width - dense_sm90.HEADER - tps), jnp.int32)
+  return jnp.concatenate([header, rows, pad], axis=-1).reshape(b * s_q * num_splits, width)
+
+
+def _mosaic_dense_decode(parts, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal, interpret,
+                         batch_invariant=False, tuning=()):
+  """The dense kernel's route: the table, the kernel, the split merge. ``tuning``: (field, value) pairs of
+  ``dense_sm90.TuningConfig`` over the plan's (a ``tiles_per_split`` re-plans the splits)."""
+  from mla_pallas.kernels import dense_sm90
+  b, s_q, h, _ = _sparse.q_shape(parts)
+  num_pages, page_size, _ = kv_cache.shape
+  n_pos = block_table.shape[1] * page_size
+  n_tok = b * s_q
+  splits, tps = dense_plan(h, n_tok, n_pos, batch_invariant)
+  kw = dict(tuning)
+  if "tiles_per_split" in kw:
+    tps = kw["tiles_per_split"]
+    splits = -(-max(1, -(-n_pos // TILE)) // tps)
+  cfg = dense_sm90.TuningConfig(**{"tiles_per_split": tps, **kw})
+  table = dense_tile_table(block_table, cache_seqlens, page_size=page_size, num_pages=num_pages, s_q=s_q,
+                           causal=causal, num_splits=splits, tiles_per_split=tps)
+  tiles_per_token = max(1, h // TILE)
+  kern = dense_sm90.build(n_tok * tiles_per_token, num_pages * page_size, splits, tiles_per_token, cfg, heads=h,
+                          softmax_scale=softmax_scale, interpret=interpret, q_split=len(parts) == 2)
+  q_args = tuple(p.reshape(n_tok * h, p.shape[-1]) for p in parts)
+  o, lse = kern(*q_args, kv_cache.reshape(-1, D_QK), table, jnp.asarray(kv_scale, jnp.float32).reshape(1))
+  if splits > 1 or batch_invariant:
+    o, lse = _sparse.combine_splits(o, lse)
+  else:
+    o, lse = o[:, 0], lse[:, 0]
+  o = o.reshape(n_tok, tiles_per_token * TILE, D_V)[:, :h]
+  lse = lse.reshape(n_tok, tiles_per_token * TILE)[:, :h]
+  return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
+
+
+def sparse_route(q, kv_cache, block_table, cache_seqlens, kv_scale, *, softmax_scale, causal, interpret,
+                 batch_invariant=False):
+  """The "sparse" Mosaic route (:func:`mosaic_route`): per-token slot ids (:func:`dense_indices`) through the
+  sparse op's kernel. Arguments as :func:`dense_mla_decode` (checked there)."""
+  parts = _sparse._as_parts(q)
+  num_pages, page_size, _ = kv_cache.shape
+  indices = _indices_jit(block_table, cache_seqlens, page_size=int(page_size), num_pages=int(num_pages),
+                         s_q=int(_sparse.q_shape(parts)[1]), causal=causal)
+  return _sparse._sparse_decode_jit(parts, kv_cache.reshape(-1, D_QK), indices, jnp.asarray(kv_scale, jnp.float32),
+                                    None, softmax_scale=float(softmax_scale), impl="mosaic", interpret=interpret,
+                                    arch=_dispatch.mosaic_arch(interpret), batch_invariant=batch_invariant)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "interpret", "batch_invariant", "tuning"))
+def _dense_kernel_jit(q, kv_cache, block_table, cache_seqlens, kv_scale, *, softmax_scale, causal, interpret,
+                      batch_invariant=False, tuning=()):
+  return _mosaic_dense_decode(_sparse._as_parts(q), kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale,
+                              causal, interpret, batch_invariant, tuning)
+
+
 def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, kv_scale=1.0,
                      causal: bool = False, impl: str = "auto", interpret: bool = False,
                      batch_invariant: bool = False):
@@ -228,8 +389,11 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     kv_scale: per-tensor cache scale (python float or f32 scalar).
     causal: python bool. False: every query token attends every position < cache_seqlens[b]. True: query token
       i (0-based among s_q) attends positions < cache_seqlens[b] - s_q + i + 1 (nothing when that is <= 0).
-    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). "mosaic" runs the sparse top-k kernel on
-      per-token slot ids built from the block table (top-k = P · page_size); "auto" prefers it when it can run.
+    impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). "mosaic" runs the dense kernel where it
+      takes the input (sm_90, fp8 cache, H in DENSE_KERNEL_HEADS, page size a multiple of 64), else the sparse
+      top-k kernel on per-token slot ids built from the block table (top-k = P · page_size)
+      (:func:`mosaic_route`); "auto" prefers a kernel when it can run, the dense one only where it has been
+      validated on hardware (DENSE_VALIDATED_ON). ``graph_report()`` names the kernel that ran.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU).
     batch_invariant: python bool. True: a sequence's bits do not depend on the batch size, the other sequences,
       their lengths or the block table's width (padding entries past its pages): the kernel runs splits of
@@ -256,13 +420,16 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
                           supported=_kernel_supported(shape, num_slots, interpret, kv_cache.dtype),
                           validated_on=_sparse.validated_on(kv_cache.dtype, shape[2]))
   kv_scale_arr = jnp.asarray(kv_scale, jnp.float32)
-  if used == "mosaic":
-    num_pages, page_size, _ = kv_cache.shape
-    indices = _indices_jit(block_table, cache_seqlens, page_size=int(page_size), num_pages=int(num_pages),
-                           s_q=int(shape[1]), causal=causal)
-    return _sparse._sparse_decode_jit(parts, kv_cache.reshape(-1, D_QK), indices, kv_scale_arr, None,
-                                      softmax_scale=float(softmax_scale), impl="mosaic", interpret=interpret,
-                                      arch=_dispatch.mosaic_arch(interpret), batch_invariant=batch_invariant)
+  route = mosaic_route(shape, kv_cache, impl, interpret) if used == "mosaic" else None
+  if route is not None:
+    _dispatch.record_kernel(OP, DENSE_KERNEL if route == "dense" else SPARSE_ROUTE)
+  if route == "dense":
+    return _dense_kernel_jit(parts, kv_cache, block_table, cache_seqlens, kv_scale_arr,
+                             softmax_scale=float(softmax_scale), causal=causal, interpret=interpret,
+                             batch_invariant=batch_invariant)
+  if route == "sparse":
+    return sparse_route(parts, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=softmax_scale,
+                        causal=causal, interpret=interpret, batch_invariant=batch_invariant)
   return _xla_jit(parts, kv_cache, block_table, cache_seqlens, kv_scale_arr, softmax_scale=float(softmax_scale),
                   causal=causal, batch_invariant=batch_invariant)
 
