@@ -1,7 +1,7 @@
 """dense_mla_decode's two Mosaic routes on a Hopper GPU (sm_90a) against the float32 reference.
 
-"dense" (``impl="mosaic"`` where the dense kernel takes the input: H 32-128, page a multiple of 64) runs
-kernels/dense_sm90.py; "sparse" (``dense_decode.sparse_route``; H <= 16 always) turns the block table into flat slot
+"dense" (``impl="mosaic"`` where the dense kernel takes the input: page a multiple of 64) runs kernels/dense_sm90.py
+(heads on N for H <= 16, on M above); "sparse" (``dense_decode.sparse_route``) turns the block table into flat slot
 ids and runs the sparse kernels (heads on N for H <= 16, on M above). Both have the sparse kernel's error model:
 Q in e4m3 per row, P kept in f16, FP8 wgmma accumulation (:func:`mla_pallas.testing.fp8_error_budget`,
 ``quantized_p=False``, ``fp8_mma=True``).
@@ -54,8 +54,6 @@ def _run(route, q, pages, table, seqlens, **kw):
 @pytest.mark.parametrize("route", ["dense", "sparse"])
 @pytest.mark.parametrize("H,s_q,page,causal,lens,bad_inside", CASES)
 def test_dense_matches_reference(rng, route, H, s_q, page, causal, lens, bad_inside):
-  if route == "dense" and H < 32:
-    pytest.skip("the dense kernel takes H >= 32 (H <= 16: the sparse route's heads-on-N kernel)")
   max_pages = -(-max(lens) // page) + 1
   q, pages, table, seqlens = dense_case(rng, lens=lens, s_q=s_q, H=H, page=page, max_pages=max_pages,
                                         bad_inside=bad_inside)

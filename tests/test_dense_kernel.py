@@ -50,6 +50,8 @@ CASES = [   # H, s_q, page, causal, lengths, bad pages inside, tuning (default: 
     (128, 2, 128, True, (0, 1, 127, 300), False, (("tiles_per_split", 4),), False),
     (64, 3, 64, True, (4, 65, 200), True, (("tiles_per_split", 2),), False),
     (32, 1, 64, False, (1, 63, 64, 500), False, (("tiles_per_split", 4), ("k_buffers", 3)), False),
+    (8, 1, 64, False, (150, 37, 0), True, (), True),                     # heads on N
+    (16, 3, 128, True, (0, 1, 127, 300), False, (("tiles_per_split", 2), ("k_buffers", 2)), False),
     pytest.param(128, 1, 64, False, (256, 191, 700), True, (("tiles_per_split", 8),), True,
                  marks=pytest.mark.slow),
 ]
@@ -90,7 +92,8 @@ def test_op_takes_the_dense_route_in_interpret_mode(rng):
     (64, 64, jnp.float8_e4m3fn, "mosaic", True, "dense"),
     (128, 128, jnp.float8_e4m3fn, "auto", True, "dense"),
     (32, 256, jnp.float8_e4m3fn, "mosaic", True, "dense"),
-    (16, 64, jnp.float8_e4m3fn, "mosaic", True, "sparse"),      # heads on N: the sparse route
+    (16, 64, jnp.float8_e4m3fn, "mosaic", True, "dense"),       # heads on N
+    (24, 64, jnp.float8_e4m3fn, "mosaic", True, "sparse"),      # not a kernel head count (the sparse op says so)
     (64, 16, jnp.float8_e4m3fn, "mosaic", True, "sparse"),      # a tile would cross pages
     (64, 64, jnp.bfloat16, "mosaic", True, "sparse"),           # BF16 attention: the sparse op's kernel
 ])
@@ -158,7 +161,8 @@ def test_lowers_for_sm90_with_expected_instructions():
   """D1's shape (B128 H128, 4096 positions; 2 splits of 32 tiles): the kernel lowers at sm_90 with the sparse
   core's products (the producer's 18-step QKᵀ twice: in its unmasked and its masked loop; the multipliers' 16
   P·V wgmmas as one traced path: 52 wgmma), the loader's 20 cp.async per thread and tile, the table's one TMA and
-  the multipliers' 32 prmt per tile."""
+  the multipliers' 32 prmt per tile. D3's shape (B64 H16, 32768 positions; 16 splits of 32 tiles) with the heads
+  on N: the five QKᵀ wgmmas (20 k32 instructions) in both loops and 32 P·V wgmmas (72), 64 prmt."""
   S = jax.ShapeDtypeStruct
   cfg = dense_sm90.TuningConfig(tiles_per_split=32)
   kern = dense_sm90.build(256, 8192 * 64, 2, 2, cfg, heads=128, softmax_scale=0.1)
@@ -168,6 +172,13 @@ def test_lowers_for_sm90_with_expected_instructions():
                                                   "setmaxnreg")}
   assert counts == {"wgmma.mma_async": 52, "cp.async.cg": 20, "cp.async.bulk.tensor": 1, "prmt": 32,
                     "setmaxnreg": 3}, counts
+  cfg_n = dense_sm90.HeadsNConfig(tiles_per_split=32)
+  kern_n = dense_sm90.build_heads_n(64, 32768 * 64, 16, 16, cfg_n, heads=16, softmax_scale=0.1)
+  low_n = testing.lower_for_cuda(kern_n, S((64 * 16, D), jnp.bfloat16), S((32768 * 64, D), jnp.float8_e4m3fn),
+                                 S((64 * 16, dense_sm90.table_width(32)), jnp.int32), S((1,), jnp.float32))
+  counts_n = {p: low_n.count(re.escape(p)) for p in counts}
+  assert counts_n == {"wgmma.mma_async": 72, "cp.async.cg": 20, "cp.async.bulk.tensor": 1, "prmt": 64,
+                      "setmaxnreg": 2}, counts_n
 
 
 def test_config_checks():
@@ -177,3 +188,6 @@ def test_config_checks():
     dense_sm90.TuningConfig(k_buffers=1)
   assert dense_sm90.table_width(28) == 32 and dense_sm90.table_width(29) == 64
   assert dense_sm90.TuningConfig(tiles_per_split=128, k_buffers=3).smem_budget() < 232448
+  assert dense_sm90.HeadsNConfig(tiles_per_split=128, k_buffers=4).smem_budget() < 232448
+  with pytest.raises(ValueError, match="heads-on-N"):
+    dense_sm90.build_heads_n(4, 4096, 1, 8, dense_sm90.HeadsNConfig(), heads=12, softmax_scale=0.1)

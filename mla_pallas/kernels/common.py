@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 from jax import lax
@@ -260,6 +260,15 @@ class SparseSm90Config(TuningConfigBase):
 
   def smem_budget(self) -> int:  # pragma: no cover - overridden
     raise NotImplementedError
+
+
+class KeyTiles(NamedTuple):
+  """The key tiles one CTA of an sm_90 design runs: ``n_tiles`` (a Python int, or traced: the dense kernels' own
+  count per CTA) and the softmax warpgroup's ``segments``, consecutive ranges ``(lo, hi, mask)`` covering
+  [0, n_tiles), ``mask(t)`` tile t's key mask ([64] bool in the design's key layout) or None (every key counts:
+  no masking code in that range's loop)."""
+  n_tiles: object
+  segments: tuple
 
 
 @dataclasses.dataclass(frozen=True)

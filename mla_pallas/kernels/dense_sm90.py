@@ -47,6 +47,16 @@ Warpgroup roles ("producer_vt"; 4 warpgroups, Lane semantics)
   mask and [n_full, n_tiles) with the mask ``key < rel − 64 t`` (and none on a page outside the cache); the
   multipliers run n_tiles tiles. Interpret mode: ``_multiplier_interpret`` (the f16 V tile), per-row copies.
 
+Heads on N (H <= 16: :func:`build_heads_n`, :class:`HeadsNConfig`)
+------------------------------------------------------------------
+One CTA per (query token, split), the token's H heads as the N = 16 columns of the MMAs: ``sparse_sm90_heads_n``'s
+softmax warpgroup (WG0: Q quantized from the token's rows, Sᵀ = K·Qᵀ, softmax down the columns, Pᵀ to WG1) and
+P·V warpgroup (WG1: Vᵀ from the K tile in registers) with this module's tables and loader (WG2, 56 registers);
+the softmax warpgroup waits for the table after Q, then runs [0, n_full) unmasked and [n_full, n_tiles) masked
+(KEY_LAYOUT). Returns o [num_tokens, num_splits, out_heads, 512] bf16 (out_heads = H rounded up to 8) and lse
+[num_tokens, num_splits, out_heads]. SMEM (k_buffers = 4, the default): Q 10 240 + K 163 840 + Pᵀ 4 096 + table
+1 024 + lse 1 024 + head rows 1 024 + barriers and scratch 2 560 = 183 808.
+
 SMEM budget (bytes, 1 KB rounding; :meth:`TuningConfig.smem_budget`)
 --------------------------------------------------------------------
     Q (fp8, swizzled, 5 × 64 × 128)                       40 960
@@ -72,8 +82,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mla_pallas.kernels import common, sparse_sm90_heads_m as heads_m
-from mla_pallas.kernels.common import D_V, TILE, swizzled
+from mla_pallas.kernels import common, sparse_sm90_heads_m as heads_m, sparse_sm90_heads_n as heads_n
+from mla_pallas.kernels.common import CONSUMER_REGS, D_V, LOADER_REGS, TILE, swizzled
 
 # Table row: header entries, then one first slot per tile (module docstring).
 N_FULL, N_TILES, REL = 0, 1, 2
@@ -87,18 +97,24 @@ def table_width(tiles_per_split: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TuningConfig(common.SparseSm90Config):
-  """Config of the dense kernel: ``tiles_per_split`` (64-key tiles per split, up to 128: at most 160 table
-  entries) and ``k_buffers`` (K tiles in flight, 2 or 3). The schedule is "producer_vt" of
-  ``sparse_sm90_heads_m`` (module docstring)."""
-  K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3)
+class _DenseConfig(common.SparseSm90Config):
+  """Base of the two designs' configs: ``tiles_per_split`` up to MAX_TILES (at most 160 table entries)."""
   MAX_TILES: ClassVar[int] = 128
-  k_buffers: int = 2
 
   def validate(self):
     if self.tiles_per_split > self.MAX_TILES:
-      raise ValueError(f"TuningConfig.tiles_per_split must be <= {self.MAX_TILES}; got {self.tiles_per_split}")
+      raise ValueError(f"{type(self).__name__}.tiles_per_split must be <= {self.MAX_TILES}; "
+                       f"got {self.tiles_per_split}")
     super().validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig(_DenseConfig):
+  """Config of the dense kernel with the heads on M: ``tiles_per_split`` (64-key tiles per split, up to 128) and
+  ``k_buffers`` (K tiles in flight, 2 or 3). The schedule is "producer_vt" of ``sparse_sm90_heads_m`` (module
+  docstring)."""
+  K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3)
+  k_buffers: int = 2
 
   @property
   def core(self) -> heads_m.TuningConfig:
@@ -123,7 +139,7 @@ def _header(r: common.SparseRefs, entry: int):
   return r.idx_smem[entry]
 
 
-def _key_tiles(num_slots: int, r: common.SparseRefs) -> heads_m.KeyTiles:
+def _key_tiles(num_slots: int, r: common.SparseRefs, layout=heads_m.COL_LAYOUT) -> common.KeyTiles:
   """The producer's tiles, read from the table row (after its wait on ``tab_bar``): [0, n_full) unmasked,
   [n_full, n_tiles) with key k of tile t counting where k < rel − 64 t and the tile's page is in the cache."""
   n_full, n_tiles, rel = (_header(r, e) for e in (N_FULL, N_TILES, REL))
@@ -131,21 +147,29 @@ def _key_tiles(num_slots: int, r: common.SparseRefs) -> heads_m.KeyTiles:
   def mask(t):
     first = r.idx_smem[HEADER + t]
     count = jnp.where(first < num_slots, rel - t * TILE, 0)
-    keys = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (TILE,), 0), heads_m.COL_LAYOUT)
+    keys = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (TILE,), 0), layout)
     return keys < count
-  return heads_m.KeyTiles(n_tiles, ((0, n_full, None), (n_full, n_tiles, mask)))
+  return common.KeyTiles(n_tiles, ((0, n_full, None), (n_full, n_tiles, mask)))
 
 
 def _multiplier_tiles(r: common.SparseRefs):
-  """A multiplier's tile count: n_tiles from the table row, once it has landed."""
+  """A multiplier's (or the heads-on-N P·V warpgroup's) tile count: n_tiles from the table row, once it has
+  landed."""
   plgpu.barrier_wait(r.idx_bar)
   return _header(r, N_TILES)
 
 
-def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tab_row, r: common.SparseRefs):
-  """WG3: the table row, then per tile its rows (``common.gather_tiles`` with runs: on hardware 16-byte
-  ``cp.async`` by the warpgroup's threads, rows past the limit zero-filled)."""
-  plgpu.set_max_registers(heads_m.PRODUCER_REGS[0], action="decrease")
+def _table_key_tiles(num_slots: int, r: common.SparseRefs, layout):
+  """:func:`_key_tiles` after the wait for the table row (the heads-on-N softmax warpgroup has no prologue that
+  waits for it)."""
+  plgpu.barrier_wait(r.idx_bar)
+  return _key_tiles(num_slots, r, layout)
+
+
+def _loader(cfg, num_slots: int, interpret: bool, tab_row, r: common.SparseRefs, regs: int):
+  """The loader warpgroup (``regs`` registers): the table row, then per tile its rows (``common.gather_tiles``
+  with runs: on hardware 16-byte ``cp.async`` by the warpgroup's threads, rows past the limit zero-filled)."""
+  plgpu.set_max_registers(regs, action="decrease")
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[tab_row], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   rel = _header(r, REL)
@@ -169,7 +193,8 @@ def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, 
 
   @pl.when(wg == core.loader)
   def _():
-    _loader(cfg, num_slots, interpret, lax.div(tile_q, tiles_per_token) * num_splits + split, r)
+    _loader(cfg, num_slots, interpret, lax.div(tile_q, tiles_per_token) * num_splits + split, r,
+            heads_m.PRODUCER_REGS[0])
 
   @pl.when(wg == 0)
   def _():
@@ -203,29 +228,124 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
                            (heads, float(softmax_scale)), bool(q_split))
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] if interp else []
   lay = common.FP8_TILES
+  return _kernel(body, (num_q_tiles, num_splits, TILE), core.loader + 1, interpret, approx_math=True, scratch=[
+      common.q_scratch(TILE, lay),                                                         # Q
+      common.k_scratch(cfg.k_buffers, lay),                                                # K
+      *v_scratch,                                                                          # V f16 (interpret)
+      plgpu.SMEM((heads_m.P_BUFFERS, TILE, TILE), jnp.float16,
+                 transforms=swizzled(jnp.float16, 128)),                                   # P slots
+      plgpu.SMEM((table_width(cfg.tiles_per_split),), jnp.int32),                          # table row
+      plgpu.SMEM((TILE,), jnp.float32),                                                    # lse
+      plgpu.SMEM((core.head_rows, TILE), jnp.float32),                                     # alpha, 1/l, ...
+      plgpu.Barrier(num_arrivals=2),                                                       # q_bar
+      plgpu.Barrier(),                                                                     # tab_bar
+      plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, lay),
+                    num_barriers=cfg.k_buffers),                                           # k_full
+      plgpu.Barrier(num_arrivals=3, num_barriers=cfg.k_buffers),                           # k_empty
+      plgpu.Barrier(num_barriers=heads_m.P_BUFFERS + 1),                                   # p_full
+      plgpu.Barrier(num_arrivals=2, num_barriers=heads_m.P_BUFFERS),                       # p_empty
+  ])
+
+
+def _kernel(body, out_rows: tuple[int, int, int], warpgroups: int, interpret, *, approx_math: bool, scratch):
+  """``plgpu.kernel`` over the grid (CTAs, splits) = ``out_rows[:2]``, returning o [*out_rows, 512] bf16 and lse
+  [*out_rows] f32 (``approx_math``: the heads-on-M producer's exp2 / log2, as its sparse kernel)."""
+  ctas, splits, _ = out_rows
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), jnp.bfloat16),
-                jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE), jnp.float32)),
-      grid=(num_q_tiles, num_splits), grid_names=("q", "split"),
-      num_threads=core.loader + 1, thread_name="wg",
-      scratch_types=[
-          common.q_scratch(TILE, lay),                                                     # Q
-          common.k_scratch(cfg.k_buffers, lay),                                            # K
-          *v_scratch,                                                                      # V f16 (interpret)
-          plgpu.SMEM((heads_m.P_BUFFERS, TILE, TILE), jnp.float16,
-                     transforms=swizzled(jnp.float16, 128)),                               # P slots
-          plgpu.SMEM((table_width(cfg.tiles_per_split),), jnp.int32),                      # table row
-          plgpu.SMEM((TILE,), jnp.float32),                                                # lse
-          plgpu.SMEM((core.head_rows, TILE), jnp.float32),                                 # alpha, 1/l, ...
-          plgpu.Barrier(num_arrivals=2),                                                   # q_bar
-          plgpu.Barrier(),                                                                 # tab_bar
-          plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, lay),
-                        num_barriers=cfg.k_buffers),                                       # k_full
-          plgpu.Barrier(num_arrivals=3, num_barriers=cfg.k_buffers),                       # k_empty
-          plgpu.Barrier(num_barriers=heads_m.P_BUFFERS + 1),                               # p_full
-          plgpu.Barrier(num_arrivals=2, num_barriers=heads_m.P_BUFFERS),                   # p_empty
-      ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=True),
+      out_type=(jax.ShapeDtypeStruct(out_rows + (D_V,), jnp.bfloat16), jax.ShapeDtypeStruct(out_rows, jnp.float32)),
+      grid=(ctas, splits), grid_names=("q", "split"), num_threads=warpgroups, thread_name="wg",
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=approx_math),
       **common.interpret_kwargs(interpret),
   )
+
+
+# ---- heads on N (H <= 16): sparse_sm90_heads_n's consumers over the same tables ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsNConfig(_DenseConfig):
+  """Config of the dense kernel with the heads on the MMAs' N side (H <= 16; ``sparse_sm90_heads_n``'s softmax
+  and P·V warpgroups): ``tiles_per_split`` (up to 128) and ``k_buffers`` (2-4)."""
+  K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3, 4)
+  k_buffers: int = 4
+
+  @property
+  def core(self) -> heads_n.TuningConfig:
+    return heads_n.TuningConfig(tiles_per_split=self.tiles_per_split, k_buffers=self.k_buffers)
+
+  def smem_budget(self) -> int:
+    return common.smem_bytes(
+        ((common.SW_CHUNKS, heads_n.HEADS_N, common.SW_CHUNK), common.FP8),         # Q
+        ((self.k_buffers, common.SW_CHUNKS, TILE, common.SW_CHUNK), common.FP8),    # K
+        ((2, TILE, heads_n.HEADS_N), jnp.float16),                                  # Pᵀ
+        ((table_width(self.tiles_per_split),), jnp.int32),                          # table row
+        ((heads_n.HEADS_N,), jnp.float32),                                          # lse
+        ((heads_n.INV_ROW + 1, heads_n.HEAD_ROW), jnp.float32),                     # head_smem
+    ) + 64 * 8 + 2048
+
+
+def _body_heads_n(cfg: HeadsNConfig, num_slots, num_splits, out_dtype, interpret, q_stride, softmax_scale, q_split,
+                  *refs):
+  if q_split:
+    refs = (refs[:2],) + refs[2:]
+  q_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
+  v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
+  p_sw, tab_smem, lse_smem, head_smem, tab_bar, k_full, k_empty, p_full, p_empty = rest
+  r = common.SparseRefs(q_gmem, None, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw,
+                        tab_smem, lse_smem, head_smem, None, tab_bar, k_full, k_empty, p_full, p_empty)
+  core = cfg.core
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == heads_n.LOADER)
+  def _():
+    _loader(cfg, num_slots, interpret, lax.axis_index("q") * num_splits + lax.axis_index("split"), r, LOADER_REGS)
+
+  @pl.when(wg < heads_n.LOADER)
+  def _():
+    plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+
+    @pl.when(wg == 0)
+    def _():
+      heads_n._softmax_consumer(core, num_slots, q_stride, softmax_scale, interpret, wg, r,
+                                keys=lambda: _table_key_tiles(num_slots, r, heads_n.KEY_LAYOUT))
+
+    @pl.when(wg == 1)
+    def _():
+      n_tiles = lambda: _multiplier_tiles(r)
+      if interpret:
+        heads_n._pv_consumer_interpret_smem_v(core, out_dtype, r, n_tiles)
+      else:
+        heads_n._pv_consumer(core, r, n_tiles)
+
+
+@functools.lru_cache(maxsize=64)
+def build_heads_n(num_tokens: int, num_slots: int, num_splits: int, out_heads: int, cfg: HeadsNConfig, *,
+                  heads: int, softmax_scale: float, interpret=False, q_split: bool = False):
+  """The heads-on-N kernel: one CTA per (query token, split), H = ``heads`` <= 16 heads as the N = 16 columns;
+  o [num_tokens, num_splits, out_heads, 512] bf16 (``out_heads``: H rounded up to 8) and lse [num_tokens,
+  num_splits, out_heads]; the other arguments as :func:`build` (q rows: ``heads`` per token, unpadded)."""
+  if not (0 < heads <= out_heads <= heads_n.HEADS_N and out_heads % 8 == 0):
+    raise ValueError(f"heads-on-N: need 0 < heads <= out_heads <= {heads_n.HEADS_N}, out_heads a multiple of 8; "
+                     f"got heads={heads}, out_heads={out_heads}")
+  interp = bool(interpret)
+  body = functools.partial(_body_heads_n, cfg, num_slots, num_splits, jnp.dtype(jnp.bfloat16), interp, heads,
+                           float(softmax_scale), bool(q_split))
+  pt_sw = swizzled(jnp.float16, 2 * heads_n.HEADS_N)    # Pᵀ rows of 16 f16: the 32-byte swizzle
+  v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=pt_sw)] if interp else []
+  return _kernel(body, (num_tokens, num_splits, out_heads), heads_n.LOADER + 1, interpret, approx_math=False,
+                 scratch=[
+      common.q_scratch(heads_n.HEADS_N),                                                   # Q
+      common.k_scratch(cfg.k_buffers),                                                     # K
+      *v_scratch,                                                                          # V f16 (interpret)
+      plgpu.SMEM((2, TILE, heads_n.HEADS_N), jnp.float16, transforms=pt_sw),               # Pᵀ
+      plgpu.SMEM((table_width(cfg.tiles_per_split),), jnp.int32),                          # table row
+      plgpu.SMEM((heads_n.HEADS_N,), jnp.float32),                                         # lse
+      plgpu.SMEM((heads_n.INV_ROW + 1, heads_n.HEAD_ROW), jnp.float32),                    # head_smem
+      plgpu.Barrier(),                                                                     # tab_bar
+      plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp), num_barriers=cfg.k_buffers),       # k_full
+      plgpu.Barrier(num_arrivals=2, num_barriers=cfg.k_buffers),                           # k_empty
+      plgpu.Barrier(num_barriers=3),                                                       # p_full
+      plgpu.Barrier(num_barriers=2),                                                       # p_empty
+  ])

@@ -122,7 +122,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import jax
 from jax import lax
@@ -364,17 +364,9 @@ def _id_mask(t, num_slots: int, r: common.SparseRefs):
   return common.valid_keys(cols, num_slots)
 
 
-class KeyTiles(NamedTuple):
-  """The key tiles a CTA's producer and multipliers run ("producer_vt"): ``n_tiles`` (a Python int, or traced)
-  and the producer's ``segments``, consecutive ranges ``(lo, hi, mask)`` covering [0, n_tiles), ``mask(t)`` tile
-  t's key mask ([64] bool, COL_LAYOUT) or None (every key counts: no masking code in that range's loop)."""
-  n_tiles: object
-  segments: tuple
-
-
-def sparse_key_tiles(cfg: TuningConfig, num_slots: int, r: common.SparseRefs) -> KeyTiles:
+def sparse_key_tiles(cfg: TuningConfig, num_slots: int, r: common.SparseRefs) -> common.KeyTiles:
   """The sparse kernel's tiles: all ``tiles_per_split`` of the split, each key masked by its id."""
-  return KeyTiles(cfg.tiles_per_split, ((0, cfg.tiles_per_split, lambda t: _id_mask(t, num_slots, r)),))
+  return common.KeyTiles(cfg.tiles_per_split, ((0, cfg.tiles_per_split, lambda t: _id_mask(t, num_slots, r)),))
 
 
 def _softmax_step(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent: bool = False):
@@ -688,7 +680,7 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
   t % 2 (``_publish_p``: it runs up to two tiles ahead of the multipliers); at the end kv_scale / l for WG1 / WG2
   and the lse. It holds no O (88 registers).
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row.
-  ``keys``: a function returning the :class:`KeyTiles` to run, called after the prologue's waits (the dense
+  ``keys``: a function returning the ``common.KeyTiles`` to run, called after the prologue's waits (the dense
   kernel reads them from the table the loader copies); None: :func:`sparse_key_tiles`."""
   with jax.named_scope("p_prologue"):
     row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)

@@ -133,26 +133,42 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
                       n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, before_gather=wait_indices)
 
 
+KEY_LAYOUT = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
+
+
+def _id_mask(t, num_slots: int, r: common.SparseRefs):
+  """Tile t's key mask [64] bool (KEY_LAYOUT): its ids in ``idx_smem`` inside [0, num_slots)."""
+  return common.valid_keys(plgpu.load(r.idx_smem.at[t], layout=KEY_LAYOUT, optimized=False), num_slots)
+
+
 def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_scale, interpret: bool, wg,
-                      r: common.SparseRefs):
+                      r: common.SparseRefs, keys=None):
   """WG0: Q quantized from the token's q rows (``q_quant.quantize_head_rows``, under the loader's index load and
   first gather), then per tile Sᵀ = K·Qᵀ, the online softmax down the columns, Pᵀ / alpha to WG1; kv_scale / l
-  and lse at the end."""
-  key_layout = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
+  and lse at the end. ``keys``: a function returning the ``common.KeyTiles`` to run (masks in KEY_LAYOUT),
+  called after Q (it waits for the dense kernel's table itself); None: the split's ``tiles_per_split`` tiles,
+  each key masked by its id, the indices waited for before the first tile."""
   quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
   quantize(r.q_gmem, r.q_sw, r.head_smem.at[0], lax.axis_index("q") * q_stride, q_stride)
   plgpu.commit_smem()   # the async-proxy fence and a warpgroup barrier: Q for the wgmmas, amax for the loads below
   head_scale = q_quant.row_scales(_head_values(r, 0), softmax_scale, r.scal_gmem[0])
+  wait_indices = keys is None
+  if keys is None:
+    tps = cfg.tiles_per_split
+    keys = common.KeyTiles(tps, ((0, tps, lambda t: _id_mask(t, num_slots, r)),))
+  else:
+    keys = keys()
 
-  def step(t, carry):
+  def step(mask, t, carry):
     m, l = carry
     kb = lax.rem(t, cfg.k_buffers)
     pb = lax.rem(t, 2)
     k_tiles = r.k_sw.at[kb]
 
-    @pl.when(t == 0)
-    def _():
-      plgpu.barrier_wait(r.idx_bar)
+    if wait_indices:
+      @pl.when(t == 0)
+      def _():
+        plgpu.barrier_wait(r.idx_bar)
     plgpu.barrier_wait(r.k_full.at[kb])
 
     def qk(acc_ref):
@@ -162,8 +178,7 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_
     st = pl.run_scoped(qk, plgpu.ACC((TILE, HEADS_N), jnp.float32))
     plgpu.barrier_arrive(r.k_empty.at[kb])
 
-    keys = plgpu.load(r.idx_smem.at[t], layout=key_layout, optimized=False)
-    p, alpha, m_new, l = common.online_softmax_tile(st, common.valid_keys(keys, num_slots), head_scale, m, l,
+    p, alpha, m_new, l = common.online_softmax_tile(st, None if mask is None else mask(t), head_scale, m, l,
                                                     keys_axis=0)
 
     @pl.when(t >= 2)
@@ -177,7 +192,9 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_
 
   m0 = plgpu.layout_cast(jnp.full((HEADS_N,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
   l0 = plgpu.layout_cast(jnp.zeros((TILE, HEADS_N), jnp.float32), plgpu.Layout.WGMMA)   # per (key, head)
-  m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (m0, l0))
+  m, l = m0, l0
+  for lo, hi, mask in keys.segments:
+    m, l = lax.fori_loop(lo, hi, functools.partial(step, mask), (m, l))
   l = l.sum(axis=0)
   inv = r.scal_gmem[0] / jnp.where(l == 0.0, 1.0, l)
   r.head_smem.at[INV_ROW, pl.ds(0, HEADS_N)][...] = inv
@@ -185,23 +202,26 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_
   plgpu.barrier_arrive(r.p_full.at[2])
   tile_q, split = lax.axis_index("q"), lax.axis_index("split")
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
-  common.drain(r.p_empty, cfg.tiles_per_split, 2)
+  common.drain(r.p_empty, keys.n_tiles, 2)
 
 
-def _pv_loop(cfg: TuningConfig, r: common.SparseRefs, step):
+def _pv_loop(cfg: TuningConfig, r: common.SparseRefs, step, n_tiles=None):
   """The P.V consumer's tile loop, shared by both V paths: ``step(t, accs)`` over the split's tiles from zero Oᵀ
   accumulators (V_BLOCKS x [64 values of d, HEADS_N]), then the wait for 1/l (Pᵀ slot 2). Returns the normalised
-  Oᵀ blocks and this CTA's O ref ``o_gmem[tile_q, split]``."""
+  Oᵀ blocks and this CTA's O ref ``o_gmem[tile_q, split]``. ``n_tiles``: a function returning the number of
+  tiles (int or traced), called first; None: ``tiles_per_split``."""
+  n_tiles = cfg.tiles_per_split if n_tiles is None else n_tiles()
   acc0 = (plgpu.layout_cast(jnp.zeros((TILE, HEADS_N), jnp.float32), plgpu.Layout.WGMMA),) * V_BLOCKS
-  accs = lax.fori_loop(0, cfg.tiles_per_split, step, acc0)
+  accs = lax.fori_loop(0, n_tiles, step, acc0)
   plgpu.barrier_wait(r.p_full.at[2])
   inv = _head_values(r, INV_ROW)
   tile_q, split = lax.axis_index("q"), lax.axis_index("split")
   return [a * lax.broadcast_in_dim(inv, a.shape, [1]) for a in accs], r.o_gmem.at[tile_q, split]
 
 
-def _pv_consumer(cfg: TuningConfig, r: common.SparseRefs):
-  """WG1: Vᵀ from the K tile into registers, Oᵀ += Vᵀ·Pᵀ per tile (``vt_registers``), the O store at the end."""
+def _pv_consumer(cfg: TuningConfig, r: common.SparseRefs, n_tiles=None):
+  """WG1: Vᵀ from the K tile into registers, Oᵀ += Vᵀ·Pᵀ per tile (``vt_registers``), the O store at the end
+  (``n_tiles``: :func:`_pv_loop`)."""
 
   def step(t, accs):
     kb = lax.rem(t, cfg.k_buffers)
@@ -215,15 +235,16 @@ def _pv_consumer(cfg: TuningConfig, r: common.SparseRefs):
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  o_blocks, o_ref = _pv_loop(cfg, r, step)
+  o_blocks, o_ref = _pv_loop(cfg, r, step, n_tiles)
   # block g holds the latent columns g, g + 8, ..., g + 504: 16-byte row stores
   vt_registers.store_o(o_blocks, o_ref)
 
 
-def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.SparseRefs):
+def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.SparseRefs, n_tiles=None):
   """Interpret-mode stand-in for :func:`_pv_consumer` (no ``inline_mgpu`` there): WG1 upcasts V into the f16
   SMEM tile ``v16`` (chunks 0-1, then after Pᵀ arrives chunks 2-3 under the wgmmas of blocks 0-3) and runs
-  Oᵀ[block] += Vᵀ[block]·Pᵀ with Vᵀ the transposed SMEM view; the O store is a transposed GMEM view per block."""
+  Oᵀ[block] += Vᵀ[block]·Pᵀ with Vᵀ the transposed SMEM view; the O store is a transposed GMEM view per block
+  (``n_tiles``: :func:`_pv_loop`)."""
   out_heads = r.o_gmem.shape[-2]
 
   def step(t, accs):
@@ -247,7 +268,7 @@ def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.Sparse
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  o_blocks, o_ref = _pv_loop(cfg, r, step)
+  o_blocks, o_ref = _pv_loop(cfg, r, step, n_tiles)
   for b, o in enumerate(o_blocks):
     out = plgpu.layout_cast(o, plgpu.Layout._WGMMA_ACC_32BIT)
     o_ref.at[:, pl.ds(b * TILE, TILE)].T[...] = out.astype(out_dtype)[:, :out_heads]

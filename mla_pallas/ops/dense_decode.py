@@ -5,10 +5,10 @@ FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 
 * ``impl="mosaic"``, two routes (:func:`mosaic_route`):
   - "dense": the dense kernel (``kernels/dense_sm90.py``; sm_90, an fp8 cache, H in DENSE_KERNEL_HEADS, a page
-    size that is a multiple of 64): the sparse heads-on-M kernel's attention core over whole 64-key tiles of the
-    sequence's pages (copied by the loader warpgroup's threads, rows past the limit zero-filled), each CTA
-    running only the tiles below its token's limit. Its inputs are a
-    per-(token, split) table (:func:`dense_tile_table`) of each tile's first cache slot and the split's tile
+    size that is a multiple of 64): the sparse kernels' attention cores (heads on N for H <= 16, on M above) over
+    whole 64-key tiles of the sequence's pages (copied by the loader warpgroup's threads, rows past the limit
+    zero-filled), each CTA running only the tiles below its token's limit. Its inputs are a per-(token, split)
+    table (:func:`dense_tile_table`) of each tile's first cache slot and the split's tile
     counts, made by a few fused XLA ops.
   - "sparse": the sparse top-k kernel. The block table and the cache lengths are turned into per-token flat slot
     ids ``indices [B, s_q, P * page_size]`` (position ``p`` of sequence ``b`` ->
@@ -213,8 +213,8 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
   return check
 
 
-# The dense kernel (kernels/dense_sm90.py): heads on M only; H <= 16 keeps the sparse route's heads-on-N kernel.
-DENSE_KERNEL_HEADS = (32, 64, 128)
+# The dense kernel (kernels/dense_sm90.py): heads on N up to sparse_decode.HEADS_ON_N_MAX (16), on M above.
+DENSE_KERNEL_HEADS = (8, 16, 32, 64, 128)
 DENSE_PAGE_MULTIPLE = TILE     # a 64-key tile never crosses a page
 # Families where the dense kernel ran and matched the reference on hardware ("auto" takes the sparse route
 # elsewhere; "mosaic" runs the dense kernel wherever it can).
@@ -249,25 +249,32 @@ def mosaic_route(q_shape, kv_cache, impl: str, interpret: bool) -> str:
   return "dense" if impl == "mosaic" or interpret or arch in DENSE_VALIDATED_ON else "sparse"
 
 
+def _heads_on_n(h: int) -> bool:
+  return h <= _sparse.HEADS_ON_N_MAX
+
+
 def dense_plan(h: int, batch_tokens: int, n_pos: int, batch_invariant: bool = False):
   """(num_splits, tiles_per_split) of the dense kernel for H heads, B · s_q query tokens and a block table of
-  ``n_pos`` positions: the sparse heads-on-M plan (``sparse_decode._plan``, waves × (tiles + CTA overhead)) with
-  the table's width as the top-k; ``batch_invariant``: splits of ``sparse_decode.INVARIANT_SPLIT_TILES`` tiles."""
+  ``n_pos`` positions: the sparse op's plan for the same design (``sparse_decode._plan``, waves × (tiles + CTA
+  overhead), with its longest and shortest splits) with the table's width as the top-k; ``batch_invariant``:
+  splits of ``sparse_decode.INVARIANT_SPLIT_TILES`` tiles."""
   k_tiles = max(1, -(-n_pos // TILE))
   if batch_invariant:
     tps = _sparse.INVARIANT_SPLIT_TILES
     return -(-k_tiles // tps), tps
-  ctas = batch_tokens * max(1, h // TILE)
-  return _sparse._plan(batch_tokens, max(1, h // TILE), n_pos, _dispatch.num_sms(), _sparse.HEADS_M_MAX_SPLIT_TILES,
-                       _sparse._min_split_tiles("sm90_heads_m", ctas, n_pos))
+  design = "sm90_heads_n" if _heads_on_n(h) else "sm90_heads_m"
+  tiles_per_token = _sparse._tiles_per_token(h, design)
+  ctas = batch_tokens * tiles_per_token
+  return _sparse._plan(batch_tokens, tiles_per_token, n_pos, _dispatch.num_sms(), _sparse._max_split_tiles(design),
+                       _sparse._min_split_tiles(design, ctas, n_pos))
 
 
 def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
                   cache_dtype: str = "float8_e4m3fn") -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled candidates for benchmark sweeps of the Mosaic routes: ``"default": ()`` (the dense kernel with its
   plan), ``"route=sparse"`` (label ``(("route", "sparse"),)``: the sparse-kernel route, which the bench spec runs
-  through :func:`sparse_route`), and the dense kernel with ``k_buffers=3`` and the other split lengths (8-128
-  tiles) where the table is long enough to differ. Only the sparse route where the dense kernel cannot take the
+  through :func:`sparse_route`), and the dense kernel with its design's other K-buffer counts and the other split
+  lengths (8-128 tiles) where the table is long enough to differ. Only the sparse route where the dense kernel cannot take the
   input (H, page size, cache dtype)."""
   out = {"route=sparse": (("route", "sparse"),)}
   pages = jax.ShapeDtypeStruct((1, page, D_QK), cache_dtype)
@@ -277,7 +284,9 @@ def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
     return out
   _, tps = dense_plan(h, batch_tokens, n_pos)
   k_tiles = max(1, -(-n_pos // TILE))
-  out = {"default": (), **out, "k_buffers=3": (("k_buffers", 3),)}
+  current = 4 if _heads_on_n(h) else 2      # the designs' default K buffers (HeadsNConfig, TuningConfig)
+  out = {"default": (), **out, **{f"k_buffers={k}": (("k_buffers", k),) for k in (2, 3, 4)
+                                  if k != current and (k < 4 or _heads_on_n(h))}}
   for t in (8, 16, 32, 64, 128):
     if t != tps and t < 2 * k_tiles:
       out[f"tiles_per_split={t}"] = (("tiles_per_split", t),)
@@ -331,20 +340,26 @@ def _mosaic_dense_decode(parts, kv_cache, block_table, cache_seqlens, kv_scale, 
   if "tiles_per_split" in kw:
     tps = kw["tiles_per_split"]
     splits = -(-max(1, -(-n_pos // TILE)) // tps)
-  cfg = dense_sm90.TuningConfig(**{"tiles_per_split": tps, **kw})
   table = dense_tile_table(block_table, cache_seqlens, page_size=page_size, num_pages=num_pages, s_q=s_q,
                            causal=causal, num_splits=splits, tiles_per_split=tps)
-  tiles_per_token = max(1, h // TILE)
-  kern = dense_sm90.build(n_tok * tiles_per_token, num_pages * page_size, splits, tiles_per_token, cfg, heads=h,
-                          softmax_scale=softmax_scale, interpret=interpret, q_split=len(parts) == 2)
+  num_slots = num_pages * page_size
+  build = dict(softmax_scale=softmax_scale, interpret=interpret, q_split=len(parts) == 2, heads=h)
+  if _heads_on_n(h):      # one CTA per token and split, out_heads = H rounded up to 8 rows of O
+    tiles_per_token, out_rows = 1, -(-h // 8) * 8
+    cfg = dense_sm90.HeadsNConfig(**{"tiles_per_split": tps, **kw})
+    kern = dense_sm90.build_heads_n(n_tok, num_slots, splits, out_rows, cfg, **build)
+  else:                   # 64-row query tiles: H / 64 per token (H < 64 zero-padded)
+    tiles_per_token, out_rows = max(1, h // TILE), TILE
+    cfg = dense_sm90.TuningConfig(**{"tiles_per_split": tps, **kw})
+    kern = dense_sm90.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, cfg, **build)
   q_args = tuple(p.reshape(n_tok * h, p.shape[-1]) for p in parts)
   o, lse = kern(*q_args, kv_cache.reshape(-1, D_QK), table, jnp.asarray(kv_scale, jnp.float32).reshape(1))
   if splits > 1 or batch_invariant:
     o, lse = _sparse.combine_splits(o, lse)
   else:
     o, lse = o[:, 0], lse[:, 0]
-  o = o.reshape(n_tok, tiles_per_token * TILE, D_V)[:, :h]
-  lse = lse.reshape(n_tok, tiles_per_token * TILE)[:, :h]
+  o = o.reshape(n_tok, tiles_per_token * out_rows, D_V)[:, :h]
+  lse = lse.reshape(n_tok, tiles_per_token * out_rows)[:, :h]
   return o.reshape(b, s_q, h, D_V).astype(jnp.bfloat16), lse.reshape(b, s_q, h)
 
 
