@@ -257,14 +257,15 @@ t_gpu_par_vt() {   # t_gpu_par's three files and tests/test_vt_registers.py (~24
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py \
     tests/test_batch_invariance_gpu.py
 }
-b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, other split lengths) beside the sparse
-                     # route (route=sparse) and XLA at the peer kit's D1 and D2, and D3 (H16: the sparse route only)
-  run b_dense_routes_D1 200 $B dense_mla_decode --impl xla,mosaic --sweep --shape B=128,s_q=1,H=128,ctx=4096,page=64 \
-    "${common[@]}"
-  run b_dense_routes_D2 200 $B dense_mla_decode --impl xla,mosaic --sweep --shape B=128,s_q=1,H=64,ctx=8192,page=64 \
-    "${common[@]}"
-  run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic --sweep --shape B=64,s_q=1,H=16,ctx=32768,page=64 \
-    "${common[@]}"
+b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, another split length) beside the sparse
+                     # route (route=sparse) and XLA at the peer kit's D1 and D2, and D3 (heads on N) (~300 s)
+  local only="--sweep --sweep-only route=sparse,k_buffers=3"
+  run b_dense_routes_D1 150 $B dense_mla_decode --impl xla,mosaic $only,tiles_per_split=32 \
+    --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
+  run b_dense_routes_D2 150 $B dense_mla_decode --impl xla,mosaic $only,tiles_per_split=64 \
+    --shape B=128,s_q=1,H=64,ctx=8192,page=64 "${common[@]}"
+  run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic $only,tiles_per_split=64 \
+    --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
 }
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1
