@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from hypothesis import given, settings, strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +192,25 @@ def test_config_checks():
   assert dense_sm90.HeadsNConfig(tiles_per_split=128, k_buffers=4).smem_budget() < 232448
   with pytest.raises(ValueError, match="heads-on-N"):
     dense_sm90.build_heads_n(4, 4096, 1, 8, dense_sm90.HeadsNConfig(), heads=12, softmax_scale=0.1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_tile_table_fuzzed_against_oracle(data):
+  """Random page sizes (multiples of 64), block tables with entries in and out of [0, num_pages), lengths from
+  below 0 to past the table, s_q 1-3, causal or not, any split shape covering the table (or one split more)."""
+  page = data.draw(st.sampled_from([64, 128, 192]), "page")
+  b, max_pages = data.draw(st.integers(1, 3), "B"), data.draw(st.integers(1, 5), "max_pages")
+  s_q, causal = data.draw(st.integers(1, 3), "s_q"), data.draw(st.booleans(), "causal")
+  num_pages = data.draw(st.integers(1, 10), "num_pages")
+  tps = data.draw(st.integers(1, 6), "tiles_per_split")
+  k_tiles = -(-max_pages * page // 64)
+  splits = -(-k_tiles // tps) + data.draw(st.integers(0, 1), "extra split")
+  table = np.asarray(data.draw(st.lists(st.integers(-2, num_pages + 2), min_size=b * max_pages,
+                                        max_size=b * max_pages), "table"), np.int32).reshape(b, max_pages)
+  lens = data.draw(st.lists(st.integers(-3, max_pages * page + 70), min_size=b, max_size=b), "lens")
+  got = dense_decode.dense_tile_table(jnp.asarray(table), jnp.asarray(np.asarray(lens, np.int32)), page_size=page,
+                                      num_pages=num_pages, s_q=s_q, causal=causal, num_splits=splits,
+                                      tiles_per_split=tps)
+  want = _table_oracle(table, lens, page=page, num_pages=num_pages, s_q=s_q, causal=causal, splits=splits, tps=tps)
+  np.testing.assert_array_equal(np.asarray(got), want)
