@@ -94,6 +94,10 @@ the 1 KB rounding). Only the bf16 cache takes the op's Q tiles (``q``, ``qs``) b
 
 Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
+The "producer_vt" producer and multipliers also run the dense kernel (``kernels/dense_sm90.py``): they take the
+CTA's tiles as ``common.KeyTiles`` (a tile count, possibly traced, and the producer's ranges with or without a key
+mask; here :func:`sparse_key_tiles`: every tile of the split, masked by its ids).
+
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
 Interpret mode has no wgmma with a register A operand: there P goes through an SMEM tile [2, 64, 64] f16.
 Lane semantics: see ../shared/mgpu/README.md section 6.

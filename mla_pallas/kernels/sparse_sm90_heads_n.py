@@ -52,6 +52,9 @@ and multiplies from SMEM: the same products in the natural row order; and WG0 qu
 (``q_quant.quantize_head_rows_interpret``, the same bytes). The register paths are checked by lowering and on the
 GPU only (README: interpret-only code paths).
 
+The softmax and P·V warpgroups also run the dense kernel's heads-on-N design (``kernels/dense_sm90.py``): the
+softmax warpgroup takes the CTA's tiles as ``common.KeyTiles``, the P·V warpgroup a tile count.
+
 Pipeline stages: gather of tile t + k_buffers - 1 ∥ QKᵀ + softmax of tile t (WG0) ∥ Vᵀ loads and P·V of tile
 t - 1 or t (WG1).
 
