@@ -229,7 +229,7 @@ def _dense_kernel_supported(q_shape, kv_cache, arch: str | None):
   if arch != "sm90":
     raise NotImplementedError(f"the dense decode kernel is sm_90 only; the kernel family here is {arch!r}")
   if jnp.dtype(kv_cache.dtype) != FP8:
-    raise NotImplementedError(f"the dense decode kernel reads an float8_e4m3fn cache; got {kv_cache.dtype}")
+    raise NotImplementedError(f"the dense decode kernel reads a float8_e4m3fn cache; got {kv_cache.dtype}")
   if h not in DENSE_KERNEL_HEADS:
     raise NotImplementedError(f"the dense decode kernel takes H in {DENSE_KERNEL_HEADS}; got H={h}")
   if kv_cache.shape[1] % DENSE_PAGE_MULTIPLE:
@@ -274,8 +274,9 @@ def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
   """Labelled candidates for benchmark sweeps of the Mosaic routes: ``"default": ()`` (the dense kernel with its
   plan), ``"route=sparse"`` (label ``(("route", "sparse"),)``: the sparse-kernel route, which the bench spec runs
   through :func:`sparse_route`), and the dense kernel with its design's other K-buffer counts and the other split
-  lengths (8-128 tiles) where the table is long enough to differ. Only the sparse route where the dense kernel cannot take the
-  input (H, page size, cache dtype)."""
+  lengths (8-128 tiles) where the table is long enough to differ. Only the sparse route where the dense kernel
+  cannot take the input (H, page size, cache dtype)."""
+  from mla_pallas.kernels import dense_sm90
   out = {"route=sparse": (("route", "sparse"),)}
   pages = jax.ShapeDtypeStruct((1, page, D_QK), cache_dtype)
   try:
@@ -284,9 +285,9 @@ def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
     return out
   _, tps = dense_plan(h, batch_tokens, n_pos)
   k_tiles = max(1, -(-n_pos // TILE))
-  current = 4 if _heads_on_n(h) else 2      # the designs' default K buffers (HeadsNConfig, TuningConfig)
-  out = {"default": (), **out, **{f"k_buffers={k}": (("k_buffers", k),) for k in (2, 3, 4)
-                                  if k != current and (k < 4 or _heads_on_n(h))}}
+  design = dense_sm90.HeadsNConfig if _heads_on_n(h) else dense_sm90.TuningConfig
+  out = {"default": (), **out, **{f"k_buffers={k}": (("k_buffers", k),) for k in design.K_BUFFERS
+                                  if k != design.k_buffers}}
   for t in (8, 16, 32, 64, 128):
     if t != tps and t < 2 * k_tiles:
       out[f"tiles_per_split={t}"] = (("tiles_per_split", t),)
