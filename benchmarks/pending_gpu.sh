@@ -264,7 +264,7 @@ b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, an
     --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
   run b_dense_routes_D2 150 $B dense_mla_decode --impl xla,mosaic $only,tiles_per_split=64 \
     --shape B=128,s_q=1,H=64,ctx=8192,page=64 "${common[@]}"
-  run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic $only,tiles_per_split=64 \
+  run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic $only,k_buffers=5,tiles_per_split=64 \
     --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
 }
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the

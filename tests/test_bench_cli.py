@@ -643,4 +643,5 @@ def test_sweep_dense_decode_runs_both_routes_in_interpret_mode():
   assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
   from mla_pallas.ops import dense_decode
   assert list(dense_decode.sweep_configs(16, 2, 128, cache_dtype="bfloat16")) == ["route=sparse"]   # bf16 cache
-  assert list(dense_decode.sweep_configs(16, 2, 128)) == ["default", "route=sparse", "k_buffers=2", "k_buffers=3"]
+  assert list(dense_decode.sweep_configs(16, 2, 128)) == ["default", "route=sparse", "k_buffers=2", "k_buffers=3",
+                                                          "k_buffers=5"]

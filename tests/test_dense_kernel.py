@@ -180,6 +180,11 @@ def test_lowers_for_sm90_with_expected_instructions():
   counts_n = {p: low_n.count(re.escape(p)) for p in counts}
   assert counts_n == {"wgmma.mma_async": 72, "cp.async.cg": 20, "cp.async.bulk.tensor": 1, "prmt": 64,
                       "setmaxnreg": 2}, counts_n
+  five = dense_sm90.build_heads_n(64, 32768 * 64, 16, 16, dense_sm90.HeadsNConfig(tiles_per_split=32, k_buffers=5),
+                                  heads=16, softmax_scale=0.1)     # 5 K buffers: 3 tiles in flight behind the newest
+  low_5 = testing.lower_for_cuda(five, S((64 * 16, D), jnp.bfloat16), S((32768 * 64, D), jnp.float8_e4m3fn),
+                                 S((64 * 16, dense_sm90.table_width(32)), jnp.int32), S((1,), jnp.float32))
+  assert low_5.count(re.escape("cp.async.wait_group 3")) == 1
 
 
 def test_config_checks():
@@ -189,7 +194,7 @@ def test_config_checks():
     dense_sm90.TuningConfig(k_buffers=1)
   assert dense_sm90.table_width(28) == 32 and dense_sm90.table_width(29) == 64
   assert dense_sm90.TuningConfig(tiles_per_split=128, k_buffers=3).smem_budget() < 232448
-  assert dense_sm90.HeadsNConfig(tiles_per_split=128, k_buffers=4).smem_budget() < 232448
+  assert dense_sm90.HeadsNConfig(tiles_per_split=128, k_buffers=5).smem_budget() < 232448
   with pytest.raises(ValueError, match="heads-on-N"):
     dense_sm90.build_heads_n(4, 4096, 1, 8, dense_sm90.HeadsNConfig(), heads=12, softmax_scale=0.1)
 

@@ -55,7 +55,7 @@ P·V warpgroup (WG1: Vᵀ from the K tile in registers) with this module's table
 the softmax warpgroup waits for the table after Q, then runs [0, n_full) unmasked and [n_full, n_tiles) masked
 (KEY_LAYOUT). Returns o [num_tokens, num_splits, out_heads, 512] bf16 (out_heads = H rounded up to 8) and lse
 [num_tokens, num_splits, out_heads]. SMEM (k_buffers = 4, the default): Q 10 240 + K 163 840 + Pᵀ 4 096 + table
-1 024 + lse 1 024 + head rows 1 024 + barriers and scratch 2 560 = 183 808.
+1 024 + lse 1 024 + head rows 1 024 + barriers and scratch 2 560 = 183 808 (k_buffers = 5: 224 768).
 
 SMEM budget (bytes, 1 KB rounding; :meth:`TuningConfig.smem_budget`)
 --------------------------------------------------------------------
@@ -267,13 +267,11 @@ def _kernel(body, out_rows: tuple[int, int, int], warpgroups: int, interpret, *,
 @dataclasses.dataclass(frozen=True)
 class HeadsNConfig(_DenseConfig):
   """Config of the dense kernel with the heads on the MMAs' N side (H <= 16; ``sparse_sm90_heads_n``'s softmax
-  and P·V warpgroups): ``tiles_per_split`` (up to 128) and ``k_buffers`` (2-4)."""
-  K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3, 4)
+  and P·V warpgroups, which take this config as theirs: they read only ``k_buffers`` when the tiles come from
+  the table): ``tiles_per_split`` (up to 128) and ``k_buffers`` (2-5; five fit because the table row replaces
+  the sparse kernel's index tile, a candidate where the loader's tiles in flight limit, D3)."""
+  K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3, 4, 5)
   k_buffers: int = 4
-
-  @property
-  def core(self) -> heads_n.TuningConfig:
-    return heads_n.TuningConfig(tiles_per_split=self.tiles_per_split, k_buffers=self.k_buffers)
 
   def smem_budget(self) -> int:
     return common.smem_bytes(
@@ -295,7 +293,6 @@ def _body_heads_n(cfg: HeadsNConfig, num_slots, num_splits, out_dtype, interpret
   p_sw, tab_smem, lse_smem, head_smem, tab_bar, k_full, k_empty, p_full, p_empty = rest
   r = common.SparseRefs(q_gmem, None, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw,
                         tab_smem, lse_smem, head_smem, None, tab_bar, k_full, k_empty, p_full, p_empty)
-  core = cfg.core
   wg = lax.axis_index("wg")
 
   @pl.when(wg == heads_n.LOADER)
@@ -308,16 +305,16 @@ def _body_heads_n(cfg: HeadsNConfig, num_slots, num_splits, out_dtype, interpret
 
     @pl.when(wg == 0)
     def _():
-      heads_n._softmax_consumer(core, num_slots, q_stride, softmax_scale, interpret, wg, r,
+      heads_n._softmax_consumer(cfg, num_slots, q_stride, softmax_scale, interpret, wg, r,
                                 keys=lambda: _table_key_tiles(num_slots, r, heads_n.KEY_LAYOUT))
 
     @pl.when(wg == 1)
     def _():
       n_tiles = lambda: _multiplier_tiles(r)
       if interpret:
-        heads_n._pv_consumer_interpret_smem_v(core, out_dtype, r, n_tiles)
+        heads_n._pv_consumer_interpret_smem_v(cfg, out_dtype, r, n_tiles)
       else:
-        heads_n._pv_consumer(core, r, n_tiles)
+        heads_n._pv_consumer(cfg, r, n_tiles)
 
 
 @functools.lru_cache(maxsize=64)

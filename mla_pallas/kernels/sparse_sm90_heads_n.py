@@ -144,7 +144,7 @@ def _id_mask(t, num_slots: int, r: common.SparseRefs):
   return common.valid_keys(plgpu.load(r.idx_smem.at[t], layout=KEY_LAYOUT, optimized=False), num_slots)
 
 
-def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_scale, interpret: bool, wg,
+def _softmax_consumer(cfg: common.SparseSm90Config, num_slots: int, q_stride: int, softmax_scale, interpret: bool, wg,
                       r: common.SparseRefs, keys=None):
   """WG0: Q quantized from the token's q rows (``q_quant.quantize_head_rows``, under the loader's index load and
   first gather), then per tile Sᵀ = K·Qᵀ, the online softmax down the columns, Pᵀ / alpha to WG1; kv_scale / l
@@ -208,7 +208,7 @@ def _softmax_consumer(cfg: TuningConfig, num_slots: int, q_stride: int, softmax_
   common.drain(r.p_empty, keys.n_tiles, 2)
 
 
-def _pv_loop(cfg: TuningConfig, r: common.SparseRefs, step, n_tiles=None):
+def _pv_loop(cfg: common.SparseSm90Config, r: common.SparseRefs, step, n_tiles=None):
   """The P.V consumer's tile loop, shared by both V paths: ``step(t, accs)`` over the split's tiles from zero Oᵀ
   accumulators (V_BLOCKS x [64 values of d, HEADS_N]), then the wait for 1/l (Pᵀ slot 2). Returns the normalised
   Oᵀ blocks and this CTA's O ref ``o_gmem[tile_q, split]``. ``n_tiles``: a function returning the number of
@@ -222,7 +222,7 @@ def _pv_loop(cfg: TuningConfig, r: common.SparseRefs, step, n_tiles=None):
   return [a * lax.broadcast_in_dim(inv, a.shape, [1]) for a in accs], r.o_gmem.at[tile_q, split]
 
 
-def _pv_consumer(cfg: TuningConfig, r: common.SparseRefs, n_tiles=None):
+def _pv_consumer(cfg: common.SparseSm90Config, r: common.SparseRefs, n_tiles=None):
   """WG1: Vᵀ from the K tile into registers, Oᵀ += Vᵀ·Pᵀ per tile (``vt_registers``), the O store at the end
   (``n_tiles``: :func:`_pv_loop`)."""
 
@@ -243,7 +243,7 @@ def _pv_consumer(cfg: TuningConfig, r: common.SparseRefs, n_tiles=None):
   vt_registers.store_o(o_blocks, o_ref)
 
 
-def _pv_consumer_interpret_smem_v(cfg: TuningConfig, out_dtype, r: common.SparseRefs, n_tiles=None):
+def _pv_consumer_interpret_smem_v(cfg: common.SparseSm90Config, out_dtype, r: common.SparseRefs, n_tiles=None):
   """Interpret-mode stand-in for :func:`_pv_consumer` (no ``inline_mgpu`` there): WG1 upcasts V into the f16
   SMEM tile ``v16`` (chunks 0-1, then after Pᵀ arrives chunks 2-3 under the wgmmas of blocks 0-3) and runs
   Oᵀ[block] += Vᵀ[block]·Pᵀ with Vᵀ the transposed SMEM view; the O store is a transposed GMEM view per block
