@@ -271,6 +271,17 @@ class KeyTiles(NamedTuple):
   segments: tuple
 
 
+def id_mask(idx_smem, t, num_slots: int, layout):
+  """Tile t's key mask [64] bool in ``layout``: its ids ``idx_smem[t]`` (SMEM [n_tiles, 64] int32) inside
+  [0, num_slots) (the sparse kernels' masks)."""
+  return valid_keys(plgpu.load(idx_smem.at[t], layout=layout, optimized=False), num_slots)
+
+
+def id_key_tiles(n_tiles: int, idx_smem, num_slots: int, layout) -> KeyTiles:
+  """A sparse split's tiles: all ``n_tiles``, each key masked by its id (:func:`id_mask`)."""
+  return KeyTiles(n_tiles, ((0, n_tiles, lambda t: id_mask(idx_smem, t, num_slots, layout)),))
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseRefs:
   """The GMEM and SMEM refs and barriers of an sm_90 sparse design's kernel, by name (a design leaves the ones it

@@ -122,12 +122,10 @@ class TuningConfig(_DenseConfig):
     return heads_m.TuningConfig(tiles_per_split=self.tiles_per_split, k_buffers=self.k_buffers,
                                 schedule="producer_vt")
 
-  def smem_budget(self, interpret: bool = False) -> int:
-    v_tile = (((TILE, D_V), jnp.float16),) if interpret else ()
+  def smem_budget(self) -> int:
     return common.smem_bytes(
         ((common.SW_CHUNKS, TILE, common.SW_CHUNK), common.FP8),                    # Q
         ((self.k_buffers, common.SW_CHUNKS, TILE, common.SW_CHUNK), common.FP8),    # K
-        *v_tile,                                                                    # V f16 (interpret mode)
         ((heads_m.P_BUFFERS, TILE, TILE), jnp.float16),                             # P slots
         ((table_width(self.tiles_per_split),), jnp.int32),                          # table row
         ((TILE,), jnp.float32),                                                     # lse

@@ -96,7 +96,7 @@ Measured alternatives and why they went: docs/kernels/sparse_decode_sm90.md.
 
 The "producer_vt" producer and multipliers also run the dense kernel (``kernels/dense_sm90.py``): they take the
 CTA's tiles as ``common.KeyTiles`` (a tile count, possibly traced, and the producer's ranges with or without a key
-mask; here :func:`sparse_key_tiles`: every tile of the split, masked by its ids).
+mask; here ``common.id_key_tiles``: every tile of the split, masked by its ids).
 
 Pipeline stages: gather of tile t + 1 (k_buffers = 2) ∥ (QKᵀ of tile t ∥ V upcast of tile t) → softmax → P·V.
 Interpret mode has no wgmma with a register A operand: there P goes through an SMEM tile [2, 64, 64] f16.
@@ -362,17 +362,6 @@ def _zero_state():
   return acc0, m0, l0
 
 
-def _id_mask(t, num_slots: int, r: common.SparseRefs):
-  """Tile t's key mask [64] bool (COL_LAYOUT): its ids in ``idx_smem`` inside [0, num_slots)."""
-  cols = plgpu.load(r.idx_smem.at[t], layout=COL_LAYOUT, optimized=False)
-  return common.valid_keys(cols, num_slots)
-
-
-def sparse_key_tiles(cfg: TuningConfig, num_slots: int, r: common.SparseRefs) -> common.KeyTiles:
-  """The sparse kernel's tiles: all ``tiles_per_split`` of the split, each key masked by its id."""
-  return common.KeyTiles(cfg.tiles_per_split, ((0, cfg.tiles_per_split, lambda t: _id_mask(t, num_slots, r)),))
-
-
 def _softmax_step(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent: bool = False):
   """The online softmax of one tile; ``valid``: its key mask or None (``rescale_threshold``: lazy rescaling;
   ``scale_in_exponent``: the row scale folded into exp2's argument; all ``common.online_softmax_tile``)."""
@@ -453,7 +442,7 @@ def _consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, wg,
     plgpu.barrier_wait(r.k_full.at[kb])
     s = _qk_and_upcast(k_tiles, lambda: _upcast_half(k_tiles, wg, r), r)
     plgpu.barrier_arrive(r.k_empty.at[kb])
-    p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, _id_mask(t, num_slots, r))
+    p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return _pv_half(acc, _p_operand(p, jnp.float16, wg, interpret, r), wg, interpret, r), m_new, l
 
@@ -476,7 +465,7 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
     k_tiles = r.k_sw.at[kb]
     plgpu.barrier_wait(r.k_full.at[kb])
     s = _qk_and_upcast(k_tiles, None, r)
-    p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, _id_mask(t, num_slots, r))
+    p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
     p_op = _p_operand(p, jnp.bfloat16, wg, interpret, r)
 
@@ -685,10 +674,10 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
   and the lse. It holds no O (88 registers).
   ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row.
   ``keys``: a function returning the ``common.KeyTiles`` to run, called after the prologue's waits (the dense
-  kernel reads them from the table the loader copies); None: :func:`sparse_key_tiles`."""
+  kernel reads them from the table the loader copies); None: ``common.id_key_tiles`` of the split."""
   with jax.named_scope("p_prologue"):
     row_scale, kv_scale = _softmax_prologue(tile_q, r, q_in, regs=(PRODUCER_REGS[1], "decrease"), quantize=False)
-  keys = sparse_key_tiles(cfg, num_slots, r) if keys is None else keys()
+  keys = common.id_key_tiles(cfg.tiles_per_split, r.idx_smem, num_slots, COL_LAYOUT) if keys is None else keys()
 
   def step(mask, t, carry):
     m, l = carry

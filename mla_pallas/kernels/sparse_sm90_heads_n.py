@@ -139,11 +139,6 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, q_stride: int, r
 KEY_LAYOUT = plgpu.Layout.WGMMA.reduce(1)     # [64]: one value per key (row of Sᵀ)
 
 
-def _id_mask(t, num_slots: int, r: common.SparseRefs):
-  """Tile t's key mask [64] bool (KEY_LAYOUT): its ids in ``idx_smem`` inside [0, num_slots)."""
-  return common.valid_keys(plgpu.load(r.idx_smem.at[t], layout=KEY_LAYOUT, optimized=False), num_slots)
-
-
 def _softmax_consumer(cfg: common.SparseSm90Config, num_slots: int, q_stride: int, softmax_scale, interpret: bool, wg,
                       r: common.SparseRefs, keys=None):
   """WG0: Q quantized from the token's q rows (``q_quant.quantize_head_rows``, under the loader's index load and
@@ -156,11 +151,7 @@ def _softmax_consumer(cfg: common.SparseSm90Config, num_slots: int, q_stride: in
   plgpu.commit_smem()   # the async-proxy fence and a warpgroup barrier: Q for the wgmmas, amax for the loads below
   head_scale = q_quant.row_scales(_head_values(r, 0), softmax_scale, r.scal_gmem[0])
   wait_indices = keys is None
-  if keys is None:
-    tps = cfg.tiles_per_split
-    keys = common.KeyTiles(tps, ((0, tps, lambda t: _id_mask(t, num_slots, r)),))
-  else:
-    keys = keys()
+  keys = common.id_key_tiles(cfg.tiles_per_split, r.idx_smem, num_slots, KEY_LAYOUT) if keys is None else keys()
 
   def step(mask, t, carry):
     m, l = carry
