@@ -97,10 +97,10 @@ def _zero_s(k_tiles, stage_v, r):
   return pl.run_scoped(body, plgpu.ACC((common.TILE, common.TILE), jnp.float32))
 
 
-def _qk_20(k_tiles, r, interpret):
+def _qk_20(cfg, k_tiles, r, interpret):
   """The producer's QKᵀ as five ``plgpu.wgmma`` chunks (20 k32 steps: the form before the thirty-first session;
   the default, ``heads_m._qk_fp8_18``, skips the two over Q's zero columns)."""
-  del interpret
+  del cfg, interpret
   return heads_m._qk_and_upcast(k_tiles, None, r)
 
 
@@ -209,7 +209,7 @@ ROWS = {
     "none": {},
     "no_gather": {(gather_threads, "gather_tile"): _no_gather},
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s,
-              (heads_m, "_qk_producer"): lambda k_tiles, r, interpret: _zero_s(k_tiles, None, r)},
+              (heads_m, "_qk_producer"): lambda cfg, k_tiles, r, interpret: _zero_s(k_tiles, None, r)},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
     "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words, (vt_registers, "load_v_half_words"): _zero_words},

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -608,22 +610,100 @@ def test_bf16_cache_kernel_lowers_for_sm90(b, s_q, h, topk, splits):
   assert kernel.count("cp.async.cg.shared.global") == 4 * 9
 
 
+BF16_PRODUCER = (("schedule", "producer_vt"),)
+
+
+@pytest.mark.parametrize("B,H,s_q,topk,tl,tuning,races", [
+    (2, 64, 1, 200, True, BF16_PRODUCER, True),                                   # the plan's splits, races checked
+    (2, 32, 2, 77, False, BF16_PRODUCER + (("k_buffers", 1), ("tiles_per_split", 2)), False),   # rows 32-63 padding
+    pytest.param(1, 128, 2, 130, False, BF16_PRODUCER + (("tiles_per_split", 1),), False, marks=pytest.mark.slow),
+])
+def test_bf16_cache_producer_interpret(rng, B, H, s_q, topk, tl, tuning, races):
+  """"producer_vt" over a bfloat16 cache (the producer's bf16 QKᵀ and softmax, P written into the K buffer's rope
+  chunk, the multipliers' P·V from SMEM) against the reference within testing.BF16_ATTENTION_REL_L2: NaN in unused
+  rows, invalid and out-of-range ids, a duplicate, an all-invalid row, a partial last tile, topk_length, several
+  splits, one K buffer (the producer's P then waits for the multipliers of the tile before), two query tiles per
+  token (H 128, slow); bitwise deterministic. Interpret mode runs the multipliers' product from the loaded values
+  (the hardware's one inline wgmma is checked by lowering below)."""
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
+                   with_topk_length=tl)
+  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
+  testing.reset_interpreter()
+  out, lse = run_kernel(case, interpret=RACES if races else True, tuning=tuning)
+  assert not testing.races_found()
+  ref_out, ref_lse = _ref(case)
+  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 producer out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 producer lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+  again, _ = run_kernel(case, interpret=True, tuning=tuning)
+  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
+
+
+def test_bf16_cache_producer_lowers_for_sm90():
+  """"producer_vt" over a bf16 cache at P1's shape (2 splits of 16 tiles): the producer's QKᵀ as nine bf16
+  m64n64k16 x 4 wgmmas, the multipliers' P·V as one m64n256k16 x 4 group (one traced code path) whose B operand
+  spans four 64-column chunks 8 KB apart (the descriptor's leading byte offset 8192, 128-byte swizzle), P stored by
+  stmatrix, no fp8; the loader's 4 x 9 cp.async per thread, the TMAs of Q's nine chunks and the indices; SMEM
+  within the limit (no P slots: P sits in the K buffer)."""
+  S = jax.ShapeDtypeStruct
+  cfg = sd._config(128, 256, 2048, "sm90", BF16_PRODUCER, "bfloat16")
+  assert cfg.num_splits == 2 and cfg.kernel.producer and cfg.kernel.bf16 and not cfg.kernel.p_slots()
+  assert cfg.kernel.smem_budget() <= common.SMEM_LIMIT
+  fn = jax.jit(lambda q, kv, i, sc: sd._mosaic_sparse_decode(q, kv, i, 0.1, sc, None, False, BF16_PRODUCER, "sm90"))
+  low = testing.lower_for_cuda(fn, S((128, 2, 128, 576), jnp.bfloat16), S((4096 * 8, 576), jnp.bfloat16),
+                               S((128, 2, 2048), jnp.int32), S((), jnp.float32))
+  assert len(low.mosaic) == 1
+  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16") == 9 * 4
+  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16") == 4
+  assert low.count(r"e4m3") == 0
+  # B descriptor of the P·V: LBO 8192 (>> 4 = 512, bits 16-29), SBO 1024 (>> 4 = 64, bits 32-45), 128-byte swizzle
+  assert str((512 << 16) | (64 << 32) | (1 << 62)) in low.mosaic[0]
+  assert low.count(r"cp\.async\.cg\.shared\.global \[") == 4 * 9
+  assert low.count(r"stmatrix") == 4
+  assert low.count(r"cp\.async\.bulk\.tensor") == 9 + 1
+  # F1's shape (T 4096, top-k 2048) in one 32-tile split: 8 KB of indices fit without Mosaic's reduction scratch
+  f1 = BF16_PRODUCER + (("tiles_per_split", sd.BF16_PRODUCER_MAX_SPLIT_TILES),)
+  cfg = sd._config(128, 4096, 2048, "sm90", f1, "bfloat16")
+  assert cfg.num_splits == 1 and cfg.kernel.reduction_scratch == 0
+  fn = jax.jit(lambda q, kv, i, sc: sd._mosaic_sparse_decode(q, kv, i, 0.1, sc, None, False, f1, "sm90"))
+  low = testing.lower_for_cuda(fn, S((4096, 1, 128, 576), jnp.bfloat16), S((8192, 576), jnp.bfloat16),
+                               S((4096, 1, 2048), jnp.int32), S((), jnp.float32))
+  smem = int(re.search(r"dynamic_shared_memory_size %c(\d+)_i32", low.mosaic[0]).group(1))
+  assert smem <= common.SMEM_LIMIT and smem <= cfg.kernel.smem_budget(), smem
+
+
 def test_bf16_cache_configs():
   """A bfloat16 cache: heads on M at every H ("twin", splits <= BF16_MAX_SPLIT_TILES; the fp8 cache keeps heads on
   N at H <= 16); validated on sm_90 at every kernel head count (its GPU tests passed on the H200 at H 8-128,
-  2026-12-02), so auto picks it there (validated_on)."""
+  2026-12-02), so auto picks it there (validated_on). "producer_vt" over bf16: a sweep candidate (up to
+  BF16_PRODUCER_MAX_SPLIT_TILES), the default only where BF16_PRODUCER_VALIDATED_ON names the family."""
   assert sd.default_config(16, 8, 2048, "sm90", "bfloat16").design == "sm90_heads_m"
   assert sd.default_config(16, 8, 2048, "sm90").design == "sm90_heads_n"
   with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
     sd.default_config(128, 8, 2048, "sm100", "bfloat16")
-  with pytest.raises(ValueError, match="twin"):
-    sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"),), "bfloat16")
+  assert sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"),), "bfloat16").kernel.producer
+  with pytest.raises(ValueError, match="k_buffers <= 2"):     # P and alpha slots tied to the K buffers
+    sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"), ("k_buffers", 3)), "bfloat16")
   with pytest.raises(ValueError, match="SMEM"):
     sd._config(128, 256, 2048, "sm90", (("tiles_per_split", 32),), "bfloat16")
+  # "producer_vt" over bf16: 32-tile splits fit (no P slots, no reduction scratch), 64 do not
+  assert sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"), ("tiles_per_split", 32)), "bfloat16")
+  with pytest.raises(ValueError, match="SMEM"):
+    sd._config(128, 256, 4096, "sm90", (("schedule", "producer_vt"), ("tiles_per_split", 64)), "bfloat16")
   assert sd.validated_on(jnp.bfloat16) == ("sm90",) and sd.validated_on(FP8) == ("sm90",)
   assert all(sd.validated_on(jnp.bfloat16, h) == ("sm90",) for h in sd.KERNEL_HEADS)
   assert sd.validated_on(jnp.bfloat16, 3) == () and sd.validated_on(FP8, 16) == ("sm90",)
-  assert all(not dict(t).get("schedule") for t in sd.sweep_configs(128, 256, 2048, "sm90", "bfloat16").values())
+  # "producer_vt" over bf16 is a sweep candidate; the default only where it was validated on hardware
+  sweep = sd.sweep_configs(128, 256, 2048, "sm90", "bfloat16")
+  assert ("schedule=producer_vt" in sweep) and not any(dict(t).get("k_buffers") == 3 for t in sweep.values())
+  assert sd.default_config(128, 256, 2048, "sm90", "bfloat16").kernel.schedule == "twin"
+  assert "schedule=producer_vt, tiles_per_split=32" in sd.sweep_configs(128, 4096, 2048, "sm90", "bfloat16")
+  assert sd.PRODUCER_MIN_TILES <= sd.BF16_MAX_SPLIT_TILES   # a split too long for "twin" gets "producer_vt"
+  with unittest.mock.patch.object(sd, "BF16_PRODUCER_VALIDATED_ON", ("sm90",)):
+    assert sd.default_config(128, 256, 2048, "sm90", "bfloat16").kernel.schedule == "producer_vt"
+    assert sd.default_config(128, 1, 256, "sm90", "bfloat16").kernel.schedule == "twin"    # 1-4-tile splits
+    f1 = sd.default_config(128, 4096, 2048, "sm90", "bfloat16")    # F1: one split of 32 tiles, no merge
+    assert f1.num_splits == 1 and f1.kernel.tiles_per_split == 32 and f1.kernel.producer
 
 
 def test_argument_errors(rng):

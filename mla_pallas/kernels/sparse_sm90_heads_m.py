@@ -71,15 +71,27 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   pool: with fewer pool threads than warpgroups (2 on a 2-CPU machine) the run can deadlock; set
   ``PJRT_NPROC`` to 8 or more before JAX starts (tests/conftest.py does).
 
-BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; "twin" only)
---------------------------------------------------------------------------------------
+BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; both schedules)
+---------------------------------------------------------------------
 BF16 attention over a bfloat16 cache ([num_slots, 576] bf16, 1152 bytes per row): q stays bf16 ([num_q_tiles, 64,
-576], Q as nine 64-column chunks, 128-byte swizzled; ``qs`` = softmax_scale · kv_scale · log2 e for every row),
-the loader gathers each row's nine 128-byte chunks (``common.BF16_TILES``: 36 16-byte ``cp.async`` per thread and
-tile), S = Q·Kᵀ is nine bf16 wgmmas (K = 64 each), P is rounded to bf16, and V is the K tile itself: each consumer
-multiplies P with its four 64-column latent chunks (4 wgmmas of N = 64 into four [64, 64] f32 accumulators; a
-16-bit wgmma takes the MN-major B, so there is no V copy) and releases the K buffer after its P·V. SMEM: Q 73 728 +
-K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, barriers, reduction scratch = 228 864 bytes.
+576], Q as nine 64-column chunks, 128-byte swizzled, TMA'd by the loader; ``qs`` = softmax_scale · kv_scale ·
+log2 e for every row), the loader gathers each row's nine 128-byte chunks (``common.BF16_TILES``: 36 16-byte
+``cp.async`` per thread and tile), S = Q·Kᵀ is nine bf16 wgmmas (K = 64 each), P is rounded to bf16, and V is the
+K tile itself (a 16-bit wgmma takes the MN-major B, so there is no V copy).
+
+* "twin": each consumer multiplies P (registers) with its four 64-column latent chunks (4 wgmmas of N = 64 into
+  four [64, 64] f32 accumulators) and releases the K buffer after its P·V. SMEM: Q 73 728 + K 2 × 73 728 + indices
+  (at most 16 tiles: 4 096) + lse, barriers, reduction scratch = 228 864 bytes.
+* "producer_vt" (the same four roles as over fp8; no Vᵀ here, the name is the fp8 form's): the producer's QKᵀ is
+  the nine bf16 wgmmas, and it writes P (bf16) into the rope chunk of the tile's own K buffer (``BF16_P_CHUNK``:
+  after its QKᵀ only P lives there; FlashMLA's sparse prefill overlaps a P buffer with the rope part the same way),
+  so the kernel has no P slots; alpha and the rescale flags go to ``head_smem`` slot t % 2 as over fp8. Each
+  multiplier holds O [64 heads, 256 columns] (heads on its rows, 128 f32 registers) and per tile, after the
+  slot's arrival, rescales it unless every alpha is 1 and adds P · V[:, 256 half ...] as one m64n256k16 × 4 group
+  (``_pv_bf16``: P from the rope chunk as A, V chunks 4 half ... 4 half + 3 as one B whose 64-column blocks lie
+  8 KB apart), then releases the K buffer and the slot (``k_buffers`` <= 2: the P and alpha slots follow the
+  buffers). SMEM: Q 73 728 + K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, alpha / 1/l / flag rows,
+  barriers, reduction scratch = 229 888 bytes (16-tile splits).
 
 Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
 -------------------------------------------------------------------------------
@@ -115,7 +127,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     "twin" over fp8 (Q in the kernel): + the amax row 1 024 = 201 216
     "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax / rescale-flag rows
     1 280 (2 048 rounded) = 153 088; with k_buffers = 3: 194 048; 128-tile splits: + 24 576 of indices
-    bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864
+    bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864;
+    "producer_vt": no P slots (P in the K buffer), + alpha / 1/l / flag rows 1 024 = 229 888
 Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
 setmaxnreg moves registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is
 the most (a 64-register loader deadlocked the consumers' increase on the H200). "producer_vt" (512 threads, 128 per
@@ -166,9 +179,10 @@ class TuningConfig(common.SparseSm90Config):
   tile fits only without the f16 V tile) and ``schedule`` (module docstring, "Schedules"): "twin" — both
   consumers compute the same S and run the same softmax; "producer_vt" — warpgroup 0 alone does and hands P (f16)
   and alpha to two multiplying warpgroups through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
-  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile. ``tiles_per_split``
-  up to 128 (32 KB of indices) fits both schedules. Over an fp8 cache both quantize Q in the kernel
-  (:attr:`q_in_kernel`)."""
+  operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile; over a bf16 cache P
+  (bf16) goes into the K buffer's rope chunk and the multipliers compute O = P·V from SMEM (module docstring,
+  "BF16 cache"). ``tiles_per_split`` up to 128 (32 KB of indices) fits both schedules over fp8, 16 over bf16.
+  Over an fp8 cache both quantize Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
@@ -181,8 +195,9 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
     if self.cache_dtype not in self.CACHE_DTYPES:
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
-    if self.bf16 and self.schedule != "twin":
-      raise ValueError(f"TuningConfig with a bfloat16 cache runs schedule 'twin'; got {self}")
+    if self.bf16 and self.producer and self.k_buffers > P_BUFFERS:
+      raise ValueError(f"TuningConfig: over a bfloat16 cache \"producer_vt\" keeps P in the K buffers' rope chunk "
+                       f"and alpha in {P_BUFFERS} slots, so k_buffers <= {P_BUFFERS}; got {self}")
     super().validate()
 
   @property
@@ -219,15 +234,35 @@ class TuningConfig(common.SparseSm90Config):
     the rows' max |q|, and last the rescale flags (:func:`_flags`)."""
     return INV_SLOT + (3 if self.q_in_kernel else 2)
 
+  @property
+  def p_dtype(self):
+    """P's dtype in the P·V wgmmas: f16 over an fp8 cache (V upcast exactly), bf16 over a bf16 cache (V's own)."""
+    return jnp.bfloat16 if self.bf16 else jnp.float16
+
+  def p_slots(self, interpret: bool = False) -> bool:
+    """Whether the kernel has the P SMEM slots ``p_sw``: "producer_vt" over an fp8 cache (the hand-off), "twin" in
+    interpret mode (no register A operand there). "producer_vt" over a bf16 cache writes P into the rope chunk of
+    the tile's own K buffer instead (:func:`_p_slot`)."""
+    return (self.producer and not self.bf16) or (interpret and not self.producer)
+
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
     cache is bf16 (V is the K tile itself)."""
     return (not self.producer or interpret) and not self.bf16
 
+  @property
+  def reduction_scratch(self) -> int:
+    """Bytes of Mosaic's cross-warp reduction scratch (``CompilerParams.reduction_scratch_bytes``): its default,
+    2048, except "producer_vt" over a bf16 cache, which reduces only within warps (over the keys of a row and
+    the producer's column residues) and needs the room for 32-tile splits' indices beside Q and two bf16 K
+    tiles (a reduction that needed the scratch would fail to lower)."""
+    return 0 if self.bf16 and self.producer else 2048
+
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
-    slots = (((P_BUFFERS, TILE, TILE), jnp.float16), ((self.head_rows, TILE), jnp.float32)) \
+    p_slots = (((P_BUFFERS, TILE, TILE), jnp.float16),) if self.p_slots() else ()
+    slots = p_slots + (((self.head_rows, TILE), jnp.float32),) \
         if self.producer else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
@@ -236,7 +271,7 @@ class TuningConfig(common.SparseSm90Config):
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
         ((TILE,), jnp.float32),                                 # lse staging
         *slots,                                                 # P slots, alpha / (kv_scale / l) rows
-    ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch (CompilerParams default)
+    ) + 64 * 8 + self.reduction_scratch   # barriers; Mosaic reduction scratch
 
 
 def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, token, r: common.SparseRefs):
@@ -272,10 +307,11 @@ def _qk_and_upcast(k_tiles, stage_v, r: common.SparseRefs):
   return pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
 
 
-def _qk_producer(k_tiles, r: common.SparseRefs, interpret: bool):
-  """The producer's S = Q·Kᵀ of one tile over an fp8 cache, waited for: :func:`_qk_fp8_18` on hardware; in
-  interpret mode (no ``inline_mgpu`` there) :func:`_qk_and_upcast`'s five wgmmas (the same S)."""
-  if interpret:
+def _qk_producer(cfg: TuningConfig, k_tiles, r: common.SparseRefs, interpret: bool):
+  """The producer's S = Q·Kᵀ of one tile, waited for: over an fp8 cache :func:`_qk_fp8_18` on hardware and in
+  interpret mode (no ``inline_mgpu`` there) :func:`_qk_and_upcast`'s five wgmmas (the same S); over a bf16 cache
+  :func:`_qk_and_upcast`'s nine bf16 wgmmas."""
+  if interpret or cfg.bf16:
     return _qk_and_upcast(k_tiles, None, r)
   return _qk_fp8_18(r.q_sw, k_tiles)
 
@@ -507,7 +543,7 @@ def _all_alpha_one(r: common.SparseRefs, pb):
 
 
 def _store_p_alpha(p16, alpha, p_ref, alpha_ref, flags_ref, interpret: bool):
-  """P (f16 [64, 64]) into its 128-byte swizzled slot, alpha ([64]) into its row and the slot's rescale flags
+  """P ([64, 64] f16, or bf16 over a bf16 cache) into its 128-byte swizzled slot, alpha ([64]) into its row and the slot's rescale flags
   (:func:`_flags`, ``flags_ref`` [4] f32) committed for the async proxy (the multipliers read P through wgmma
   after the arrival that follows). On the GPU in raw Mosaic GPU (``stmatrix`` of P, plain stores of alpha, a warp
   vote per producer warp and lane 0's store of its flag, the proxy fence and one warpgroup barrier): Pallas's
@@ -523,7 +559,7 @@ def _store_p_alpha(p16, alpha, p_ref, alpha_ref, flags_ref, interpret: bool):
     plgpu.commit_smem()
     return
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(jnp.float16, 128)),
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(p16.dtype, 128)),
                                 plgpu.RefType(), plgpu.RefType()))
   def store(ctx, p, a, p_smem, a_smem, f_smem):
     del ctx
@@ -558,15 +594,30 @@ def _store_warp_flag(a, f_smem):
                 lambda: raw_mgpu.st_shared_f32(addr, flag))
 
 
-def _publish_p(t, pb, p16, alpha, r: common.SparseRefs, interpret: bool):
-  """The producer hands tile t's P (f16 [64, 64]) and alpha to the multipliers in slot pb once that slot is free
-  (both multipliers released it)."""
+# "producer_vt" over a bf16 cache: P of tile t goes into the last chunk of its K buffer (the rope columns 512-575,
+# [64 keys, 64] bf16: the shape and swizzle of P [64 heads, 64 keys]), which only the producer's QKᵀ reads; the
+# multipliers read V from chunks 0-7 and P from there, and release the buffer after their P·V. (FlashMLA's
+# sparse prefill overlaps one P buffer with the K tile's rope part the same way.) SMEM: no P slots, so Q and two
+# bf16 K tiles fit.
+BF16_P_CHUNK = common.BF16_TILES.chunks - 1
+
+
+def _p_slot(cfg: TuningConfig, r: common.SparseRefs, kb, pb):
+  """Where the producer writes tile t's P (K buffer kb, slot pb): ``p_sw[pb]`` (f16) over an fp8 cache; over a
+  bf16 cache the rope chunk of K buffer kb (:data:`BF16_P_CHUNK`)."""
+  return r.k_sw.at[kb, BF16_P_CHUNK] if cfg.bf16 else r.p_sw.at[pb]
+
+
+def _publish_p(t, pb, p16, alpha, p_ref, r: common.SparseRefs, interpret: bool):
+  """The producer hands tile t's P ([64, 64] into ``p_ref``, :func:`_p_slot`) and alpha (slot pb) to the
+  multipliers once slot pb is free (both multipliers released it; over a bf16 cache already implied by the K
+  buffer's release, which the producer waited for before its QKᵀ)."""
   with jax.named_scope("p_wait_slot"):
     @pl.when(t >= P_BUFFERS)
     def _():
       plgpu.barrier_wait(r.p_empty.at[pb])   # the multipliers are done with slot pb (tile t - 2)
   with jax.named_scope("p_store"):
-    _store_p_alpha(p16, alpha, r.p_sw.at[pb], r.head_smem.at[pb], _flags(r, pb), interpret)
+    _store_p_alpha(p16, alpha, p_ref, r.head_smem.at[pb], _flags(r, pb), interpret)
   plgpu.barrier_arrive(r.p_full.at[pb])
 
 
@@ -666,6 +717,69 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_
     vt_registers.store_half_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], half)
 
 
+def _pv_bf16(acc, k_tiles, half, interpret: bool):
+  """"producer_vt" over a bf16 cache: acc [64 heads, 256] f32 += P · V[:, 256 half : 256 half + 256], P [64 heads,
+  64 keys] bf16 from the K buffer's rope chunk (:func:`_p_slot`) as the K-major A operand and V chunks 4 half ...
+  4 half + 3 of the same K buffer as one MN-major B operand [64 keys, 256] (a 16-bit wgmma takes it as stored):
+  four m64n256k16 wgmmas, waited for. Its four 64-column chunks lie 8 KB apart, which the B descriptor's leading
+  byte offset expresses (Pallas's ``plgpu.wgmma`` takes only a contiguous [64, 256] ref, so the hardware path is an
+  ``inline_mgpu`` body); ``half`` may be traced. Interpret mode (no ``inline_mgpu``): the same product in f32 from
+  the loaded values (bf16 products are exact in f32; only the summation order differs)."""
+  p_ref = k_tiles.at[BF16_P_CHUNK]
+  v_ref = k_tiles.at[pl.ds(BF16_V_BLOCKS * half, BF16_V_BLOCKS)]
+  if interpret:
+    p = p_ref[...].astype(jnp.float32)
+    v = v_ref[...].astype(jnp.float32)                       # [4, 64 keys, 64]
+    # these are generic-proxy reads of a buffer the loader refills by copies (async proxy) after the release:
+    # the fence orders them (on hardware the wgmma reads through the async proxy itself)
+    plgpu.commit_smem()
+    v = jnp.transpose(v, (1, 0, 2)).reshape(TILE, BF16_V_BLOCKS * TILE)
+    return acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
+  sw = plgpu.RefType(swizzled(jnp.bfloat16, 128))
+
+  @plgpu.inline_mgpu(arg_types=(sw, sw, plgpu.Layout.WGMMA),
+                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
+  def pv(ctx, p_smem, v_smem, acc_in):
+    del ctx
+    # v_smem: the tiled memref [4 chunks, 8 key groups, 1, 8 keys, 64] -> B as (K tiles, N tiles, 8, 64)
+    v = mgpu_utils.memref_transpose(mgpu_utils.memref_slice(v_smem, (slice(None), slice(None), 0)), (1, 0, 2, 3))
+    out = mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc_in), p_smem, v, swizzle=128)
+    raw_mgpu.wgmma_commit()
+    raw_mgpu.wgmma_wait(0)
+    return fa.optimization_barrier(out.value)
+  return pv(p_ref, v_ref, acc)
+
+
+def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half, interpret: bool,
+                     n_tiles=None):
+  """"producer_vt" over a bf16 cache, multiplier WG1 + ``half`` (traced: both multipliers run this code): per tile,
+  once slot t % 2 has arrived, its half of O [64 heads, 256 columns] rescaled by the producer's alpha (skipped
+  where every alpha is 1) plus P · V (:func:`_pv_bf16`, both operands in the K buffer), then the release of the K
+  buffer and the slot; at the end its half of O scaled by the producer's kv_scale / l. No Vᵀ words: O keeps the
+  heads on its rows. ``n_tiles``: as :func:`_multiplier`."""
+  plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
+  n_tiles = cfg.tiles_per_split if n_tiles is None else n_tiles()
+
+  def step(t, acc):
+    with jax.named_scope("m_wait_k"):
+      kb, pb, k_tiles = _landed(t, cfg, r)
+    with jax.named_scope("m_wait_p"):
+      plgpu.barrier_wait(r.p_full.at[pb])
+    with jax.named_scope("m_pv"):
+      acc = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: a * lax.broadcast_in_dim(
+          plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False), a.shape, [0]), acc)
+      acc = _pv_bf16(acc, k_tiles, half, interpret)
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    plgpu.barrier_arrive(r.p_empty.at[pb])
+    return acc
+
+  acc = lax.fori_loop(0, n_tiles, step, _zero_state()[0])
+  with jax.named_scope("m_store"):
+    plgpu.barrier_wait(r.p_full.at[INV_SLOT])
+    inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
+    _store_half(acc, inv, half, out_dtype, tile_q, split, r)
+
+
 def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None,
               keys=None):
   """schedule "producer_vt", WG0: per tile QKᵀ, the K buffer's release (the multipliers read V from it
@@ -684,13 +798,13 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     with jax.named_scope("p_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("p_qk"):
-      s = _qk_producer(k_tiles, r, interpret)
+      s = _qk_producer(cfg, k_tiles, r, interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
       p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, None if mask is None else mask(t), RESCALE_THRESHOLD,
                                          scale_in_exponent=True)
-      p16 = p.astype(jnp.float16)
-    _publish_p(t, pb, p16, alpha, r, interpret)
+      p16 = p.astype(cfg.p_dtype)
+    _publish_p(t, pb, p16, alpha, _p_slot(cfg, r, kb, pb), r, interpret)
     return m_new, l
 
   _, m0, _ = _zero_state()
@@ -720,7 +834,7 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
   producer = cfg.producer
   v16, rest = (rest[0], rest[1:]) if cfg.v_tile(interpret) else (None, rest)
-  p_sw, rest = (rest[0], rest[1:]) if (interpret or producer) else (None, rest)
+  p_sw, rest = (rest[0], rest[1:]) if cfg.p_slots(interpret) else (None, rest)
   idx_smem, lse_smem, *rest = rest
   head_smem, rest = (rest[0], rest[1:]) if producer or cfg.q_in_kernel else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
@@ -743,7 +857,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
                 (0,) + q_in + (interpret,) if cfg.q_in_kernel else None)
 
     q_mult = (q_in[0], interpret) if cfg.q_in_kernel else None
-    if interpret:   # interpret mode's multipliers: the same products with V upcast to the f16 tile
+    if cfg.bf16:    # bf16 cache: P·V from SMEM, one code path (and in interpret mode the same hand-off)
+      @pl.when((wg == 1) | (wg == 2))
+      def _():
+        _multiplier_bf16(cfg, out_dtype, tile_q, split, r, wg - 1, interpret)
+    elif interpret:   # interpret mode's multipliers: the same products with V upcast to the f16 tile
       for half in range(2):
         @pl.when(wg == 1 + half)
         def _():
@@ -783,9 +901,9 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   producer = cfg.producer
   v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
       if cfg.v_tile(interp) else []
-  p_dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16
+  p_dtype = cfg.p_dtype
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
-      if (interp or producer) else []
+      if cfg.p_slots(interp) else []
   head_scratch = [plgpu.SMEM((cfg.head_rows, TILE), jnp.float32)] if producer else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
@@ -813,6 +931,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       ],
       # "producer_vt": exp2 / log2 as ex2 / lg2.approx.ftz (no subnormal fix-up around each MUFU op; P, alpha and
       # the lse differ from the exact forms by about one f32 ulp, far below P's f16 rounding)
-      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=producer),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=producer,
+                                           reduction_scratch_bytes=cfg.reduction_scratch),
       **common.interpret_kwargs(interpret),
   )

@@ -197,6 +197,9 @@ HEADS_ON_N_MAX = 16     # sm_90: kernels/sparse_sm90_heads_n.py up to this many 
 MAX_SPLIT_TILES = 32    # <= 2048 keys per split: heads on N and sm_100 (index SMEM; longer splits not measured)
 HEADS_M_MAX_SPLIT_TILES = 128   # heads on M: <= 8192 keys per split (32 KB of indices; P5 2 x 128 tiles measured)
 BF16_MAX_SPLIT_TILES = 16   # bf16 cache: bf16 Q (72 KB) and two bf16 K tiles (144 KB) leave room for 4 KB of indices
+# ... and 8 KB in "producer_vt" over bf16 (no P slots: P sits in the K buffer; no reduction scratch): a top-k of 2048
+# in one split, so no split merge at prefill shapes such as F1.
+BF16_PRODUCER_MAX_SPLIT_TILES = 32
 MIN_SPLIT_TILES = 4     # splitting stops before a split would be shorter than 256 keys (heads on N, sm_100) ...
 HEADS_M_MIN_SPLIT_TILES = 2   # ... or 128 keys (heads on M: B1 H128 top-k 2048 26.1 -> 21.7 us with 2-tile splits)
 HEADS_M_ONE_TILE_MAX_CTAS = 64   # heads on M: one-tile splits where that grid has at most this many CTAs
@@ -292,23 +295,26 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
   (:func:`mla_pallas._dispatch.num_sms`). Rules: sm_90 puts H <= HEADS_ON_N_MAX heads on the MMAs' N side
   (sparse_sm90_heads_n, 4 K buffers), more on the 64 MMA rows (sparse_sm90_heads_m, 2 K buffers); the top-k is
   split (:func:`_plan`) until the CTAs fill the SMs or splits would get shorter than 256 keys. A bfloat16
-  ``cache_dtype`` (heads on M only): "twin" on splits of at most BF16_MAX_SPLIT_TILES (SMEM: bf16 Q and K tiles).
+  ``cache_dtype`` (heads on M only): splits of at most BF16_MAX_SPLIT_TILES (SMEM: bf16 Q and K tiles), "twin",
+  or the fp8 cache's schedule rule where "producer_vt" over bf16 is validated (BF16_PRODUCER_VALIDATED_ON).
   ``batch_invariant``: splits of INVARIANT_SPLIT_TILES tiles whatever ``batch_tokens`` is (a row's reduction
   order then depends on its own top-k width only)."""
   bf16 = jnp.dtype(cache_dtype) != FP8
   design = _design(h, arch, bf16)
   if bf16 and design != "sm90_heads_m":
     raise NotImplementedError(f"no bfloat16-cache kernel for the {design} design (H={h}, {arch})")
+  bf16_producer = bf16 and arch in BF16_PRODUCER_VALIDATED_ON
   if batch_invariant:
     tps = INVARIANT_SPLIT_TILES
     splits = -(-max(1, -(-topk // TILE)) // tps)
   else:
     tiles_per_token = _tiles_per_token(h, design)
+    longest = BF16_PRODUCER_MAX_SPLIT_TILES if bf16_producer else BF16_MAX_SPLIT_TILES
     splits, tps = _plan(batch_tokens, tiles_per_token, topk, _dispatch.num_sms(),
-                        BF16_MAX_SPLIT_TILES if bf16 else _max_split_tiles(design),
+                        longest if bf16 else _max_split_tiles(design),
                         MIN_SPLIT_TILES if bf16 else _min_split_tiles(design, batch_tokens * tiles_per_token, topk))
-  if bf16:
-    tuning = dict(cache_dtype="bfloat16")
+  if bf16:   # (a split longer than BF16_MAX_SPLIT_TILES gets "producer_vt": PRODUCER_MIN_TILES is below it)
+    tuning = dict(cache_dtype="bfloat16", **(_heads_m_tuning(tps) if bf16_producer else {}))
   else:
     tuning = _heads_m_tuning(tps) if design == "sm90_heads_m" else {}
   return KernelConfig(design, splits, _kernel_module(design).TuningConfig(tiles_per_split=tps, **tuning))
@@ -318,6 +324,10 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
 # the number of query tokens, and with it the order of each row's sums); 16 fits every design's limits.
 INVARIANT_SPLIT_TILES = 16
 PRODUCER_MIN_TILES = 8  # heads on M: "producer_vt" from splits this long; "twin" (Q quantized in the kernel) below
+# Families where "producer_vt" over a bfloat16 cache (P in the K buffer's rope chunk, P·V from SMEM: kernels/
+# sparse_sm90_heads_m.py) ran and matched the reference on hardware; until then a bf16 cache runs "twin" (the
+# sweep has both).
+BF16_PRODUCER_VALIDATED_ON: tuple[str, ...] = ()
 
 
 def _heads_m_tuning(tiles_per_split: int) -> dict:
@@ -364,6 +374,8 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
+    if cfg.kernel.bf16:   # "producer_vt" over bf16 takes splits of up to BF16_PRODUCER_MAX_SPLIT_TILES
+      candidates += [(("schedule", "producer_vt"), ("tiles_per_split", BF16_PRODUCER_MAX_SPLIT_TILES))]
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
@@ -456,15 +468,22 @@ def _kernel_q(q, cfg: KernelConfig, arch: str, tiles_per_token: int, softmax_sca
   Made by :func:`_xla_kernel_q` (the sm_90 kernels over an fp8 cache quantize q themselves, ``q_in_kernel``).
   A bfloat16 cache's kernel takes q in bf16 as it is (64-row tiles) with softmax_scale · kv_scale · log2 e as
   every row's scale."""
-  n_tok, h, _ = q.shape
   if getattr(cfg.kernel, "bf16", False):   # bf16 cache: q in bf16 as it is, one logit scale for every row
-    q16 = q.astype(jnp.bfloat16)
-    if h < TILE:
-      q16 = jnp.pad(q16, ((0, 0), (0, TILE - h), (0, 0)))
-    tiles = n_tok * tiles_per_token
-    scale = jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32) * jnp.float32(LOG2E)
-    return q16.reshape(tiles, TILE, D_QK), jnp.full((tiles, TILE), scale, jnp.float32)
+    return bf16_q_tiles(q, tiles_per_token, softmax_scale, kv_scale)
   return _xla_kernel_q(q, arch, tiles_per_token, softmax_scale, kv_scale)
+
+
+def bf16_q_tiles(q, tiles_per_token: int, softmax_scale, kv_scale):
+  """The bf16-cache kernels' Q inputs (sparse and dense, heads on M): q [T, H, 576] as bf16 64-row tiles [T ·
+  tiles_per_token, 64, 576] (H < 64 zero-padded) and each row's logit scale softmax_scale · kv_scale · log2 e
+  [T · tiles_per_token, 64] f32."""
+  n_tok, h, _ = q.shape
+  q16 = q.astype(jnp.bfloat16)
+  if h < TILE:
+    q16 = jnp.pad(q16, ((0, 0), (0, TILE - h), (0, 0)))
+  tiles = n_tok * tiles_per_token
+  scale = jnp.float32(softmax_scale) * jnp.asarray(kv_scale, jnp.float32) * jnp.float32(LOG2E)
+  return q16.reshape(tiles, TILE, D_QK), jnp.full((tiles, TILE), scale, jnp.float32)
 
 
 def _xla_kernel_q(q, arch: str, tiles_per_token: int, softmax_scale, kv_scale):
