@@ -83,7 +83,7 @@ def _invariant_kwargs(s):
     raise ValueError(f"shape key 'invariant' must be 0 or 1; got {s['invariant']}")
   return {"batch_invariant": bool(s["invariant"])}
 _CACHE_KEY = (str, "cache dtype: fp8 (float8_e4m3fn, 576 B per token) or bf16 (bfloat16, 1152 B per token: BF16 "
-                   "attention, which the kernels do not take yet)")
+                   "attention: the sm_90 bf16 kernels and the XLA path)")
 
 
 def _cache_dtype(s):

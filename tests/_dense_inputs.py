@@ -33,3 +33,16 @@ def dense_case(rng, *, lens, s_q, H, page, max_pages, bad_inside: bool = False):
   pages = jnp.asarray(bits.view(rows.dtype).reshape(num_pages, page, D))
   q = jnp.asarray(rng.standard_normal((B, s_q, H, D)), jnp.bfloat16)
   return q, pages, jnp.asarray(table), jnp.asarray(np.asarray(lens, np.int32))
+
+
+def check_bf16(out, lse, ref_out, ref_lse, what: str, *, lse_atol: float):
+  """BF16 attention (a bfloat16 cache) against the float32 reference: out within testing.BF16_ATTENTION_REL_L2 (P
+  and the output rounded to bf16, f32 accumulation), lse within ``lse_atol`` (f32 rounding of the logits; the GPU's
+  approximate exp2 / log2 adds ~1e-6 per term), empty rows exactly (out 0, lse -inf), no NaN from unread slots."""
+  from mla_pallas import testing
+  testing.assert_close_fp8(out, ref_out, rel_l2=testing.BF16_ATTENTION_REL_L2, min_cos=0.9999, what=what)
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=lse_atol, what=f"{what} lse")
+  empty = ~np.isfinite(np.asarray(ref_lse))
+  assert np.array_equal(~np.isfinite(np.asarray(lse)), empty)
+  assert np.all(np.asarray(out, np.float32)[empty] == 0)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))

@@ -23,7 +23,7 @@ from mla_pallas import _dispatch, reference, testing
 from mla_pallas.ops import dense_decode
 from mla_pallas.ops.dense_decode import dense_mla_decode
 
-from _dense_inputs import dense_case
+from _dense_inputs import check_bf16, dense_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -73,3 +73,31 @@ def test_dense_matches_reference(rng, route, H, s_q, page, causal, lens, bad_ins
   assert np.array_equal(~np.isfinite(np.asarray(lse)), empty)
   assert np.all(np.asarray(out, np.float32)[empty] == 0)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+BF16_CASES = [   # H, s_q, page, causal, lengths, bad pages inside
+    (128, 1, 64, False, (0, 65, 2047, 4096), True),
+    (64, 2, 128, True, (1, 127, 129, 3000), False),
+    (16, 4, 64, True, (5, 130, 2048, 4099), True),      # heads on M with rows zero-padded
+    pytest.param(8, 1, 64, False, (0, 1, 63, 64, 1000, 4096), False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("route", ["dense", "sparse"])
+@pytest.mark.parametrize("H,s_q,page,causal,lens,bad_inside", BF16_CASES)
+def test_bf16_cache_matches_reference(rng, route, H, s_q, page, causal, lens, bad_inside):
+  """A bfloat16 cache (BF16 attention) through both routes: "dense" runs the dense kernel's bf16 form ("producer_vt"
+  over bf16: P in the K buffer's rope chunk, the multipliers' P·V as m64n256k16 wgmmas from SMEM), "sparse" the
+  sparse op's bf16 kernel. Error model: testing.BF16_ATTENTION_REL_L2 (P and the output in bf16, f32
+  accumulation); NaN in every unread slot, bad pages, lengths 0 / 1 and partial tails; bitwise deterministic."""
+  import jax.numpy as jnp
+  max_pages = -(-max(lens) // page) + 1
+  q, pages, table, seqlens = dense_case(rng, lens=lens, s_q=s_q, H=H, page=page, max_pages=max_pages,
+                                        bad_inside=bad_inside)
+  pages = pages.astype(jnp.bfloat16)
+  kw = dict(softmax_scale=D ** -0.5, kv_scale=0.75, causal=causal)
+  out, lse = _run(route, q, pages, table, seqlens, **kw)
+  out2, _ = _run(route, q, pages, table, seqlens, **kw)
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(out2).view(np.uint16)), "not deterministic"
+  ref_out, ref_lse = reference.dense_mla_decode(q, pages, table, seqlens, **kw)
+  check_bf16(out, lse, ref_out, ref_lse, f"bf16 {route} H={H} s_q={s_q}", lse_atol=1e-3)

@@ -24,7 +24,7 @@ from mla_pallas import _dispatch, reference, testing
 from mla_pallas.kernels import dense_sm90
 from mla_pallas.ops import dense_decode
 
-from _dense_inputs import dense_case
+from _dense_inputs import check_bf16, dense_case
 
 D = 576
 RACES = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
@@ -58,11 +58,13 @@ CASES = [   # H, s_q, page, causal, lengths, bad pages inside, tuning (default: 
 ]
 
 
-@pytest.mark.parametrize("H,s_q,page,causal,lens,bad_inside,tuning,races", CASES)
-def test_kernel_interpret_matches_reference(rng, H, s_q, page, causal, lens, bad_inside, tuning, races):
+def _interpret_run(rng, H, s_q, page, causal, lens, bad_inside, tuning, races, cache_dtype=jnp.float8_e4m3fn):
+  """The dense kernel in interpret mode on a fresh case (race-checked where ``races``): returns (out, lse,
+  ref_out, ref_lse, rerun), ``rerun()`` the same call again without race detection."""
   max_pages = -(-max(lens) // page) + 1
   q, pages, table, seqlens = dense_case(rng, lens=lens, s_q=s_q, H=H, page=page, max_pages=max_pages,
                                         bad_inside=bad_inside)
+  pages = pages.astype(cache_dtype)
   testing.reset_interpreter()
   run = lambda interp: dense_decode._dense_kernel_jit(q, pages, table, seqlens, jnp.float32(KV_SCALE),
                                                       softmax_scale=SCALE, causal=causal, interpret=interp,
@@ -71,7 +73,33 @@ def test_kernel_interpret_matches_reference(rng, H, s_q, page, causal, lens, bad
   assert not testing.races_found(), "the interpreter found a data race in the kernel"
   ref_out, ref_lse = reference.dense_mla_decode(q, pages, table, seqlens, softmax_scale=SCALE, kv_scale=KV_SCALE,
                                                 causal=causal)
+  return out, lse, ref_out, ref_lse, lambda: run(True)
+
+
+@pytest.mark.parametrize("H,s_q,page,causal,lens,bad_inside,tuning,races", CASES)
+def test_kernel_interpret_matches_reference(rng, H, s_q, page, causal, lens, bad_inside, tuning, races):
+  out, lse, ref_out, ref_lse, _ = _interpret_run(rng, H, s_q, page, causal, lens, bad_inside, tuning, races)
   _check(out, lse, ref_out, ref_lse, lens, f"dense kernel H={H} s_q={s_q}")
+
+
+BF16_CASES = [   # H, s_q, page, causal, lengths, bad pages inside, tuning, race detection
+    (64, 2, 64, True, (150, 37, 0), True, (("tiles_per_split", 2),), True),
+    (16, 1, 128, False, (0, 1, 127, 300), False, (), False),      # heads on M with rows 16-63 zero-padded
+    pytest.param(128, 1, 64, False, (70, 5, 260), True, (("tiles_per_split", 1),), False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("H,s_q,page,causal,lens,bad_inside,tuning,races", BF16_CASES)
+def test_bf16_kernel_interpret_matches_reference(rng, H, s_q, page, causal, lens, bad_inside, tuning, races):
+  """A bfloat16 cache (BF16 attention: "producer_vt" over bf16, heads on M at every H, Q tiles by TMA, P in the K
+  buffer's rope chunk, f32 split partials) against the float32 reference within testing.BF16_ATTENTION_REL_L2 (P
+  and the output rounded to bf16; the lse sees only f32 rounding): NaN in every unread slot (the e4m3 case's rows
+  as bf16), bad pages inside and past sequences, lengths 0 / 1 / 127 and longer, causal; bitwise deterministic."""
+  out, lse, ref_out, ref_lse, rerun = _interpret_run(rng, H, s_q, page, causal, lens, bad_inside, tuning, races,
+                                                     jnp.bfloat16)
+  check_bf16(out, lse, ref_out, ref_lse, f"bf16 dense kernel H={H}", lse_atol=1e-4)
+  again, _ = rerun()
+  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
 
 
 def test_op_takes_the_dense_route_in_interpret_mode(rng):
@@ -96,7 +124,10 @@ def test_op_takes_the_dense_route_in_interpret_mode(rng):
     (16, 64, jnp.float8_e4m3fn, "mosaic", True, "dense"),       # heads on N
     (24, 64, jnp.float8_e4m3fn, "mosaic", True, "sparse"),      # not a kernel head count (the sparse op says so)
     (64, 16, jnp.float8_e4m3fn, "mosaic", True, "sparse"),      # a tile would cross pages
-    (64, 64, jnp.bfloat16, "mosaic", True, "sparse"),           # BF16 attention: the sparse op's kernel
+    (64, 64, jnp.bfloat16, "mosaic", True, "dense"),            # BF16 attention: the kernel's bf16 form
+    (16, 64, jnp.bfloat16, "mosaic", True, "dense"),            # (heads on M at every H)
+    (64, 16, jnp.bfloat16, "mosaic", True, "sparse"),
+    (64, 64, jnp.float16, "mosaic", True, "sparse"),            # no f16 cache kernel (the op refuses f16 anyway)
 ])
 def test_mosaic_route(h, page, dtype, impl, interpret, want):
   pages = jax.ShapeDtypeStruct((4, page, D), dtype)
@@ -114,6 +145,18 @@ def test_auto_keeps_the_sparse_route_until_validated(monkeypatch):
   assert dense_decode.mosaic_route((2, 1, 64, D), pages, "auto", False) == "dense"
   monkeypatch.setattr(_dispatch, "mosaic_arch", lambda interpret=False: "sm100")
   assert dense_decode.mosaic_route((2, 1, 64, D), pages, "mosaic", False) == "sparse"
+
+
+def test_auto_keeps_the_sparse_route_for_bf16_until_validated(monkeypatch):
+  """The bf16-cache form has its own validation list (DENSE_BF16_VALIDATED_ON): the fp8 one does not cover it."""
+  pages = jax.ShapeDtypeStruct((4, 64, D), jnp.bfloat16)
+  monkeypatch.setattr(_dispatch, "mosaic_arch", lambda interpret=False: "sm90")
+  monkeypatch.setattr(dense_decode, "DENSE_VALIDATED_ON", ("sm90",))
+  monkeypatch.setattr(dense_decode, "DENSE_BF16_VALIDATED_ON", ())
+  assert dense_decode.mosaic_route((2, 1, 64, D), pages, "auto", False) == "sparse"
+  assert dense_decode.mosaic_route((2, 1, 64, D), pages, "mosaic", False) == "dense"
+  monkeypatch.setattr(dense_decode, "DENSE_BF16_VALIDATED_ON", ("sm90",))
+  assert dense_decode.mosaic_route((2, 1, 64, D), pages, "auto", False) == "dense"
 
 
 def _table_oracle(table, lens, *, page, num_pages, s_q, causal, splits, tps):
@@ -187,9 +230,39 @@ def test_lowers_for_sm90_with_expected_instructions():
   assert low_5.count(re.escape("cp.async.wait_group 3")) == 1
 
 
+def test_bf16_lowers_for_sm90_with_expected_instructions():
+  """D1's shape over a bf16 cache (2 splits of 32 tiles, f32 partials): the producer's QKᵀ as nine bf16 m64n64k16
+  x 4 wgmmas in its unmasked and its masked loop (72), the multipliers' P·V as one m64n256k16 x 4 group (one
+  traced path), P by stmatrix (4 per loop), no fp8 and no byte permutes; the loader's 4 x 9 cp.async per thread and
+  tile (1152-byte rows), the TMAs of Q's nine chunks and of the table row; the sweep offers no third K buffer."""
+  S = jax.ShapeDtypeStruct
+  cfg = dense_sm90.TuningConfig(tiles_per_split=32, cache_dtype="bfloat16")
+  assert cfg.smem_budget() <= 232448 and not cfg.core.p_slots()
+  kern = dense_sm90.build(256, 8192 * 64, 2, 2, cfg, heads=128, softmax_scale=0.1, out_dtype_name="float32")
+  low = testing.lower_for_cuda(kern, S((256, 64, D), jnp.bfloat16), S((256, 64), jnp.float32),
+                               S((8192 * 64, D), jnp.bfloat16), S((128 * 2, dense_sm90.table_width(32)), jnp.int32),
+                               S((1,), jnp.float32))
+  counts = {p: low.count(re.escape(p)) for p in ("m64n64k16.f32.bf16.bf16", "m64n256k16.f32.bf16.bf16",
+                                                  "wgmma.mma_async", "cp.async.cg", "cp.async.bulk.tensor", "prmt",
+                                                  "stmatrix", "e4m3", "setmaxnreg")}
+  assert counts == {"m64n64k16.f32.bf16.bf16": 72, "m64n256k16.f32.bf16.bf16": 4, "wgmma.mma_async": 76,
+                    "cp.async.cg": 36, "cp.async.bulk.tensor": 10, "prmt": 0, "stmatrix": 8, "e4m3": 0,
+                    "setmaxnreg": 3}, counts
+  sweep = dense_decode.sweep_configs(128, 128, 4096, 64, "bfloat16")
+  assert "default" in sweep and "route=sparse" in sweep and "k_buffers=3" not in sweep
+
+
 def test_config_checks():
   with pytest.raises(ValueError, match="tiles_per_split must be <= 128"):
     dense_sm90.TuningConfig(tiles_per_split=256)
+  with pytest.raises(ValueError, match="k_buffers <= 2"):     # bf16: P in the K buffers, two of them fit
+    dense_sm90.TuningConfig(k_buffers=3, cache_dtype="bfloat16")
+  with pytest.raises(ValueError, match="cache_dtype"):
+    dense_sm90.TuningConfig(cache_dtype="float16")
+  assert dense_sm90.TuningConfig(tiles_per_split=128, cache_dtype="bfloat16").smem_budget() < 232448
+  with pytest.raises(ValueError, match="q_split"):
+    dense_sm90.build(2, 4096, 1, 1, dense_sm90.TuningConfig(cache_dtype="bfloat16"), heads=64, softmax_scale=0.1,
+                     q_split=True)
   with pytest.raises(ValueError, match="k_buffers must be one of"):
     dense_sm90.TuningConfig(k_buffers=1)
   assert dense_sm90.table_width(28) == 32 and dense_sm90.table_width(29) == 64

@@ -383,7 +383,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
   [0, num_slots) is an invalid key: its row is zero-filled and nothing outside the cache is read.
   ``before_gather(t)`` runs after buffer t % k_buffers is free and before tile t's gather. ``layout``: the
   cache dtype's :class:`TileLayout` (the chunks above are fp8's; bf16 rows land in nine 64-column chunks).
-  ``runs`` (fp8 only; ``idx_smem`` unused): tile t is instead the ``count`` consecutive rows from ``first``,
+  ``runs`` (``idx_smem`` unused): tile t is instead the ``count`` consecutive rows from ``first``,
   ``(first, count) = runs(t)`` (traced scalars; rows count ... 63 zero-filled, all of them where ``first`` is
   outside [0, num_slots)): the dense kernel's tiles of pages. ``n_tiles``: a Python int, or traced.
 
@@ -419,7 +419,7 @@ def gather_tiles(kv_gmem, k_sw, idx_smem, k_full, k_empty, *, num_slots: int, n_
       if runs is None:
         gather_threads.gather_tile(kv_gmem, k_sw.at[kb], idx_smem, t, num_slots=num_slots, layout=layout)
       else:
-        gather_threads.copy_run(kv_gmem, k_sw.at[kb], *runs(t), num_slots=num_slots)
+        gather_threads.copy_run(kv_gmem, k_sw.at[kb], *runs(t), num_slots=num_slots, layout=layout)
       gather_threads.wait_tiles(lag)
 
       @pl.when(t >= lag)

@@ -47,6 +47,17 @@ Warpgroup roles ("producer_vt"; 4 warpgroups, Lane semantics)
   mask and [n_full, n_tiles) with the mask ``key < rel − 64 t`` (and none on a page outside the cache); the
   multipliers run n_tiles tiles. Interpret mode: ``_multiplier_interpret`` (the f16 V tile), per-row copies.
 
+BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; heads on M at every H, as the sparse op's bf16 kernel)
+------------------------------------------------------------------------------------------------------------
+BF16 attention over a bfloat16 cache ([num_slots, 576] bf16, 1152 bytes per row), the sparse heads-on-M kernel's
+bf16 "producer_vt" (its module docstring, "BF16 cache"): the kernel takes q as bf16 tiles [num_q_tiles, 64, 576]
+(H < 64 zero-padded) and ``qs`` [num_q_tiles, 64] f32 (softmax_scale · kv_scale · log2 e) in place of the q rows,
+which the loader TMAs (nine 64-column chunks on ``q_bar``) before the table; the tiles land as nine 64-column
+chunks (36 ``cp.async`` per thread and tile); the producer's QKᵀ is nine bf16 wgmmas and it writes P (bf16) into
+the tile's rope chunk; the multipliers hold O [64 heads, 256] and add P·V (m64n256k16, both operands in the K
+buffer). o is float32 where the op merges splits. SMEM (k_buffers = 2, the only count that fits): Q 73 728 + K
+147 456 + table 1 024 + lse 1 024 + alpha / 1/l / flag rows 1 024 + barriers and scratch 2 560 = 226 816.
+
 Heads on N (H <= 16: :func:`build_heads_n`, :class:`HeadsNConfig`)
 ------------------------------------------------------------------
 One CTA per (query token, split), the token's H heads as the N = 16 columns of the MMAs: ``sparse_sm90_heads_n``'s
@@ -68,6 +79,7 @@ SMEM budget (bytes, 1 KB rounding; :meth:`TuningConfig.smem_budget`)
     barriers                                                 512
     Mosaic reduction scratch                               2 048
     total (k_buffers = 2)                                145 920   (3: 186 880; limit 232 448)
+    bf16 cache: section "BF16 cache" (226 816)
 Registers: as ``sparse_sm90_heads_m`` "producer_vt" (``PRODUCER_REGS``: 24, 88, 200, 200).
 """
 from __future__ import annotations
@@ -110,27 +122,42 @@ class _DenseConfig(common.SparseSm90Config):
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(_DenseConfig):
-  """Config of the dense kernel with the heads on M: ``tiles_per_split`` (64-key tiles per split, up to 128) and
-  ``k_buffers`` (K tiles in flight, 2 or 3). The schedule is "producer_vt" of ``sparse_sm90_heads_m`` (module
+  """Config of the dense kernel with the heads on M: ``tiles_per_split`` (64-key tiles per split, up to 128),
+  ``k_buffers`` (K tiles in flight, 2 or 3; a bf16 cache: 2) and ``cache_dtype`` (the cache it reads: float8_e4m3fn
+  or bfloat16, module docstring "BF16 cache"). The schedule is "producer_vt" of ``sparse_sm90_heads_m`` (module
   docstring)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3)
+  CACHE_DTYPES: ClassVar[tuple[str, ...]] = heads_m.TuningConfig.CACHE_DTYPES
   k_buffers: int = 2
+  cache_dtype: str = "float8_e4m3fn"
+
+  def validate(self):
+    if self.cache_dtype not in self.CACHE_DTYPES:
+      raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
+    super().validate()
+    self.core.validate()
 
   @property
   def core(self) -> heads_m.TuningConfig:
-    """The heads-on-M config whose producer and multipliers this kernel runs."""
-    return heads_m.TuningConfig(tiles_per_split=self.tiles_per_split, k_buffers=self.k_buffers,
-                                schedule="producer_vt")
+    """The heads-on-M config whose producer and multipliers this kernel runs. Its ``tiles_per_split`` is 1: the
+    roles take their tiles from the table here (``keys``, ``n_tiles``), and the sparse kernel's index tile that
+    the field sizes is not allocated."""
+    return heads_m.TuningConfig(tiles_per_split=1, k_buffers=self.k_buffers, schedule="producer_vt",
+                                cache_dtype=self.cache_dtype)
 
   def smem_budget(self) -> int:
+    core = self.core
+    lay = core.layout
+    p_slots = (((heads_m.P_BUFFERS, TILE, TILE), jnp.float16),) if core.p_slots() else ()
     return common.smem_bytes(
-        ((common.SW_CHUNKS, TILE, common.SW_CHUNK), common.FP8),                    # Q
-        ((self.k_buffers, common.SW_CHUNKS, TILE, common.SW_CHUNK), common.FP8),    # K
-        ((heads_m.P_BUFFERS, TILE, TILE), jnp.float16),                             # P slots
+        ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),                            # Q
+        ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),            # K
+        *p_slots,                                                                   # P slots (fp8 cache)
         ((table_width(self.tiles_per_split),), jnp.int32),                          # table row
         ((TILE,), jnp.float32),                                                     # lse
-        ((self.core.head_rows, TILE), jnp.float32),                                 # alpha, kv_scale / l, ...
+        ((core.head_rows, TILE), jnp.float32),                                      # alpha, kv_scale / l, ...
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch
+
 
 
 def _header(r: common.SparseRefs, entry: int):
@@ -164,27 +191,36 @@ def _table_key_tiles(num_slots: int, r: common.SparseRefs, layout):
   return _key_tiles(num_slots, r, layout)
 
 
-def _loader(cfg, num_slots: int, interpret: bool, tab_row, r: common.SparseRefs, regs: int):
-  """The loader warpgroup (``regs`` registers): the table row, then per tile its rows (``common.gather_tiles``
-  with runs: on hardware 16-byte ``cp.async`` by the warpgroup's threads, rows past the limit zero-filled)."""
+def _loader(cfg, num_slots: int, interpret: bool, tab_row, r: common.SparseRefs, regs: int, tile_q=None,
+            layout: common.TileLayout = common.FP8_TILES):
+  """The loader warpgroup (``regs`` registers): over a bf16 cache (``tile_q`` given) first the query tile's Q
+  chunks by TMA (``q_bar``), then the table row, then per tile its rows (``common.gather_tiles`` with runs: on
+  hardware 16-byte ``cp.async`` by the warpgroup's threads, rows past the limit zero-filled)."""
   plgpu.set_max_registers(regs, action="decrease")
+  if tile_q is not None:
+    for c in range(layout.chunks):
+      plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * layout.chunk_cols, layout.chunk_cols)],
+                              r.q_sw.at[c], r.q_bar)
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[tab_row], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   rel = _header(r, REL)
   common.gather_tiles(r.kv_gmem, r.k_sw, None, r.k_full, r.k_empty, num_slots=num_slots,
-                      n_tiles=_header(r, N_TILES), k_buffers=cfg.k_buffers, interpret=interpret,
+                      n_tiles=_header(r, N_TILES), k_buffers=cfg.k_buffers, interpret=interpret, layout=layout,
                       runs=lambda t: (r.idx_smem[HEADER + t], rel - t * TILE))
 
 
 def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, interpret, q_in, q_split, *refs):
+  core = cfg.core
   if q_split:           # q as (latent [T · H, 512], rope [T · H, 64])
     refs = (refs[:2],) + refs[2:]
-  q_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
-  v16, rest = (rest[0], rest[1:]) if interpret else (None, rest)
-  p_sw, tab_smem, lse_smem, head_smem, q_bar, tab_bar, k_full, k_empty, p_full, p_empty = rest
-  r = common.SparseRefs(q_gmem, None, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw,
+  if core.q_in_kernel:  # q as it is, no row-scale input
+    refs = refs[:1] + (None,) + refs[1:]
+  q_gmem, qs_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
+  v16, rest = (rest[0], rest[1:]) if core.v_tile(interpret) else (None, rest)
+  p_sw, rest = (rest[0], rest[1:]) if core.p_slots(interpret) else (None, rest)
+  tab_smem, lse_smem, head_smem, q_bar, tab_bar, k_full, k_empty, p_full, p_empty = rest
+  r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw,
                         tab_smem, lse_smem, head_smem, q_bar, tab_bar, k_full, k_empty, p_full, p_empty)
-  core = cfg.core
   wg = lax.axis_index("wg")
   tile_q = lax.axis_index("q")
   split = lax.axis_index("split")
@@ -192,15 +228,21 @@ def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, 
   @pl.when(wg == core.loader)
   def _():
     _loader(cfg, num_slots, interpret, lax.div(tile_q, tiles_per_token) * num_splits + split, r,
-            heads_m.PRODUCER_REGS[0])
+            heads_m.PRODUCER_REGS[0], tile_q=None if core.q_in_kernel else tile_q, layout=core.layout)
 
   @pl.when(wg == 0)
   def _():
-    heads_m._producer(core, num_slots, interpret, tile_q, split, r, (0,) + q_in + (interpret,),
+    heads_m._producer(core, num_slots, interpret, tile_q, split, r,
+                      (0,) + q_in + (interpret,) if core.q_in_kernel else None,
                       keys=lambda: _key_tiles(num_slots, r))
 
-  q_mult = (q_in[0], interpret)
   n_tiles = lambda: _multiplier_tiles(r)
+  if core.bf16:   # P·V from SMEM, one code path (interpret mode too)
+    @pl.when((wg == 1) | (wg == 2))
+    def _():
+      heads_m._multiplier_bf16(core, out_dtype, tile_q, split, r, wg - 1, interpret, n_tiles=n_tiles)
+    return
+  q_mult = (q_in[0], interpret)
   if interpret:
     for half in range(2):
       @pl.when(wg == 1 + half)
@@ -214,28 +256,34 @@ def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, 
 
 @functools.lru_cache(maxsize=64)
 def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: int, cfg: TuningConfig, *,
-          heads: int, softmax_scale: float, interpret=False, q_split: bool = False):
+          heads: int, softmax_scale: float, interpret=False, q_split: bool = False, out_dtype_name: str = "bfloat16"):
   """The kernel for these shapes (arguments and results: module docstring): ``num_q_tiles`` = num_tokens ·
   tiles_per_token query tiles of 64 rows, each against ``num_splits`` splits of ``cfg.tiles_per_split`` tiles;
-  ``heads`` (H) and ``softmax_scale`` for the in-kernel Q quantization; ``q_split``: q as two inputs (latent,
-  rope); ``interpret``: False, True or a ``plgpu.InterpretGPUParams``."""
+  ``heads`` (H) and ``softmax_scale`` for the in-kernel Q quantization (fp8 cache); ``q_split``: q as two inputs
+  (latent, rope; fp8 cache only); ``interpret``: False, True or a ``plgpu.InterpretGPUParams``;
+  ``out_dtype_name``: o's dtype (bfloat16; float32 for a bf16 cache's split partials)."""
   interp = bool(interpret)
   core = cfg.core
+  if q_split and not core.q_in_kernel:
+    raise ValueError("q_split needs an fp8 cache (the kernel quantizes q); a bf16 cache's kernel takes Q tiles")
   common.check_interpret_threads(interp, core.loader + 1, "the dense decode kernel")
-  body = functools.partial(_body, cfg, num_slots, tiles_per_token, num_splits, jnp.dtype(jnp.bfloat16), interp,
+  body = functools.partial(_body, cfg, num_slots, tiles_per_token, num_splits, jnp.dtype(out_dtype_name), interp,
                            (heads, float(softmax_scale)), bool(q_split))
-  v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] if interp else []
-  lay = common.FP8_TILES
-  return _kernel(body, (num_q_tiles, num_splits, TILE), core.loader + 1, interpret, approx_math=True, scratch=[
+  v_scratch = [plgpu.SMEM((TILE, D_V), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
+      if core.v_tile(interp) else []
+  p_scratch = [plgpu.SMEM((heads_m.P_BUFFERS, TILE, TILE), jnp.float16, transforms=swizzled(jnp.float16, 128))] \
+      if core.p_slots(interp) else []
+  lay = core.layout
+  return _kernel(body, (num_q_tiles, num_splits, TILE), core.loader + 1, interpret, approx_math=True,
+                 out_dtype=jnp.dtype(out_dtype_name), scratch=[
       common.q_scratch(TILE, lay),                                                         # Q
       common.k_scratch(cfg.k_buffers, lay),                                                # K
       *v_scratch,                                                                          # V f16 (interpret)
-      plgpu.SMEM((heads_m.P_BUFFERS, TILE, TILE), jnp.float16,
-                 transforms=swizzled(jnp.float16, 128)),                                   # P slots
+      *p_scratch,                                                                          # P slots (fp8)
       plgpu.SMEM((table_width(cfg.tiles_per_split),), jnp.int32),                          # table row
       plgpu.SMEM((TILE,), jnp.float32),                                                    # lse
       plgpu.SMEM((core.head_rows, TILE), jnp.float32),                                     # alpha, 1/l, ...
-      plgpu.Barrier(num_arrivals=2),                                                       # q_bar
+      plgpu.Barrier(num_arrivals=2 if core.q_in_kernel else lay.chunks),                   # q_bar
       plgpu.Barrier(),                                                                     # tab_bar
       plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, lay),
                     num_barriers=cfg.k_buffers),                                           # k_full
@@ -245,13 +293,14 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   ])
 
 
-def _kernel(body, out_rows: tuple[int, int, int], warpgroups: int, interpret, *, approx_math: bool, scratch):
-  """``plgpu.kernel`` over the grid (CTAs, splits) = ``out_rows[:2]``, returning o [*out_rows, 512] bf16 and lse
-  [*out_rows] f32 (``approx_math``: the heads-on-M producer's exp2 / log2, as its sparse kernel)."""
+def _kernel(body, out_rows: tuple[int, int, int], warpgroups: int, interpret, *, approx_math: bool, scratch,
+            out_dtype=jnp.bfloat16):
+  """``plgpu.kernel`` over the grid (CTAs, splits) = ``out_rows[:2]``, returning o [*out_rows, 512] ``out_dtype``
+  and lse [*out_rows] f32 (``approx_math``: the heads-on-M producer's exp2 / log2, as its sparse kernel)."""
   ctas, splits, _ = out_rows
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct(out_rows + (D_V,), jnp.bfloat16), jax.ShapeDtypeStruct(out_rows, jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct(out_rows + (D_V,), out_dtype), jax.ShapeDtypeStruct(out_rows, jnp.float32)),
       grid=(ctas, splits), grid_names=("q", "split"), num_threads=warpgroups, thread_name="wg",
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=common.LANE, approx_math=approx_math),

@@ -98,16 +98,17 @@ def gather_tile(kv_gmem, k_tile_ref, idx_smem, t, *, num_slots: int,
   f(kv_gmem, k_tile_ref, idx_smem, scalar_array(t))
 
 
-def copy_run(kv_gmem, k_tile_ref, first, count, *, num_slots: int) -> None:
+def copy_run(kv_gmem, k_tile_ref, first, count, *, num_slots: int,
+             layout: common.TileLayout = common.FP8_TILES) -> None:
   """Pallas level: the loader warpgroup issues the copy of ``count`` consecutive cache rows from ``first`` (traced
   i32 scalars; rows count ... 63 zero-filled, as is every row when ``first`` is outside [0, num_slots)) into the
-  fp8 K tile ``k_tile_ref``, one ``cp.async`` group per thread (:func:`issue_tile` with ``run``);
-  :func:`wait_tiles` waits for it."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(common.FP8, common.SW_CHUNK)),
+  K tile ``k_tile_ref`` of the layout's dtype, one ``cp.async`` group per thread (:func:`issue_tile` with
+  ``run``); :func:`wait_tiles` waits for it."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(common.swizzled(layout.dtype, common.SW_CHUNK)),
                                 SCALAR_LAYOUT, SCALAR_LAYOUT))
   def f(ctx, kv, k_tile, first_arr, count_arr):
     del ctx
-    issue_tile(kv, k_tile, None, None, num_slots, common.FP8_TILES,
+    issue_tile(kv, k_tile, None, None, num_slots, layout,
                run=(scalar_value(first_arr), scalar_value(count_arr)))
   f(kv_gmem, k_tile_ref, scalar_array(first), scalar_array(count))
 

@@ -4,8 +4,9 @@ Semantics are those of :func:`mla_pallas.reference.dense_mla_decode`; the implem
 FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 
 * ``impl="mosaic"``, two routes (:func:`mosaic_route`):
-  - "dense": the dense kernel (``kernels/dense_sm90.py``; sm_90, an fp8 cache, H in DENSE_KERNEL_HEADS, a page
-    size that is a multiple of 64): the sparse kernels' attention cores (heads on N for H <= 16, on M above) over
+  - "dense": the dense kernel (``kernels/dense_sm90.py``; sm_90, an fp8 or bf16 cache, H in DENSE_KERNEL_HEADS, a
+    page size that is a multiple of 64): the sparse kernels' attention cores (over fp8 heads on N for H <= 16, on
+    M above; over bf16 heads on M at every H, "producer_vt" with bf16 MMAs) over
     whole 64-key tiles of the sequence's pages (copied by the loader warpgroup's threads, rows past the limit
     zero-filled), each CTA running only the tiles below its token's limit. Its inputs are a per-(token, split)
     table (:func:`dense_tile_table`) of each tile's first cache slot and the split's tile
@@ -26,8 +27,8 @@ FP8 rounding happens (error model: :func:`mla_pallas.testing.fp8_error_budget`).
 Shapes and index rules:
   q [B, s_q, H, 576] bfloat16/float32 (absorbed query: latent [0, 512) ‖ rope [512, 576)); the s_q query tokens
   are the last s_q tokens of each sequence (MTP).
-  kv_cache [num_pages, page_size, 576] float8_e4m3fn, or bfloat16 for BF16 attention (the sparse op's
-  bf16-cache kernel on sm_90, the XLA path elsewhere); paged only
+  kv_cache [num_pages, page_size, 576] float8_e4m3fn, or bfloat16 for BF16 attention (on sm_90 the dense kernel's
+  bf16 form or the sparse op's bf16-cache kernel, the XLA path elsewhere); paged only
   (the block table needs the page size);
   dequantized row = fp8 · kv_scale; the value of a row is its first 512 entries.
   block_table [B, P] int32 page ids; entries past the sequence may be anything (e.g. -1); page ids outside
@@ -216,9 +217,11 @@ def _kernel_supported(q_shape, num_slots=None, interpret=False, cache_dtype=FP8)
 # The dense kernel (kernels/dense_sm90.py): heads on N up to sparse_decode.HEADS_ON_N_MAX (16), on M above.
 DENSE_KERNEL_HEADS = (8, 16, 32, 64, 128)
 DENSE_PAGE_MULTIPLE = TILE     # a 64-key tile never crosses a page
-# Families where the dense kernel ran and matched the reference on hardware ("auto" takes the sparse route
-# elsewhere; "mosaic" runs the dense kernel wherever it can).
+# Families where the dense kernel ran and matched the reference on hardware, per cache dtype ("auto" takes the
+# sparse route elsewhere; "mosaic" runs the dense kernel wherever it can). The bf16-cache form (heads on M at every
+# H, "producer_vt" over bf16: kernels/dense_sm90.py) is validated separately.
 DENSE_VALIDATED_ON: tuple[str, ...] = ()
+DENSE_BF16_VALIDATED_ON: tuple[str, ...] = ()
 DENSE_KERNEL, SPARSE_ROUTE = "dense kernel", "sparse kernel"     # the routes' names in graph_report()
 
 
@@ -228,8 +231,9 @@ def _dense_kernel_supported(q_shape, kv_cache, arch: str | None):
   h = q_shape[2]
   if arch != "sm90":
     raise NotImplementedError(f"the dense decode kernel is sm_90 only; the kernel family here is {arch!r}")
-  if jnp.dtype(kv_cache.dtype) != FP8:
-    raise NotImplementedError(f"the dense decode kernel reads a float8_e4m3fn cache; got {kv_cache.dtype}")
+  if jnp.dtype(kv_cache.dtype) not in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16)):
+    raise NotImplementedError(f"the dense decode kernel reads a float8_e4m3fn or bfloat16 cache; got "
+                              f"{kv_cache.dtype}")
   if h not in DENSE_KERNEL_HEADS:
     raise NotImplementedError(f"the dense decode kernel takes H in {DENSE_KERNEL_HEADS}; got H={h}")
   if kv_cache.shape[1] % DENSE_PAGE_MULTIPLE:
@@ -246,14 +250,21 @@ def mosaic_route(q_shape, kv_cache, impl: str, interpret: bool) -> str:
     _dense_kernel_supported(q_shape, kv_cache, arch)
   except NotImplementedError:
     return "sparse"
-  return "dense" if impl == "mosaic" or interpret or arch in DENSE_VALIDATED_ON else "sparse"
+  validated = DENSE_BF16_VALIDATED_ON if _is_bf16(kv_cache.dtype) else DENSE_VALIDATED_ON
+  return "dense" if impl == "mosaic" or interpret or arch in validated else "sparse"
 
 
-def _heads_on_n(h: int) -> bool:
-  return h <= _sparse.HEADS_ON_N_MAX
+def _is_bf16(cache_dtype) -> bool:
+  return jnp.dtype(cache_dtype) == jnp.dtype(jnp.bfloat16)
 
 
-def dense_plan(h: int, batch_tokens: int, n_pos: int, batch_invariant: bool = False):
+def _heads_on_n(h: int, cache_dtype=FP8) -> bool:
+  """The dense kernel's design: heads on N up to sparse_decode.HEADS_ON_N_MAX heads over an fp8 cache; heads on M
+  otherwise (a bf16 cache at every H, as the sparse op's bf16 kernel)."""
+  return h <= _sparse.HEADS_ON_N_MAX and not _is_bf16(cache_dtype)
+
+
+def dense_plan(h: int, batch_tokens: int, n_pos: int, batch_invariant: bool = False, cache_dtype=FP8):
   """(num_splits, tiles_per_split) of the dense kernel for H heads, B · s_q query tokens and a block table of
   ``n_pos`` positions: the sparse op's plan for the same design (``sparse_decode._plan``, waves × (tiles + CTA
   overhead), with its longest and shortest splits) with the table's width as the top-k; ``batch_invariant``:
@@ -262,7 +273,7 @@ def dense_plan(h: int, batch_tokens: int, n_pos: int, batch_invariant: bool = Fa
   if batch_invariant:
     tps = _sparse.INVARIANT_SPLIT_TILES
     return -(-k_tiles // tps), tps
-  design = "sm90_heads_n" if _heads_on_n(h) else "sm90_heads_m"
+  design = "sm90_heads_n" if _heads_on_n(h, cache_dtype) else "sm90_heads_m"
   tiles_per_token = _sparse._tiles_per_token(h, design)
   ctas = batch_tokens * tiles_per_token
   return _sparse._plan(batch_tokens, tiles_per_token, n_pos, _dispatch.num_sms(), _sparse._max_split_tiles(design),
@@ -283,11 +294,18 @@ def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
     _dense_kernel_supported((1, 1, h, D_QK), pages, "sm90")
   except NotImplementedError:
     return out
-  _, tps = dense_plan(h, batch_tokens, n_pos)
+  _, tps = dense_plan(h, batch_tokens, n_pos, cache_dtype=cache_dtype)
   k_tiles = max(1, -(-n_pos // TILE))
-  design = dense_sm90.HeadsNConfig if _heads_on_n(h) else dense_sm90.TuningConfig
-  out = {"default": (), **out, **{f"k_buffers={k}": (("k_buffers", k),) for k in design.K_BUFFERS
-                                  if k != design.k_buffers}}
+  design = dense_sm90.HeadsNConfig if _heads_on_n(h, cache_dtype) else dense_sm90.TuningConfig
+  extra = dict(cache_dtype=jnp.dtype(cache_dtype).name) if design is dense_sm90.TuningConfig else {}
+  out = {"default": (), **out}
+  for k in design.K_BUFFERS:
+    if k != design.k_buffers:
+      try:
+        design(tiles_per_split=tps, k_buffers=k, **extra)
+      except ValueError:     # not with this cache (SMEM: a bf16 cache has room for two K tiles)
+        continue
+      out[f"k_buffers={k}"] = (("k_buffers", k),)
   for t in (8, 16, 32, 64, 128):
     if t != tps and t < 2 * k_tiles:
       out[f"tiles_per_split={t}"] = (("tiles_per_split", t),)
@@ -336,7 +354,8 @@ def _mosaic_dense_decode(parts, kv_cache, block_table, cache_seqlens, kv_scale, 
   num_pages, page_size, _ = kv_cache.shape
   n_pos = block_table.shape[1] * page_size
   n_tok = b * s_q
-  splits, tps = dense_plan(h, n_tok, n_pos, batch_invariant)
+  bf16 = _is_bf16(kv_cache.dtype)
+  splits, tps = dense_plan(h, n_tok, n_pos, batch_invariant, kv_cache.dtype)
   kw = dict(tuning)
   if "tiles_per_split" in kw:
     tps = kw["tiles_per_split"]
@@ -344,16 +363,22 @@ def _mosaic_dense_decode(parts, kv_cache, block_table, cache_seqlens, kv_scale, 
   table = dense_tile_table(block_table, cache_seqlens, page_size=page_size, num_pages=num_pages, s_q=s_q,
                            causal=causal, num_splits=splits, tiles_per_split=tps)
   num_slots = num_pages * page_size
-  build = dict(softmax_scale=softmax_scale, interpret=interpret, q_split=len(parts) == 2, heads=h)
-  if _heads_on_n(h):      # one CTA per token and split, out_heads = H rounded up to 8 rows of O
+  build = dict(softmax_scale=softmax_scale, interpret=interpret, q_split=len(parts) == 2 and not bf16, heads=h)
+  if _heads_on_n(h, kv_cache.dtype):      # one CTA per token and split, out_heads = H rounded up to 8 rows of O
     tiles_per_token, out_rows = 1, -(-h // 8) * 8
     cfg = dense_sm90.HeadsNConfig(**{"tiles_per_split": tps, **kw})
     kern = dense_sm90.build_heads_n(n_tok, num_slots, splits, out_rows, cfg, **build)
   else:                   # 64-row query tiles: H / 64 per token (H < 64 zero-padded)
     tiles_per_token, out_rows = max(1, h // TILE), TILE
-    cfg = dense_sm90.TuningConfig(**{"tiles_per_split": tps, **kw})
-    kern = dense_sm90.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, cfg, **build)
-  q_args = tuple(p.reshape(n_tok * h, p.shape[-1]) for p in parts)
+    cfg = dense_sm90.TuningConfig(**{"tiles_per_split": tps, "cache_dtype": jnp.dtype(kv_cache.dtype).name, **kw})
+    out_dtype = _sparse._partials_dtype(splits, bf16)
+    kern = dense_sm90.build(n_tok * tiles_per_token, num_slots, splits, tiles_per_token, cfg,
+                            out_dtype_name=out_dtype, **build)
+  if bf16:                # the bf16 kernel takes Q tiles (bf16, H < 64 zero-padded) and each row's logit scale
+    q_args = _sparse.bf16_q_tiles(_sparse.join_q(parts).reshape(n_tok, h, D_QK), tiles_per_token,
+                                  softmax_scale, kv_scale)
+  else:
+    q_args = tuple(p.reshape(n_tok * h, p.shape[-1]) for p in parts)
   o, lse = kern(*q_args, kv_cache.reshape(-1, D_QK), table, jnp.asarray(kv_scale, jnp.float32).reshape(1))
   if splits > 1 or batch_invariant:
     o, lse = _sparse.combine_splits(o, lse)
@@ -395,8 +420,8 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
       in :func:`mla_pallas.ops.sparse_decode.sparse_mla_decode`.
     kv_cache: [num_pages, page_size, 576] float8_e4m3fn; dequantized value = fp8 · kv_scale; the value vector of
       a row is its first 512 entries. A bfloat16 cache gives BF16 attention (q and P in bf16, f32
-      accumulation): on sm_90 the sparse op's bf16-cache kernel (``auto`` picks it where it was validated on
-      hardware: H 64 and 128), otherwise the XLA path.
+      accumulation): on sm_90 the dense kernel's bf16 form (``impl="mosaic"``; ``auto`` where it was validated,
+      DENSE_BF16_VALIDATED_ON) or the sparse op's bf16-cache kernel, otherwise the XLA path.
     block_table: [B, P] int32 page ids; position p of sequence b is at flat slot
       ``block_table[b, p // page_size] * page_size + p % page_size``. Entries past the sequence may be anything
       (e.g. -1); a page id outside [0, num_pages) is masked (never read).
@@ -406,10 +431,11 @@ def dense_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, 
     causal: python bool. False: every query token attends every position < cache_seqlens[b]. True: query token
       i (0-based among s_q) attends positions < cache_seqlens[b] - s_q + i + 1 (nothing when that is <= 0).
     impl: "auto" | "mosaic" | "xla" (see :mod:`mla_pallas._dispatch`). "mosaic" runs the dense kernel where it
-      takes the input (sm_90, fp8 cache, H in DENSE_KERNEL_HEADS, page size a multiple of 64), else the sparse
+      takes the input (sm_90, fp8 or bf16 cache, H in DENSE_KERNEL_HEADS, page size a multiple of 64), else the sparse
       top-k kernel on per-token slot ids built from the block table (top-k = P · page_size)
       (:func:`mosaic_route`); "auto" prefers a kernel when it can run, the dense one only where it has been
-      validated on hardware (DENSE_VALIDATED_ON). ``graph_report()`` names the kernel that ran.
+      validated on hardware (DENSE_VALIDATED_ON; a bf16 cache: DENSE_BF16_VALIDATED_ON). ``graph_report()``
+      names the kernel that ran.
     interpret: run the Mosaic kernel in Pallas' GPU interpret mode (CPU).
     batch_invariant: python bool. True: a sequence's bits do not depend on the batch size, the other sequences,
       their lengths or the block table's width (padding entries past its pages): the kernel runs splits of
