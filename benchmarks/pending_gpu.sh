@@ -254,8 +254,8 @@ timeline_F1() {   # the default's per-warpgroup timeline at F1 (62 waves: are th
 t_gpu_par_vt() {   # t_gpu_par's three files and tests/test_vt_registers.py (~240 s with 6 processes before the
                    # dense kernel's route doubled tests/test_dense_decode_gpu.py)
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_gpu_par_vt 400 $PY -m pytest -q -m gpu -p no:cacheprovider -n 6 \
-    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py \
-    tests/test_batch_invariance_gpu.py
+    -k "not bf16" tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py \
+    tests/test_batch_invariance_gpu.py    # (the bf16-cache tests: t_bf16p)
 }
 b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, another split length) beside the sparse
                      # route (route=sparse) and XLA at the peer kit's D1 and D2, and D3 (heads on N) (~300 s)
@@ -274,6 +274,22 @@ diag_s32c() {   # the thirty-second session's two multiplier changes one by one 
   run diag_s32c_F1 120 $py --iters 20 --cases F1 --rows none,pv_prmt_each,key_words_each --out "$OUT/diag_s32c_F1"
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
+t_bf16p() {   # issue 22: the bf16-cache GPU tests ("twin", "producer_vt" over bf16 in the sparse op, both dense routes)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_bf16p 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 -k bf16 \
+    tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py
+}
+b_bf16() {   # issue 22: "producer_vt" over a bf16 cache (16- and 32-tile splits) beside "twin" (the default until
+             # validated) at F1 and P1; the dense kernel's bf16 form beside the bf16 sparse route and XLA at D1, D2
+  local only="--sweep --sweep-only schedule=producer_vt" cache="--cache-dtype bf16"
+  run b_bf16_F1 150 $B sparse_mla_prefill --impl mosaic $cache $only \
+    --shape T=4096,H=128,topk=2048,page=64,ctx=8192 "${common[@]}"
+  run b_bf16_P1 100 $B sparse_mla_decode --impl mosaic $cache $only \
+    --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768 "${common[@]}"
+  run b_bf16_D1 100 $B dense_mla_decode --impl xla,mosaic $cache --sweep --sweep-only route=sparse \
+    --shape B=128,s_q=1,H=128,ctx=4096,page=64 "${common[@]}"
+  run b_bf16_D2 100 $B dense_mla_decode --impl mosaic $cache --sweep --sweep-only route=sparse \
+    --shape B=128,s_q=1,H=64,ctx=8192,page=64 "${common[@]}"
+}
 sweep_producer_short() {   # "producer_vt" at the shorter splits where the op runs "twin" (8 and 16 tiles)
   local shape
   for shape in B=8,s_q=2,H=128,ctx=4096 B=32,s_q=1,H=128,ctx=32768 B=64,s_q=1,H=64,ctx=32768; do
@@ -282,7 +298,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_gpu_par_vt,b_dense_routes,diag_s32c"
+next="t_gpu_par_vt,b_dense_routes,diag_s32c,t_bf16p,b_bf16"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
