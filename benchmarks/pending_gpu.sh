@@ -274,6 +274,15 @@ diag_s32c() {   # the thirty-second session's two multiplier changes one by one 
   run diag_s32c_F1 120 $py --iters 20 --cases F1 --rows none,pv_prmt_each,key_words_each --out "$OUT/diag_s32c_F1"
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
+diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16 spends a tile (P1's shape, 16-tile
+                # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" shape="B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16"
+  run diag_bf16_rows 150 $py --iters 20 --shape $shape --tuning schedule=producer_vt,tiles_per_split=16 \
+    --rows none,no_gather,no_qk,no_softmax,no_pv --out "$OUT/diag_bf16"
+  run diag_bf16_timeline 120 $py --timeline --timeline-space 48 --shape $shape \
+    --tuning schedule=producer_vt,tiles_per_split=16 --rows none --out "$OUT/diag_bf16_timeline"
+  rm -f "$OUT"/diag_bf16_timeline/timeline_*/*trace.json
+}
 t_bf16p() {   # issue 22: the bf16-cache GPU tests ("twin", "producer_vt" over bf16 in the sparse op, both dense routes)
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_bf16p 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 -k bf16 \
     tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py

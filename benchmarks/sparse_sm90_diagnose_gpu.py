@@ -18,7 +18,7 @@ Two parts, for the cases of the peer kit (`../shared/peers`) or any ``--shape``:
    | ``no_gather`` | the loader's ``cp.async`` gather of each K tile (the loader still waits, fences, arrives) |
    | ``no_qk`` | the five QKᵀ wgmmas of a tile (S = 0; the V upcast of "twin" still runs) |
    | ``no_softmax`` | the online softmax (P = S, alpha = 1) |
-   | ``no_pv`` | the P·V wgmmas (every schedule) |
+   | ``no_pv`` | the P·V wgmmas (every schedule, the bf16 cache's too) |
    | ``no_vt_words`` | the SMEM loads of Vᵀ in the heads-on-N kernel and "producer_vt"'s multipliers (Vᵀ = 0) |
    | ``no_gather+no_pv`` | both |
 
@@ -27,6 +27,9 @@ Usage on the H200 (the project's checkout; ~2-4 minutes per case)::
     python3 benchmarks/sparse_sm90_diagnose_gpu.py --cases P1,F1 --ptxas --out /tmp/diag
     python3 benchmarks/sparse_sm90_diagnose_gpu.py --shape B=64,s_q=1,H=64 --rows none,no_gather
     python3 benchmarks/sparse_sm90_diagnose_gpu.py --cases P1 --tuning schedule=twin    # another schedule
+    python3 benchmarks/sparse_sm90_diagnose_gpu.py --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16 \
+        --tuning schedule=producer_vt,tiles_per_split=16 --timeline --timeline-space 48   # a bf16 cache (SMEM:
+        # the profiler's buffers fit beside bf16 Q and K tiles only with 16-tile splits and few spans)
 
 3. **timeline** (``--timeline``): the op's heads-on-M kernel built with Mosaic GPU's in-kernel profiler
    (``CompilerParams(profile_space=..., profile_dir=...)``), whose spans are the kernel's ``jax.named_scope``
@@ -107,6 +110,11 @@ def _qk_20(cfg, k_tiles, r, interpret):
 def _no_softmax(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent=False):
   del row_scale, valid, rescale_threshold, scale_in_exponent
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
+
+
+def _pv_bf16_identity(acc, k_tiles, half, interpret):
+  del k_tiles, half, interpret
+  return acc
 
 
 def _pv_half_identity(acc, p_op, wg, interpret, r):
@@ -211,10 +219,11 @@ ROWS = {
     "no_qk": {(heads_m, "_qk_and_upcast"): _zero_s,
               (heads_m, "_qk_producer"): lambda cfg, k_tiles, r, interpret: _zero_s(k_tiles, None, r)},
     "no_softmax": {(heads_m, "_softmax_step"): _no_softmax},
-    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+    "no_pv": {(heads_m, "_pv_half"): _pv_half_identity, (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity,
+              (heads_m, "_pv_bf16"): _pv_bf16_identity},
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words, (vt_registers, "load_v_half_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
-                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity},
+                        (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity, (heads_m, "_pv_bf16"): _pv_bf16_identity},
     # real variants (checked): every P·V from registers with its A fragments built one block at a time (wait_group
     # 1 between blocks; "producer_vt"'s form) or all first (the others' form)
     "pv_pipelined": {(vt_registers, "pv_wgmmas"): _pv_forced(True)},
