@@ -12,6 +12,7 @@ largest of a few hundred logits).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -141,6 +142,27 @@ def test_slot_reuse_race_free(rng, block_kv):
   _check(out, lse, r_out, r_lse, dqk=64, pv_length=tk, what=f"slot reuse, block_kv {block_kv}")
 
 
+@pytest.mark.parametrize("name,causal,block_kv", [("ragged_context", True, 64), ("padding_nonfinite", False, 64),
+                                                   ("two_tiles", True, 128)])
+def test_pingpong_interpret(rng, name, causal, block_kv):
+  """TuningConfig.pingpong (FA3's schedule barrier between the consumers) changes only the order of the
+  consumers' tensor-core work: race-checked, no deadlock over ragged tiles (empty ones: one rendezvous each,
+  paired), bitwise the default schedule's result, and within the error model of the reference."""
+  q, k, v, cu, cu_k = _inputs(rng, name)
+  scale = q.shape[2] ** -0.5
+  run = lambda pingpong, interp: pf._mosaic_jit(q, k, v, cu, jnp.float32(scale), causal=causal, cu_seqlens_k=cu_k,
+                                                interpret=interp, cfg=kp.TuningConfig(block_kv=block_kv,
+                                                                                      pingpong=pingpong))
+  testing.reset_interpreter()
+  out, lse = run(True, RACES)
+  assert not testing.races_found()
+  base, base_lse = run(False, True)
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(base).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(base_lse))
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k)
+  _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=f"pingpong {name}")
+
+
 def test_aligned_packing_and_tiles():
   """Every sequence at a multiple of 8 rows in the kernel's packing, each row's source token; one tile per 128
   queries of a sequence with its rows, keys and bottom-right diagonal."""
@@ -225,6 +247,7 @@ def test_default_config_and_sweep():
     cfgs = [pf._tuned_config(t, dqk, dv) for t in sweep.values()]
     assert len(set(cfgs)) == len(cfgs) and cfgs[0] == kp.default_config(dqk, dv)
     assert all(kp.smem_budget(c, dqk, dv) <= kp.common.SMEM_LIMIT for c in cfgs)
+    assert sweep["pingpong=True"] == (("pingpong", True),)     # the schedule candidate, at the default blocks
   with pytest.raises(ValueError, match="Dv a multiple of 64"):
     kp.default_config(192, 100)
 
@@ -259,6 +282,10 @@ def test_kernel_lowers_for_sm90(dims, causal):
   low = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=cfg, causal=causal, out_rows=300), *avals)
   assert low.count(r"wgmma.mma_async") == 2 * (dqk // 32 + cfg.block_kv // 16)   # the unmasked and masked loops
   assert low.count(r"e4m3") > 0 and low.count("setmaxnreg") == 2
+  if causal:   # the ping-pong schedule lowers too, with the same products
+    pp = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=dataclasses.replace(cfg, pingpong=True),
+                                                  causal=causal, out_rows=300), *avals)
+    assert pp.count(r"wgmma.mma_async") == low.count(r"wgmma.mma_async")
   with pytest.raises(ValueError, match="multiple of 8 rows"):
     kp.prefill_sm90(jnp.zeros((300, h, dqk), kp.FP8), *[jnp.zeros(a.shape, a.dtype) for a in avals[1:]], cfg=cfg,
                     causal=causal, out_rows=300)

@@ -102,3 +102,21 @@ def test_prepass_kernel_matches_reference(rng, model):
   run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=True, cu_seqlens_k=cu_k,
                           cfg=cfg)
   _check(q, k, v, cu, cu_k, True, run, f"{model} H64")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["context", "padding"])
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_pingpong_matches_reference(rng, model, case, causal):
+  """TuningConfig.pingpong (FA3's schedule barrier between the two consumers) against the reference, with ragged
+  tiles, empty tiles (the paired rendezvous), cached context and padding; bitwise deterministic."""
+  import dataclasses
+  import functools
+  from mla_pallas.kernels import prefill_sm90 as kp
+  from mla_pallas.ops import prefill as pf
+  h, dqk, dv = DIMS[model]
+  q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
+  cfg = dataclasses.replace(kp.default_config(dqk, dv), pingpong=True)
+  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
+                          cfg=cfg)
+  _check(q, k, v, cu, cu_k, causal, run, f"pingpong {model} {case} causal={causal}")

@@ -45,6 +45,13 @@ Warpgroups (``num_threads=3``):
   * WG2 — loader (40 registers): TMA of each key block's K with its ks, and of its V, into ``kv_stages`` ring
     slots, waiting for both consumers to release a slot before refilling it.
 
+Ping-pong (``TuningConfig.pingpong``; FlashAttention-3's schedule, as in JAX's ``attention_mgpu.py``): a schedule
+barrier of two arrivals orders the consumers' tensor-core work so that one's softmax runs while the other's
+P·V and next QKᵀ run. Each consumer arrives and waits on it right after issuing a QKᵀ, and after its softmax
+it arrives, waits for V and waits for the barrier before issuing its P·V; consumer 1 makes one rendezvous
+before its first block and consumer 0 one after its last. Both visit the tile's ``steps`` blocks (the masked
+blocks too), so the arrivals pair up: consumer 1's k-th with consumer 0's k-th (2 · steps + 1 each).
+
 SMEM (bytes; Dqk = dk, Dv = dv, block_kv = b, kv_stages = s): Q 2·64·dk + K s·b·dk + V 2·s·b·dv + P 2·2·64·b +
 O 2·2·64·dv + lse and qs 2·2·64·4 + ks s·b·4 (:func:`smem_budget`): 129 KB at 192 / 128 (b 64, s 2), 202 KB
 (b 128, s 2), 209 KB at 256 / 256 (b 64, s 2).
@@ -79,9 +86,11 @@ MAX_HEAD_DIM = 256            # wgmma N <= 256 (Dv); one QKᵀ wgmma of K = Dqk
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.TuningConfigBase):
-  """block_kv: keys per pipeline step (64 or 128); kv_stages: K/V ring slots (2 or 3)."""
+  """block_kv: keys per pipeline step (64 or 128); kv_stages: K/V ring slots (2 or 3); pingpong: FA3's
+  schedule between the consumers (module docstring, "Ping-pong"; a sweep candidate until measured)."""
   block_kv: int = 64
   kv_stages: int = 2
+  pingpong: bool = False
 
   def validate(self):
     if self.block_kv not in (64, 128):
@@ -152,6 +161,7 @@ class _Refs(NamedTuple):
   v_full: object
   k_empty: object
   v_empty: object
+  sched: object = None      # TuningConfig.pingpong: the consumers' schedule barrier (two arrivals)
 
 
 def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Refs):
@@ -173,6 +183,13 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
   m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROW_LAYOUT)
   l = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROW_LAYOUT)
 
+  def rendezvous():       # pingpong: both consumers arrive, then both go on
+    plgpu.barrier_arrive(r.sched)
+    plgpu.barrier_wait(r.sched)
+
+  if cfg.pingpong:        # consumer 1 starts half a step behind consumer 0
+    pl.when(wg == 1)(rendezvous)
+
   def step(j, carry, masked: bool):
     acc, m, l = carry
     slot = lax.rem(j, cfg.kv_stages)
@@ -180,6 +197,8 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
 
     def qk(acc_ref):
       plgpu.wgmma(acc_ref, q_sw.at[wg], k_sw.at[slot].T)
+      if cfg.pingpong:    # the other consumer's softmax is done: its P·V goes on the tensor cores after our QKᵀ
+        rendezvous()
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, b), jnp.float32))
     ks = plgpu.load(r.ks_smem.at[slot], layout=COL_LAYOUT, optimized=False)
@@ -199,7 +218,11 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     p_sw.at[wg][...] = p.astype(jnp.bfloat16)
     plgpu.commit_smem()
+    if cfg.pingpong:      # our softmax is done; issue P·V once the other consumer has issued its QKᵀ
+      plgpu.barrier_arrive(r.sched)
     plgpu.barrier_wait(v_full.at[slot])
+    if cfg.pingpong:
+      plgpu.barrier_wait(r.sched)
     (acc,) = common.accumulate(lambda refs: plgpu.wgmma(refs[0], p_sw.at[wg], v_sw.at[slot]), (acc,), interpret)
     plgpu.barrier_arrive(v_empty.at[slot])
     return acc, m, l
@@ -209,6 +232,8 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
   full = jnp.clip(limit // b, 0, steps)
   carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l))
   acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+  if cfg.pingpong:        # consumer 0's last arrival pairs with consumer 1's last end of softmax
+    pl.when(wg == 0)(rendezvous)
   has = l > 0
   inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
   o_lin.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
@@ -306,6 +331,7 @@ def prefill_sm90(q8, k8, v, tiles, qs, ks, *, cfg: TuningConfig, causal: bool, o
       plgpu.Barrier(num_barriers=s),                                            # v_full
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # k_empty
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # v_empty
+      *([plgpu.Barrier(num_arrivals=CONSUMERS)] if cfg.pingpong else []),      # sched
   ]
   return plgpu.kernel(
       body,

@@ -609,16 +609,18 @@ def _mosaic_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, cu_seqlens_k=None
 
 def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled ``tuning`` overrides of the prefill kernel for benchmark sweeps at head dims (Dqk, Dv), ``"default":
-  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM."""
+  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM, then the default's blocks with the other
+  ``pingpong`` setting."""
   from mla_pallas.kernels import prefill_sm90 as kp
   kp.check_head_dims(dqk, dv)
   default = kp.default_config(dqk, dv)
   out: dict[str, tuple[tuple[str, object], ...]] = {"default": ()}
   for b in (64, 128):
     for st in (2, 3):
-      cfg = kp.TuningConfig(block_kv=b, kv_stages=st)
+      cfg = kp.TuningConfig(block_kv=b, kv_stages=st, pingpong=default.pingpong)
       if cfg != default and kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
         out[f"block_kv={b},kv_stages={st}"] = (("block_kv", b), ("kv_stages", st))
+  out[f"pingpong={not default.pingpong}"] = (("pingpong", not default.pingpong),)
   return out
 
 
