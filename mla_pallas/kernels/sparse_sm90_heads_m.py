@@ -90,8 +90,9 @@ K tile itself (a 16-bit wgmma takes the MN-major B, so there is no V copy).
   slot's arrival, rescales it unless every alpha is 1 and adds P · V[:, 256 half ...] as one m64n256k16 × 4 group
   (``_pv_bf16``: P from the rope chunk as A, V chunks 4 half ... 4 half + 3 as one B whose 64-column blocks lie
   8 KB apart), then releases the K buffer and the slot (``k_buffers`` <= 2: the P and alpha slots follow the
-  buffers). SMEM: Q 73 728 + K 2 × 73 728 + indices (at most 16 tiles: 4 096) + lse, alpha / 1/l / flag rows,
-  barriers, reduction scratch = 229 888 bytes (16-tile splits).
+  buffers). SMEM: Q 73 728 + K 2 × 73 728 + indices + lse, alpha / 1/l / flag rows, barriers, and no Mosaic
+  reduction scratch (``reduction_scratch``: every reduction here is within warps) = 227 840 bytes with 16-tile
+  splits, 231 936 with 32 (the lowered kernel's own count: 231 512), so a top-k of 2048 runs as one split.
 
 Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
 -------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ SMEM budget (bytes, k_buffers = 2, tiles_per_split = 32; :meth:`TuningConfig.sme
     "producer_vt": − V f16 65 536 + P slots (2 × 64 × 64 f16) 16 384 + alpha / 1/l / amax / rescale-flag rows
     1 280 (2 048 rounded) = 153 088; with k_buffers = 3: 194 048; 128-tile splits: + 24 576 of indices
     bf16 cache ("twin", 16-tile splits): Q 73 728 + K 2 × 73 728, no V tile, indices 4 096 = 228 864;
-    "producer_vt": no P slots (P in the K buffer), + alpha / 1/l / flag rows 1 024 = 229 888
+    "producer_vt": no P slots (P in the K buffer), + alpha / 1/l / flag rows 1 024, no reduction scratch
+    − 2 048 = 227 840; 32-tile splits + 4 096 = 231 936
 Registers ("twin", 384 threads): 224 per consumer thread (O 128, S 32, P, softmax state), 56 for the loader:
 setmaxnreg moves registers within the CTA's launch allocation (168 per thread x 384 = 64 512), so 2 · 224 + 56 is
 the most (a 64-register loader deadlocked the consumers' increase on the H200). "producer_vt" (512 threads, 128 per
@@ -181,7 +183,8 @@ class TuningConfig(common.SparseSm90Config):
   and alpha to two multiplying warpgroups through SMEM, with O transposed (Oᵀ = Vᵀ·Pᵀ) and Vᵀ a register
   operand read from the fp8 K tile (``kernels/vt_registers.py``), so there is no f16 V tile; over a bf16 cache P
   (bf16) goes into the K buffer's rope chunk and the multipliers compute O = P·V from SMEM (module docstring,
-  "BF16 cache"). ``tiles_per_split`` up to 128 (32 KB of indices) fits both schedules over fp8, 16 over bf16.
+  "BF16 cache"). ``tiles_per_split`` up to 128 (32 KB of indices) fits both schedules over fp8; over bf16 16
+  ("twin") or 32 ("producer_vt": no P slots, no reduction scratch).
   Over an fp8 cache both quantize Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
   SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
@@ -543,8 +546,8 @@ def _all_alpha_one(r: common.SparseRefs, pb):
 
 
 def _store_p_alpha(p16, alpha, p_ref, alpha_ref, flags_ref, interpret: bool):
-  """P ([64, 64] f16, or bf16 over a bf16 cache) into its 128-byte swizzled slot, alpha ([64]) into its row and the slot's rescale flags
-  (:func:`_flags`, ``flags_ref`` [4] f32) committed for the async proxy (the multipliers read P through wgmma
+  """P ([64, 64] f16, or bf16 over a bf16 cache) into its 128-byte swizzled slot, alpha ([64]) into its row and the
+  slot's rescale flags (:func:`_flags`, ``flags_ref`` [4] f32) committed for the async proxy (the multipliers read P through wgmma
   after the arrival that follows). On the GPU in raw Mosaic GPU (``stmatrix`` of P, plain stores of alpha, a warp
   vote per producer warp and lane 0's store of its flag, the proxy fence and one warpgroup barrier): Pallas's
   ``ref[...] = x`` puts a warpgroup barrier before and after each store (four of the five barriers per tile in
