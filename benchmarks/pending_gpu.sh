@@ -274,13 +274,16 @@ diag_s32c() {   # the thirty-second session's two multiplier changes one by one 
   run diag_s32c_F1 120 $py --iters 20 --cases F1 --rows none,pv_prmt_each,key_words_each --out "$OUT/diag_s32c_F1"
 }
 t_vt() { run t_vt 100 $T tests/test_vt_registers.py; }
-t_prefill_pp() {   # issue 23: the prefill kernel's ping-pong schedule (TuningConfig.pingpong) against the reference
-  run t_prefill_pp 240 $T tests/test_prefill_kernel_gpu.py -k pingpong
+t_prefill_pp() {   # issue 23: the prefill kernel's ping-pong schedule (TuningConfig.pingpong) and fp8 P·V
+                   # (TuningConfig.pv_fp8) against the reference
+  run t_prefill_pp 300 $T tests/test_prefill_kernel_gpu.py -k "pingpong or pv_fp8"
 }
-b_prefill_pp() {   # issue 23: the ping-pong schedule beside the default and cuDNN at both models, 2 x 4096 causal
-  run b_prefill_pp_deepseek 200 $B mla_prefill --impl all --sweep --sweep-only pingpong --preset deepseek_v32 \
+b_prefill_pp() {   # issue 23: the ping-pong schedule and fp8 P·V beside the default and cuDNN at both models,
+                   # 2 x 4096 causal (the op's rows include its pre-passes; the per-kernel breakdown is in the JSON)
+  run b_prefill_pp_deepseek 240 $B mla_prefill --impl all --sweep --sweep-only pingpong,pv_fp8 \
+    --preset deepseek_v32 "${common[@]}"
+  run b_prefill_pp_glm5 200 $B mla_prefill --impl all --sweep --sweep-only pingpong,pv_fp8 --preset glm5 \
     "${common[@]}"
-  run b_prefill_pp_glm5 200 $B mla_prefill --impl all --sweep --sweep-only pingpong --preset glm5 "${common[@]}"
 }
 diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16 spends a tile (P1's shape, 16-tile
                 # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations

@@ -51,7 +51,11 @@ def _inputs(rng, name, h=2, dqk=64, dv=64):
   return q, k, jnp.asarray(v, jnp.bfloat16), jnp.asarray(cu, jnp.int32), cu_k
 
 
-def _check(out, lse, r_out, r_lse, *, dqk, pv_length, what):
+def zeros_of(avals):
+  return [jnp.zeros(a.shape, a.dtype) for a in avals]
+
+
+def _check(out, lse, r_out, r_lse, *, dqk, pv_length, what, quantized_p=False):
   o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
   np.testing.assert_array_equal(np.isnan(o), np.isnan(r), err_msg=f"{what}: NaN pattern")
   g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
@@ -59,7 +63,7 @@ def _check(out, lse, r_out, r_lse, *, dqk, pv_length, what):
   empty = np.isneginf(w)
   assert np.all(o[empty] == 0), f"{what}: rows without keys must be 0"
   fin = np.isfinite(r)
-  budget = testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=False,
+  budget = testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=quantized_p, fp8_mma=False,
                                     d_qk=dqk, pv_length=pv_length, logit_std=1.0)
   rel = np.linalg.norm(o[fin] - r[fin]) / np.linalg.norm(r[fin])
   assert rel <= budget, f"{what}: out rel-L2 {rel:.3g} > {budget:.3g}"
@@ -163,6 +167,47 @@ def test_pingpong_interpret(rng, name, causal, block_kv):
   _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=f"pingpong {name}")
 
 
+@pytest.mark.parametrize("name,causal,block_kv,pingpong", [("ragged_context", True, 64, False),
+                                                            ("padding_nonfinite", False, 64, True),
+                                                            ("two_tiles", True, 128, False)])
+def test_pv_fp8_interpret(rng, name, causal, block_kv, pingpong):
+  """TuningConfig.pv_fp8 (P·V as an fp8 wgmma over Vᵀ in e4m3 with per-column scales; the op's Vᵀ packing puts
+  every sequence at a multiple of block_kv key columns): race-checked against the reference within the error model
+  with P and V quantized too, the NaN rule of non-finite v and padding kept, bitwise deterministic."""
+  q, k, v, cu, cu_k = _inputs(rng, name)
+  scale = q.shape[2] ** -0.5
+  cfg = kp.TuningConfig(block_kv=block_kv, pv_fp8=True, pingpong=pingpong)
+  run = lambda interp: pf._mosaic_jit(q, k, v, cu, jnp.float32(scale), causal=causal, cu_seqlens_k=cu_k,
+                                      interpret=interp, cfg=cfg)
+  testing.reset_interpreter()
+  out, lse = run(RACES)
+  assert not testing.races_found()
+  r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k)
+  _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=f"pv_fp8 {name}", quantized_p=True)
+  again, _ = run(True)
+  np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
+
+
+def test_vt_fp8_packing(rng):
+  """The op's Vᵀ for pv_fp8: every sequence's keys start at a multiple of block_kv columns, padding and
+  non-finite elements are 0, and Vᵀ · vs dequantizes to v within e4m3's rounding (relative 2^-4 of the column's
+  scale range)."""
+  v = rng.normal(size=(70, 2, 64)).astype(np.float32)
+  v[3, 1, 5] = np.inf
+  cu = jnp.asarray([0, 5, 5, 70], jnp.int32)
+  starts, src, n = pf._aligned_packing(cu, 70, 3, 64)
+  assert n % 64 == 0 and list(np.asarray(starts)) == [0, 64, 64, 192]
+  vt8, vs = pf._vt_fp8(jnp.asarray(v, jnp.bfloat16), src)
+  assert vt8.shape == (2, 64, n) and vt8.dtype == jnp.float8_e4m3fn and vs.shape == (2, 64)
+  deq = np.asarray(vt8, np.float32) * np.asarray(vs)[:, :, None]                   # [H, Dv, n]
+  want = np.zeros((n, 2, 64), np.float32)
+  s = np.asarray(src)
+  want[s >= 0] = np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32)[s[s >= 0]]
+  want[~np.isfinite(want)] = 0
+  want = want.transpose(1, 2, 0)
+  assert np.all(np.abs(deq - want) <= 2.0 ** -4 * np.abs(want) + 2.0 ** -10 * np.asarray(vs)[:, :, None] + 1e-7)
+
+
 def test_aligned_packing_and_tiles():
   """Every sequence at a multiple of 8 rows in the kernel's packing, each row's source token; one tile per 128
   queries of a sequence with its rows, keys and bottom-right diagonal."""
@@ -248,6 +293,9 @@ def test_default_config_and_sweep():
     assert len(set(cfgs)) == len(cfgs) and cfgs[0] == kp.default_config(dqk, dv)
     assert all(kp.smem_budget(c, dqk, dv) <= kp.common.SMEM_LIMIT for c in cfgs)
     assert sweep["pingpong=True"] == (("pingpong", True),)     # the schedule candidate, at the default blocks
+    assert sweep["block_kv=64,pv_fp8=True"] == (("block_kv", 64), ("pv_fp8", True))   # fp8 P·V: fits at both
+  assert "block_kv=128,pv_fp8=True" in pf.sweep_configs(192, 128)
+  assert "block_kv=128,pv_fp8=True" not in pf.sweep_configs(256, 256)     # 247 KB of SMEM
   with pytest.raises(ValueError, match="Dv a multiple of 64"):
     kp.default_config(192, 100)
 
@@ -286,6 +334,18 @@ def test_kernel_lowers_for_sm90(dims, causal):
     pp = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=dataclasses.replace(cfg, pingpong=True),
                                                   causal=causal, out_rows=300), *avals)
     assert pp.count(r"wgmma.mma_async") == low.count(r"wgmma.mma_async")
+    # pv_fp8: P·V as e4m3 wgmmas of K = 32 (block_kv / 32 per block) reading Vᵀ [H, Dv, Tv]; at 256 / 256 only
+    # 64-key blocks fit
+    b = 128 if dqk == 192 else 64
+    fp8 = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=kp.TuningConfig(block_kv=b, pv_fp8=True),
+                                                   causal=causal, out_rows=300),
+                                 *avals[:2], S((h, dv, tk), kp.FP8), *avals[3:], S((h, dv), jnp.float32))
+    assert fp8.count(rf"m64n{dv}k32\.f32\.e4m3\.e4m3") == 2 * (b // 32) + (2 * dqk // 32 if b == dv else 0)
+    assert fp8.count(r"wgmma.mma_async") == 2 * (dqk // 32 + b // 32)
+    with pytest.raises(ValueError, match="multiple of block_kv"):
+      kp.prefill_sm90(*zeros_of(avals[:2]), jnp.zeros((h, dv, tk - 8), kp.FP8), *zeros_of(avals[3:]),
+                      jnp.ones((h, dv), jnp.float32), cfg=kp.TuningConfig(block_kv=b, pv_fp8=True), causal=causal,
+                      out_rows=300)
   with pytest.raises(ValueError, match="multiple of 8 rows"):
     kp.prefill_sm90(jnp.zeros((300, h, dqk), kp.FP8), *[jnp.zeros(a.shape, a.dtype) for a in avals[1:]], cfg=cfg,
                     causal=causal, out_rows=300)

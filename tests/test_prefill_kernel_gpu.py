@@ -48,8 +48,9 @@ def _inputs(rng, h, dqk, dv, case):
   return q, k, v, jnp.asarray(cu), None if cu_k is None else jnp.asarray(cu_k)
 
 
-def _check(q, k, v, cu, cu_k, causal, run, what):
-  """``run()`` twice (bitwise the same) and against reference.mla_prefill within the error model above."""
+def _check(q, k, v, cu, cu_k, causal, run, what, quantized_p=False):
+  """``run()`` twice (bitwise the same) and against reference.mla_prefill within the error model above
+  (``quantized_p``: P and V in e4m3 too, TuningConfig.pv_fp8)."""
   dqk, tk = q.shape[2], k.shape[0]
   scale = dqk ** -0.5
   out, lse = run()
@@ -63,7 +64,7 @@ def _check(q, k, v, cu, cu_k, causal, run, what):
   np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
   assert np.all(o[np.isneginf(w)] == 0)
   fin = np.isfinite(r)
-  budget = testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=False, fp8_mma=True,
+  budget = testing.fp8_error_budget(quantized_q=True, quantized_kv=True, quantized_p=quantized_p, fp8_mma=True,
                                     d_qk=dqk, pv_length=tk, logit_std=1.0)
   rel = np.linalg.norm(o[fin] - r[fin]) / np.linalg.norm(r[fin])
   lf = np.isfinite(w)
@@ -120,3 +121,21 @@ def test_pingpong_matches_reference(rng, model, case, causal):
   run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
                           cfg=cfg)
   _check(q, k, v, cu, cu_k, causal, run, f"pingpong {model} {case} causal={causal}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["context", "padding"])
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_pv_fp8_matches_reference(rng, model, case, causal):
+  """TuningConfig.pv_fp8 (fp8 P·V over the op's Vᵀ in e4m3 with column scales; 128-key blocks at DeepSeek's dims,
+  64 at GLM-5's, with the ping-pong at GLM-5) against the reference within the error model with P and V in e4m3;
+  ragged tiles, cached context, padding and non-finite v; bitwise deterministic."""
+  import functools
+  from mla_pallas.kernels import prefill_sm90 as kp
+  from mla_pallas.ops import prefill as pf
+  h, dqk, dv = DIMS[model]
+  q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
+  cfg = kp.TuningConfig(block_kv=128 if dqk == 192 else 64, pv_fp8=True, pingpong=dqk != 192)
+  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
+                          cfg=cfg)
+  _check(q, k, v, cu, cu_k, causal, run, f"pv_fp8 {model} {case} causal={causal}", quantized_p=True)

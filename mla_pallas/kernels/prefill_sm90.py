@@ -52,9 +52,20 @@ it arrives, waits for V and waits for the barrier before issuing its P·V; consu
 before its first block and consumer 0 one after its last. Both visit the tile's ``steps`` blocks (the masked
 blocks too), so the arrivals pair up: consumer 1's k-th with consumer 0's k-th (2 · steps + 1 each).
 
+FP8 P·V (``TuningConfig.pv_fp8``): the P·V wgmma in e4m3 × e4m3 instead of bf16 (twice the rate on Hopper; at
+GLM-5's 256 / 256 the bf16 P·V is two thirds of the tensor time). An fp8 B operand must be K-major, so the kernel
+takes V transposed: ``v`` = Vᵀ [H, Dv, Tv] float8_e4m3fn (the op's pass, or an up-projection that emits it so),
+every sequence's first key column a multiple of ``block_kv`` (the tile field v0; Mosaic tiles the GMEM side of the
+[Dv, b] TMA box like its SMEM tile), with ``vs`` [H, Dv] float32 one scale per head and column (dequantized V[j,
+d] = Vᵀ[h, d, j] · vs[h, d]: a column scale passes through the product, so O's columns take it at the end). P is
+stored as e4m3(256 p) (p <= 1, so <= 256 < 448; the power of two comes off O exactly). The ring holds Vᵀ tiles
+[Dv, b] (b-byte swizzle) and P slots [64, b] e4m3; each consumer TMAs its head's vs row beside its Q (``q_bar``: 3
+arrivals). Error: P's and V's e4m3 roundings join q's and k's (``testing.fp8_error_budget(quantized_p=True)``).
+
 SMEM (bytes; Dqk = dk, Dv = dv, block_kv = b, kv_stages = s): Q 2·64·dk + K s·b·dk + V 2·s·b·dv + P 2·2·64·b +
-O 2·2·64·dv + lse and qs 2·2·64·4 + ks s·b·4 (:func:`smem_budget`): 129 KB at 192 / 128 (b 64, s 2), 202 KB
-(b 128, s 2), 209 KB at 256 / 256 (b 64, s 2).
+O 2·2·64·dv + lse and qs 2·2·64·4 + ks s·b·4 + barriers and Mosaic's reduction scratch (:func:`smem_budget`):
+133 KB at 192 / 128 (b 64, s 2), 205 KB (b 128, s 2), 213 KB at 256 / 256 (b 64, s 2). With ``pv_fp8`` V and P
+take half (+ vs 2·dv·4): 158 KB at 192 / 128 (b 128), 175 KB at 256 / 256 (b 64; b 128 does not fit: 247 KB).
 """
 from __future__ import annotations
 
@@ -82,15 +93,19 @@ LOADER_REGS = 40
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per query row
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [block_kv]: one value per key
 MAX_HEAD_DIM = 256            # wgmma N <= 256 (Dv); one QKᵀ wgmma of K = Dqk
+P_FP8_SCALE = 256.0           # pv_fp8: P in [0, 1] is stored as e4m3(256 p) (an exact power of two; 256 < 448)
+COL_DV_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [Dv]: one value per output column
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(common.TuningConfigBase):
   """block_kv: keys per pipeline step (64 or 128); kv_stages: K/V ring slots (2 or 3); pingpong: FA3's
-  schedule between the consumers (module docstring, "Ping-pong"; a sweep candidate until measured)."""
+  schedule between the consumers (module docstring, "Ping-pong"); pv_fp8: P·V as an fp8 wgmma over Vᵀ in e4m3
+  with per-column scales (module docstring, "FP8 P·V"). The last two are sweep candidates until measured."""
   block_kv: int = 64
   kv_stages: int = 2
   pingpong: bool = False
+  pv_fp8: bool = False
 
   def validate(self):
     if self.block_kv not in (64, 128):
@@ -106,13 +121,20 @@ def check_head_dims(dqk: int, dv: int) -> None:
       raise ValueError(f"the prefill kernel takes {name} a multiple of 64 in [64, {MAX_HEAD_DIM}]; got {d}")
 
 
+def _pv_dtype(cfg: TuningConfig):
+  """The dtype of P and V in the P·V wgmma: e4m3 with ``pv_fp8``, else bf16."""
+  return FP8 if cfg.pv_fp8 else jnp.bfloat16
+
+
 def smem_budget(cfg: TuningConfig, dqk: int, dv: int) -> int:
   """Bytes of SMEM of one CTA (module docstring)."""
   b, s = cfg.block_kv, cfg.kv_stages
-  return common.smem_bytes(((CONSUMERS, BLOCK_Q, dqk), FP8), ((s, b, dqk), FP8), ((s, b, dv), jnp.bfloat16),
-                           ((CONSUMERS, BLOCK_Q, b), jnp.bfloat16), ((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
+  pv = _pv_dtype(cfg)
+  vs = (((CONSUMERS, dv), jnp.float32),) if cfg.pv_fp8 else ()
+  return common.smem_bytes(((CONSUMERS, BLOCK_Q, dqk), FP8), ((s, b, dqk), FP8), ((s, b, dv), pv),
+                           ((CONSUMERS, BLOCK_Q, b), pv), ((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
                            ((CONSUMERS, BLOCK_Q), jnp.float32), ((CONSUMERS, BLOCK_Q), jnp.float32),
-                           ((s, b), jnp.float32))
+                           ((s, b), jnp.float32), *vs) + 16 * 8 + 2048   # barriers; Mosaic reduction scratch
 
 
 def default_config(dqk: int, dv: int) -> TuningConfig:
@@ -139,7 +161,8 @@ def _key_steps(nq, nk, diag, block_kv: int, causal: bool):
 
 
 class _Refs(NamedTuple):
-  """The kernel's refs in ``plgpu.kernel``'s order: inputs, outputs, then the scratch of :func:`prefill_sm90`."""
+  """The kernel's refs by name (:func:`prefill_sm90` builds it from ``plgpu.kernel``'s order: inputs, outputs,
+  scratch; the ``pv_fp8`` ones are None without it)."""
   q_ref: object
   k_ref: object
   v_ref: object
@@ -162,6 +185,8 @@ class _Refs(NamedTuple):
   k_empty: object
   v_empty: object
   sched: object = None      # TuningConfig.pingpong: the consumers' schedule barrier (two arrivals)
+  vs_ref: object = None     # TuningConfig.pv_fp8: V's column scales [H, Dv] f32 (GMEM) ...
+  vs_smem: object = None    # ... and each consumer's copy of its head's row [CONSUMERS, Dv]
 
 
 def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Refs):
@@ -169,7 +194,7 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
       r.q_ref, r.tiles_ref, r.o_ref, r.lse_ref, r.q_sw, r.k_sw, r.v_sw, r.p_sw, r.o_lin, r.lse_smem)
   q_bar, k_full, v_full, k_empty, v_empty = r.q_bar, r.k_full, r.v_full, r.k_empty, r.v_empty
   b = cfg.block_kv
-  dv = v_sw.shape[-1]
+  dv = v_sw.shape[-2] if cfg.pv_fp8 else v_sw.shape[-1]   # (pv_fp8: the ring holds Vᵀ [Dv, b])
   q0, nq, nk, diag = pl.multiple_of(tiles_ref[t, 0], ALIGN), tiles_ref[t, 1], tiles_ref[t, 3], tiles_ref[t, 4]
   o0 = tiles_ref[t, 5]
   steps = _key_steps(nq, nk, diag, b, causal)
@@ -177,6 +202,8 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
   row0 = wg * BLOCK_Q
   plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0 + row0, BLOCK_Q), h], q_sw.at[wg], q_bar.at[wg])
   plgpu.copy_gmem_to_smem(r.qs_ref.at[h, pl.ds(q0 + row0, BLOCK_Q)], r.qs_smem.at[wg], q_bar.at[wg])
+  if cfg.pv_fp8:
+    plgpu.copy_gmem_to_smem(r.vs_ref.at[h], r.vs_smem.at[wg], q_bar.at[wg])
   plgpu.barrier_wait(q_bar.at[wg])
   row_scale = plgpu.load(r.qs_smem.at[wg], layout=ROW_LAYOUT, optimized=False)
   acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv), jnp.float32), plgpu.Layout.WGMMA)
@@ -216,14 +243,18 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
       valid = plgpu.layout_cast(jnp.full((BLOCK_Q, b), True), plgpu.Layout.WGMMA)
     p, alpha, m, l = common.online_softmax_tile(s, valid, row_scale, m, l)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p_sw.at[wg][...] = p.astype(jnp.bfloat16)
+    if cfg.pv_fp8:        # 256 p in e4m3 (<= 256 < 448; the power of two comes off at the end, exactly)
+      p_sw.at[wg][...] = (p * P_FP8_SCALE).astype(FP8)
+    else:
+      p_sw.at[wg][...] = p.astype(jnp.bfloat16)
     plgpu.commit_smem()
     if cfg.pingpong:      # our softmax is done; issue P·V once the other consumer has issued its QKᵀ
       plgpu.barrier_arrive(r.sched)
     plgpu.barrier_wait(v_full.at[slot])
     if cfg.pingpong:
       plgpu.barrier_wait(r.sched)
-    (acc,) = common.accumulate(lambda refs: plgpu.wgmma(refs[0], p_sw.at[wg], v_sw.at[slot]), (acc,), interpret)
+    v_op = v_sw.at[slot].T if cfg.pv_fp8 else v_sw.at[slot]   # fp8: Vᵀ [Dv, b] stored, read as a K-major B
+    (acc,) = common.accumulate(lambda refs: plgpu.wgmma(refs[0], p_sw.at[wg], v_op), (acc,), interpret)
     plgpu.barrier_arrive(v_empty.at[slot])
     return acc, m, l
 
@@ -236,6 +267,9 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
     pl.when(wg == 0)(rendezvous)
   has = l > 0
   inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+  if cfg.pv_fp8:          # O's column scales: V's, and 1 / 256 for P's
+    cols = plgpu.load(r.vs_smem.at[wg], layout=COL_DV_LAYOUT, optimized=False) * (1.0 / P_FP8_SCALE)
+    acc = acc * lax.broadcast_in_dim(cols, acc.shape, [1])
   o_lin.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
   lse_smem.at[wg][...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * common.LN2, -jnp.inf)
   plgpu.commit_smem()
@@ -260,7 +294,7 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
   k_full, v_full, k_empty, v_empty = r.k_full, r.v_full, r.k_empty, r.v_empty
   b, stages = cfg.block_kv, cfg.kv_stages
   nq, k0, nk, diag = tiles_ref[t, 1], pl.multiple_of(tiles_ref[t, 2], ALIGN), tiles_ref[t, 3], tiles_ref[t, 4]
-  v0 = pl.multiple_of(tiles_ref[t, 6], ALIGN)
+  v0 = pl.multiple_of(tiles_ref[t, 6], b if cfg.pv_fp8 else ALIGN)   # Vᵀ's key columns: block-aligned
   steps = _key_steps(nq, nk, diag, b, causal)
   plgpu.set_max_registers(LOADER_REGS, action="decrease")
 
@@ -278,7 +312,10 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
     @pl.when(j >= stages)
     def _():
       plgpu.barrier_wait(v_empty.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(v0 + j * b, b), h], v_sw.at[slot], v_full.at[slot])
+    if cfg.pv_fp8:        # Vᵀ [H, Dv, Tv]: the block's b key columns of head h
+      plgpu.copy_gmem_to_smem(v_ref.at[h, :, pl.ds(v0 + j * b, b)], v_sw.at[slot], v_full.at[slot])
+    else:
+      plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(v0 + j * b, b), h], v_sw.at[slot], v_full.at[slot])
 
   # Observe the last release of every slot used (the interpreter's barrier rule; harmless on hardware).
   @pl.loop(jnp.maximum(steps - stages, 0), steps)
@@ -289,24 +326,52 @@ def _loader(cfg: TuningConfig, causal: bool, t, h, r: _Refs):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "causal", "out_rows", "interpret"))
-def prefill_sm90(q8, k8, v, tiles, qs, ks, *, cfg: TuningConfig, causal: bool, out_rows: int, interpret=False):
-  """The kernel (module docstring for shapes and conventions). ``interpret``: False, True or
-  ``plgpu.InterpretGPUParams``."""
+def prefill_sm90(q8, k8, v, tiles, qs, ks, vs=None, *, cfg: TuningConfig, causal: bool, out_rows: int,
+                 interpret=False):
+  """The kernel (module docstring for shapes and conventions). With ``cfg.pv_fp8``: ``v`` is Vᵀ [H, Dv, Tv]
+  float8_e4m3fn (Tv a multiple of block_kv; every sequence's first key column too) and ``vs`` [H, Dv] float32
+  its column scales (module docstring, "FP8 P·V"). ``interpret``: False, True or ``plgpu.InterpretGPUParams``."""
   _, h, dqk = q8.shape
-  for name, x in (("q8", q8), ("k8", k8), ("v", v)):
+  for name, x in (("q8", q8), ("k8", k8)) + ((("v", v),) if not cfg.pv_fp8 else ()):
     if x.shape[0] % ALIGN:
       raise ValueError(f"{name} must have a multiple of {ALIGN} rows (aligned packing); got {x.shape[0]}")
   for name, x, rows in (("qs", qs, q8.shape[0]), ("ks", ks, k8.shape[0])):
     if x.shape != (h, rows) or x.dtype != jnp.float32:
       raise ValueError(f"{name} must be float32 [{h}, {rows}] (one scale per head and row); got "
                        f"{x.dtype.name}{list(x.shape)}")
-  dv = v.shape[2]
+  b, s = cfg.block_kv, cfg.kv_stages
+  if cfg.pv_fp8:
+    if v.ndim != 3 or v.shape[0] != h or v.dtype != FP8 or v.shape[2] % b:
+      raise ValueError(f"v must be Vᵀ float8_e4m3fn [H={h}, Dv, Tv] with Tv a multiple of block_kv={b} "
+                       f"(TuningConfig.pv_fp8); got {v.dtype.name}{list(v.shape)}")
+    dv = v.shape[1]
+    if vs is None or vs.shape != (h, dv) or vs.dtype != jnp.float32:
+      raise ValueError(f"vs must be float32 [{h}, {dv}] (V's column scales, TuningConfig.pv_fp8); got "
+                       f"{None if vs is None else (vs.dtype.name, list(vs.shape))}")
+  else:
+    if vs is not None:
+      raise ValueError("vs (V's column scales) is for TuningConfig.pv_fp8 only")
+    dv = v.shape[2]
   n_tiles = tiles.shape[0]
   check_config(cfg, dqk, dv)
-  b, s = cfg.block_kv, cfg.kv_stages
+  pv = _pv_dtype(cfg)
+  inputs = (q8, k8, v, tiles, qs, ks) + ((vs,) if cfg.pv_fp8 else ())
 
   def body(*refs):
-    refs = _Refs(*refs)
+    n_in = len(inputs)
+    named = dict(zip(_Refs._fields[:6], refs[:6]))
+    if cfg.pv_fp8:
+      named["vs_ref"] = refs[6]
+    rest = list(refs[n_in:])
+    for name in ("o_ref", "lse_ref", "q_sw", "k_sw", "v_sw", "p_sw", "o_lin", "lse_smem", "qs_smem", "ks_smem"):
+      named[name] = rest.pop(0)
+    if cfg.pv_fp8:
+      named["vs_smem"] = rest.pop(0)
+    for name in ("q_bar", "k_full", "v_full", "k_empty", "v_empty"):
+      named[name] = rest.pop(0)
+    if cfg.pingpong:
+      named["sched"] = rest.pop(0)
+    refs = _Refs(**named)
     t, hd, wg = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("wg")
 
     @pl.when(wg < CONSUMERS)
@@ -317,16 +382,21 @@ def prefill_sm90(q8, k8, v, tiles, qs, ks, *, cfg: TuningConfig, causal: bool, o
     def _():
       _loader(cfg, causal, t, hd, refs)
 
+  # V ring: [b keys, Dv] bf16 (128-byte swizzle), or with pv_fp8 Vᵀ [Dv, b keys] e4m3 (b-byte swizzle); P the same
+  v_tile = ((s, dv, b), FP8, common.swizzled(FP8, b)) if cfg.pv_fp8 else \
+      ((s, b, dv), jnp.bfloat16, common.swizzled(jnp.bfloat16, 128))
+  p_swizzle = b if cfg.pv_fp8 else 128
   scratch = [
       plgpu.SMEM((CONSUMERS, BLOCK_Q, dqk), FP8, transforms=common.swizzled(FP8, 64)),
       plgpu.SMEM((s, b, dqk), FP8, transforms=common.swizzled(FP8, 64)),
-      plgpu.SMEM((s, b, dv), jnp.bfloat16, transforms=common.swizzled(jnp.bfloat16, 128)),
-      plgpu.SMEM((CONSUMERS, BLOCK_Q, b), jnp.bfloat16, transforms=common.swizzled(jnp.bfloat16, 128)),
+      plgpu.SMEM(v_tile[0], v_tile[1], transforms=v_tile[2]),
+      plgpu.SMEM((CONSUMERS, BLOCK_Q, b), pv, transforms=common.swizzled(pv, p_swizzle)),
       plgpu.SMEM((CONSUMERS, BLOCK_Q, dv), jnp.bfloat16),
       plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.float32),                          # lse_smem
       plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.float32),                          # qs_smem
       plgpu.SMEM((s, b), jnp.float32),                                        # ks_smem
-      plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                  # q_bar: q tile and its qs
+      *([plgpu.SMEM((CONSUMERS, dv), jnp.float32)] if cfg.pv_fp8 else []),   # vs_smem
+      plgpu.Barrier(num_arrivals=3 if cfg.pv_fp8 else 2, num_barriers=CONSUMERS),   # q_bar: q tile, qs (, vs)
       plgpu.Barrier(num_arrivals=2, num_barriers=s),                          # k_full: K block and its ks
       plgpu.Barrier(num_barriers=s),                                            # v_full
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=s),                    # k_empty
@@ -344,4 +414,4 @@ def prefill_sm90(q8, k8, v, tiles, qs, ks, *, cfg: TuningConfig, causal: bool, o
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **common.interpret_kwargs(interpret),
-  )(q8, k8, v, tiles, qs, ks)
+  )(*inputs)

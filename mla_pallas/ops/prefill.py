@@ -464,13 +464,14 @@ def _kernel_supported(q, k, v):
   return check
 
 
-def _aligned_packing(cu, n_rows: int, nseq: int):
+def _aligned_packing(cu, n_rows: int, nseq: int, align: int = 8):
   """The kernel's aligned packing of a packed batch (``cu`` clipped, [nseq + 1]): sequence b starts at row
-  ``starts[b]``, a multiple of 8. Returns (starts [nseq + 1], src [n_al]: the token of each aligned row or -1,
-  n_al: static rows, a multiple of 8)."""
+  ``starts[b]``, a multiple of ``align`` (8; the key block for ``pv_fp8``'s Vᵀ). Returns (starts [nseq + 1], src
+  [n_al]: the token of each aligned row or -1, n_al: static rows, a multiple of ``align``)."""
   lens = jnp.maximum(cu[1:] - cu[:-1], 0)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + 7) // 8 * 8).astype(jnp.int32)])
-  n_al = -(-(n_rows + 7 * nseq) // 8) * 8
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                            jnp.cumsum((lens + align - 1) // align * align).astype(jnp.int32)])
+  n_al = -(-(n_rows + (align - 1) * nseq) // align) * align
   r = jnp.arange(n_al, dtype=jnp.int32)
   b = jnp.clip(jnp.searchsorted(starts, r, side="right").astype(jnp.int32) - 1, 0, nseq - 1)
   off = r - starts[b]
@@ -509,6 +510,20 @@ def _quantize_rows(x, src, interpret=False):
   from mla_pallas.kernels import prefill_quant
   x8, scale = prefill_quant.quantize_rows(x, src, interpret)
   return x8, scale.T
+
+
+def _vt_fp8(v, src):
+  """``TuningConfig.pv_fp8``'s V: the rows ``src`` of v [Tk, H, Dv] (-1: a zero row; non-finite elements 0, as in
+  the packed bf16 v) as Vᵀ [H, Dv, n] float8_e4m3fn with one scale per head and column (its largest |v| over the
+  keys / 448; 1 for a column of zeros): P·V's column scale comes off O at the end. Returns (vt8, vs [H, Dv]
+  float32)."""
+  ok = src >= 0
+  rows = jnp.take(v, jnp.maximum(src, 0), axis=0).astype(jnp.float32)
+  rows = jnp.where(ok[:, None, None] & jnp.isfinite(rows), rows, 0.0)
+  amax = jnp.max(jnp.abs(rows), axis=0)                                    # [H, Dv]
+  vs = jnp.where(amax > 0, amax * jnp.float32(1.0 / _FP8_MAX), 1.0)
+  vt8 = jnp.clip(rows / vs[None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+  return jnp.transpose(vt8, (1, 2, 0)), vs.astype(jnp.float32)
 
 
 def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq: int, nseq: int, causal: bool):
@@ -561,9 +576,9 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
   qs = (jnp.asarray(softmax_scale, jnp.float32) * LOG2E * q_scale).astype(jnp.float32)
   clean = _is_clean(v, cu_q, cu_k, tq)
 
-  def attend(v_kernel, v_starts):
+  def attend(v_kernel, v_starts, vs=None):
     tiles, tile_start = _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq, nseq, causal)
-    out, lse_pad = kp.prefill_sm90(q8, k8, v_kernel, tiles, qs, k_scale, cfg=cfg, causal=causal, out_rows=tq,
+    out, lse_pad = kp.prefill_sm90(q8, k8, v_kernel, tiles, qs, k_scale, vs, cfg=cfg, causal=causal, out_rows=tq,
                                    interpret=interpret)
     return out, lse_pad, tile_start
 
@@ -573,7 +588,11 @@ def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seql
     return attend(jnp.where(k_ok[:, None, None] & jnp.isfinite(v_rows), v_rows, jnp.zeros((), v.dtype)),
                   k_starts)
 
-  if _v_direct(tk):
+  if cfg.pv_fp8:          # Vᵀ in e4m3 with column scales, every sequence at a multiple of block_kv key columns
+    vt_starts, vt_src, _ = _aligned_packing(cu_k, tk, nseq, cfg.block_kv)
+    vt8, vs = _vt_fp8(v, vt_src)
+    out, lse_pad, tile_start = attend(vt8, vt_starts, vs)
+  elif _v_direct(tk):
     out, lse_pad, tile_start = lax.cond(_v_in_place(clean, cu_k), lambda _: attend(v, cu_k[:-1]), packed_v, None)
   else:
     out, lse_pad, tile_start = packed_v(None)
@@ -621,6 +640,10 @@ def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]
       if cfg != default and kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
         out[f"block_kv={b},kv_stages={st}"] = (("block_kv", b), ("kv_stages", st))
   out[f"pingpong={not default.pingpong}"] = (("pingpong", not default.pingpong),)
+  for b in (64, 128):   # fp8 P·V (Vᵀ in e4m3): half the V bytes, so 128-key blocks may fit where bf16 V's do not
+    cfg = dataclasses.replace(default, block_kv=b, pv_fp8=not default.pv_fp8)
+    if kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
+      out[f"block_kv={b},pv_fp8={cfg.pv_fp8}"] = (("block_kv", b), ("pv_fp8", cfg.pv_fp8))
   return out
 
 
