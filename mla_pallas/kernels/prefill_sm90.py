@@ -8,12 +8,14 @@ One CTA computes one (query tile, head): a query tile is up to 128 consecutive q
     masked keys: past the sequence's Lk keys, and (causal) key position j > i + diag for query row i
     online softmax (base 2), P rounded to bf16 through an SMEM slot
     O += P · V                    bf16 wgmma (V [block_kv, Dv] MN-major, 128-byte swizzle), f32 accumulate
+                                  (``pv_fp8``: e4m3 wgmma, P as e4m3(256 p), Vᵀ K-major; section "FP8 P·V")
     out = O / l (0 where l = 0), lse = (m + log2 l) · ln 2 (-inf where l = 0)
 
 Shapes and index conventions (the op builds them, ``ops/prefill.py``):
   q8 [Tq_al, H, Dqk] float8_e4m3fn, k8 [Tk_al, H, Dqk] float8_e4m3fn (one e4m3 scale per row and head: qs, ks),
-  v [Tv, H, Dv] bfloat16, Tv a multiple of 8 (finite: the op sanitizes non-finite values and poisons the outputs
-  that see them, or passes its v as it is when every element is finite and its sequences start aligned),
+  v [Tv, H, Dv] bfloat16 (``pv_fp8``: Vᵀ [H, Dv, Tv] e4m3 and vs [H, Dv], section "FP8 P·V"), Tv a multiple of 8
+  (finite: the op sanitizes non-finite values and poisons the outputs that see them, or passes its v as it is
+  when every element is finite and its sequences start aligned),
   in an *aligned* packing: every sequence starts at a multiple of 8 rows and Tq_al, Tk_al are multiples of 8
   (Mosaic tiles the GMEM side of a TMA into the SMEM tile's 8-row tiling). Dqk and Dv multiples of 64 up to 256
   (DeepSeek-V3.2 192 / 128, GLM-5 256 / 256).
