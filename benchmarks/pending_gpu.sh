@@ -289,7 +289,7 @@ diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16
                 # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" shape="B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16"
   run diag_bf16_rows 150 $py --iters 20 --shape $shape --tuning schedule=producer_vt,tiles_per_split=16 \
-    --rows none,no_gather,no_qk,no_softmax,no_pv --out "$OUT/diag_bf16"
+    --rows none,no_gather,no_qk,no_softmax,no_pv,pv_bf16_n64 --out "$OUT/diag_bf16"
   run diag_bf16_timeline 120 $py --timeline --timeline-space 48 --shape $shape \
     --tuning schedule=producer_vt,tiles_per_split=16 --rows none --out "$OUT/diag_bf16_timeline"
   rm -f "$OUT"/diag_bf16_timeline/timeline_*/*trace.json

@@ -117,6 +117,19 @@ def _pv_bf16_identity(acc, k_tiles, half, interpret):
   return acc
 
 
+def _pv_bf16_n64(acc, k_tiles, half, interpret):
+  """The bf16 multipliers' P·V as four m64n64k16 groups (Pallas wgmmas, one per 64-column chunk of V, each
+  re-reading P from SMEM: 4 KB of operands per 32 cycles, the SMEM port's rate) instead of one m64n256k16 group
+  (10 KB per 128 cycles): the default's premise that SMEM bandwidth matters at bf16."""
+  p_ref = k_tiles.at[heads_m.BF16_P_CHUNK]
+  accs = tuple(acc[:, common.TILE * g:common.TILE * (g + 1)] for g in range(heads_m.BF16_V_BLOCKS))
+
+  def pv(acc_refs):
+    for g, a in enumerate(acc_refs):
+      plgpu.wgmma(a, p_ref, k_tiles.at[heads_m.BF16_V_BLOCKS * half + g])
+  return jnp.concatenate(common.accumulate(pv, accs, interpret), axis=1)
+
+
 def _pv_half_identity(acc, p_op, wg, interpret, r):
   del p_op, wg, interpret, r
   return acc
@@ -266,10 +279,12 @@ ROWS = {
                  (vt_registers, "_key_words"): _key_words_per_key},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
+    # bf16 cache, "producer_vt": the multipliers' P·V as four N = 64 groups instead of one N = 256 group
+    "pv_bf16_n64": {(heads_m, "_pv_bf16"): _pv_bf16_n64},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base")
+           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_n64")
 
 
 @contextlib.contextmanager
