@@ -89,20 +89,27 @@ def test_kernel_matches_reference(rng, model, case, causal):
   _check(q, k, v, cu, cu_k, causal, run, f"{model} {case} causal={causal}")
 
 
+def _check_config(rng, h, model, case, causal, cfg, what, quantized_p=False):
+  """The op's kernel path (``ops.prefill._mosaic_jit``) with ``cfg`` on a fresh case, through :func:`_check`."""
+  import functools
+  from mla_pallas.ops import prefill as pf
+  _, dqk, dv = DIMS[model]
+  q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
+  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
+                          cfg=cfg)
+  _check(q, k, v, cu, cu_k, causal, run, what, quantized_p)
+  return q, k
+
+
 @pytest.mark.parametrize("model", sorted(DIMS))
 def test_prepass_kernel_matches_reference(rng, model):
   """64 heads, so that q and k go through kernels/prefill_quant.py (H a multiple of 64), with the default config:
   ragged sequences with cached context, causal."""
-  import functools
   from mla_pallas.kernels import prefill_sm90 as kp
   from mla_pallas.ops import prefill as pf
   _, dqk, dv = DIMS[model]
-  q, k, v, cu, cu_k = _inputs(rng, 64, dqk, dv, "context")
-  cfg = kp.default_config(dqk, dv)
+  q, k = _check_config(rng, 64, model, "context", True, kp.default_config(dqk, dv), f"{model} H64")
   assert pf._prepass_kernel(q) and pf._prepass_kernel(k)
-  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=True, cu_seqlens_k=cu_k,
-                          cfg=cfg)
-  _check(q, k, v, cu, cu_k, True, run, f"{model} H64")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -112,15 +119,10 @@ def test_pingpong_matches_reference(rng, model, case, causal):
   """TuningConfig.pingpong (FA3's schedule barrier between the two consumers) against the reference, with ragged
   tiles, empty tiles (the paired rendezvous), cached context and padding; bitwise deterministic."""
   import dataclasses
-  import functools
   from mla_pallas.kernels import prefill_sm90 as kp
-  from mla_pallas.ops import prefill as pf
   h, dqk, dv = DIMS[model]
-  q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
   cfg = dataclasses.replace(kp.default_config(dqk, dv), pingpong=True)
-  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
-                          cfg=cfg)
-  _check(q, k, v, cu, cu_k, causal, run, f"pingpong {model} {case} causal={causal}")
+  _check_config(rng, h, model, case, causal, cfg, f"pingpong {model} {case} causal={causal}")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -130,12 +132,7 @@ def test_pv_fp8_matches_reference(rng, model, case, causal):
   """TuningConfig.pv_fp8 (fp8 P·V over the op's Vᵀ in e4m3 with column scales; 128-key blocks at DeepSeek's dims,
   64 at GLM-5's, with the ping-pong at GLM-5) against the reference within the error model with P and V in e4m3;
   ragged tiles, cached context, padding and non-finite v; bitwise deterministic."""
-  import functools
   from mla_pallas.kernels import prefill_sm90 as kp
-  from mla_pallas.ops import prefill as pf
-  h, dqk, dv = DIMS[model]
-  q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
+  h, dqk, _ = DIMS[model]
   cfg = kp.TuningConfig(block_kv=128 if dqk == 192 else 64, pv_fp8=True, pingpong=dqk != 192)
-  run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
-                          cfg=cfg)
-  _check(q, k, v, cu, cu_k, causal, run, f"pv_fp8 {model} {case} causal={causal}", quantized_p=True)
+  _check_config(rng, h, model, case, causal, cfg, f"pv_fp8 {model} {case} causal={causal}", quantized_p=True)

@@ -134,8 +134,7 @@ class TuningConfig(_DenseConfig):
   def validate(self):
     if self.cache_dtype not in self.CACHE_DTYPES:
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
-    super().validate()
-    self.core.validate()
+    super().validate()   # (its SMEM budget builds the core config, which checks itself: bf16 k_buffers <= 2)
 
   @property
   def core(self) -> heads_m.TuningConfig:
@@ -198,9 +197,7 @@ def _loader(cfg, num_slots: int, interpret: bool, tab_row, r: common.SparseRefs,
   hardware 16-byte ``cp.async`` by the warpgroup's threads, rows past the limit zero-filled)."""
   plgpu.set_max_registers(regs, action="decrease")
   if tile_q is not None:
-    for c in range(layout.chunks):
-      plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * layout.chunk_cols, layout.chunk_cols)],
-                              r.q_sw.at[c], r.q_bar)
+    heads_m.load_q_tile(tile_q, r, layout)
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[tab_row], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   rel = _header(r, REL)

@@ -282,14 +282,21 @@ def _loader(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, t
   indices, then the gathers of every tile (``common.gather_tiles``)."""
   plgpu.set_max_registers(PRODUCER_REGS[0] if cfg.producer else LOADER_REGS, action="decrease")
   lay = cfg.layout
-  for c in range(0 if cfg.q_in_kernel else lay.chunks):
-    plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
-                            r.q_bar)
+  if not cfg.q_in_kernel:
+    load_q_tile(tile_q, r, lay)
   n_tiles = cfg.tiles_per_split
   plgpu.copy_gmem_to_smem(r.idx_gmem.at[token, pl.ds(split * n_tiles, n_tiles)], r.idx_smem, r.idx_bar)
   plgpu.barrier_wait(r.idx_bar)
   common.gather_tiles(r.kv_gmem, r.k_sw, r.idx_smem, r.k_full, r.k_empty, num_slots=num_slots,
                       n_tiles=n_tiles, k_buffers=cfg.k_buffers, interpret=interpret, layout=lay)
+
+
+def load_q_tile(tile_q, r: common.SparseRefs, lay: common.TileLayout):
+  """The loader's TMAs of query tile ``tile_q``'s chunks (``q_gmem`` [num_q_tiles, 64, 576] bf16, a bf16 cache's
+  kernels) into ``q_sw``, one arrival each on ``q_bar``."""
+  for c in range(lay.chunks):
+    plgpu.copy_gmem_to_smem(r.q_gmem.at[tile_q, :, pl.ds(c * lay.chunk_cols, lay.chunk_cols)], r.q_sw.at[c],
+                            r.q_bar)
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per head row
