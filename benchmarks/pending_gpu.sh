@@ -267,6 +267,12 @@ b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, an
   run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic $only,k_buffers=5,tiles_per_split=64 \
     --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
 }
+diag_qkdesc() {   # queued (branch queued/qk-descriptors): the producer's QKᵀ from one descriptor pair per tile
+                  # against qk_desc_per_chunk (the previous form), P1 and F1, with ptxas; then the producer GPU tests
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_qkdesc_P1 60 $py --iters 20 --cases P1 --ptxas --rows none,qk_desc_per_chunk --out "$OUT/diag_qkdesc"
+  run diag_qkdesc_F1 100 $py --iters 20 --cases F1 --rows none,qk_desc_per_chunk --out "$OUT/diag_qkdesc_F1"
+}
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
@@ -318,7 +324,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_gpu_par_vt,b_dense_routes,diag_s32c,t_bf16p,b_bf16"
+next="diag_qkdesc,t_gpu_par_vt,b_dense_routes,diag_s32c,t_bf16p,b_bf16"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

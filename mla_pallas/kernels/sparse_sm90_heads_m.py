@@ -333,11 +333,13 @@ def _qk_fp8_18(q_sw, k_tiles):
   """S = Q·Kᵀ [64, 64] f32 (WGMMA layout) from the fp8 Q tile ``q_sw`` and K tile ``k_tiles`` ([5, 64, 128] fp8
   each, 128-byte swizzled) with 18 m64n64k32 wgmmas instead of 20: in the fifth chunk Q holds 64 zero columns
   against cache columns 448-511 (which chunk 3 already multiplies) and then the rope, so its first two k32 steps
-  add exact zeros and are not issued (S is bit for bit the five-chunk product's). Mosaic GPU's ``wgmma`` issues
-  all four steps of a 128-byte chunk, so chunks 0-3 go through it and the fifth chunk's last two steps through its
-  descriptor helpers (``mma_utils.create_descriptor``, ``wgmma.wgmma_m64``: both descriptors advanced by two
-  k-steps; ``wgmma_m64``'s ``swizzle`` argument only sets how many steps it issues, the descriptors keep the
-  tiles' 128-byte swizzle). One commit group, waited for before returning."""
+  add exact zeros and are not issued (S is bit for bit the five-chunk product's). The wgmmas are issued from one
+  pair of descriptors, chunk 0's (``mma_utils.create_descriptor``): chunk c's are those plus c · 8192 bytes, a
+  k32 step 32 more (the descriptors' address fields count 16-byte units), so each wgmma costs one 64-bit add per
+  operand instead of a descriptor built from its chunk's address (``mgpu.wgmma`` per chunk: ~80 uniform-datapath
+  instructions per tile). ``wgmma.wgmma_m64`` issues the steps (its ``swizzle`` argument sets how many: 128 bytes
+  = 4, 64 = 2; the descriptors keep the tiles' 128-byte swizzle). One commit group, waited for before
+  returning."""
   sw = plgpu.RefType(swizzled(common.FP8, common.SW_CHUNK))
 
   @plgpu.inline_mgpu(arg_types=(sw, sw), return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.float32,
@@ -345,12 +347,8 @@ def _qk_fp8_18(q_sw, k_tiles):
   def qk(ctx, q8, k8):
     del ctx
     acc = mgpu.WGMMAAccumulator.zero(TILE, TILE)
-    views = [(mgpu_utils.memref_slice(q8, c), mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k8, c),
-                                                                          (1, 0, 3, 2)))
-             for c in range(common.SW_CHUNKS)]
-    for a, b in views[:-1]:
-      acc = mgpu.wgmma(acc, a, b, swizzle=common.SW_CHUNK)
-    a, b = views[-1]
+    a = mgpu_utils.memref_slice(q8, 0)
+    b = mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k8, 0), (1, 0, 3, 2))
     (a_desc, a_k), _, a_fast = mma_utils.create_descriptor(a, swizzle=common.SW_CHUNK, large_tile=(TILE, 128),
                                                            group_size=(TILE, 128), logical_k_major=False)
     (b_desc, b_k), _, b_fast = mma_utils.create_descriptor(b, swizzle=common.SW_CHUNK, large_tile=(128, 128),
@@ -358,16 +356,23 @@ def _qk_fp8_18(q_sw, k_tiles):
     a_k, b_k = a_k[1][0], b_k[1][0]
     i64 = ir.IntegerType.get_signless(64)
 
-    def skip(desc, stride):   # the descriptor two k32 steps on (its address field counts 16-byte units)
-      return llvm.add(desc, llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, 2 * (stride >> 4))),
+    def at(desc, nbytes):   # the descriptor nbytes further on (address field in 16-byte units)
+      if not nbytes:
+        return desc
+      return llvm.add(desc, llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, nbytes >> 4)),
                       overflow_flags=llvm.IntegerOverflowFlags.none)
     f8 = ir.Float8E4M3FNType.get()
     internal = acc._value     # the accumulator's own (32-bit ACC) layout, as mgpu.wgmma keeps it
     regs = internal.registers.copy()
-    regs[0:1] = mgpu_wgmma.wgmma_m64(regs[0:1], skip(a_desc, a_k), skip(b_desc, b_k),
-                                     a_transpose=a_fast != mma_utils.Dim.K, b_transpose=b_fast != mma_utils.Dim.K,
-                                     a_k_stride=a_k, b_k_stride=b_k, n=TILE, swizzle=64, a_element_type=f8,
-                                     b_element_type=f8)
+    chunk_bytes = TILE * common.SW_CHUNK
+    last = common.SW_CHUNKS - 1
+    for c in range(common.SW_CHUNKS):
+      skip = 2 if c == last else 0      # the fifth chunk: only its last two k32 steps
+      regs[0:1] = mgpu_wgmma.wgmma_m64(
+          regs[0:1], at(a_desc, c * chunk_bytes + skip * a_k), at(b_desc, c * chunk_bytes + skip * b_k),
+          a_transpose=a_fast != mma_utils.Dim.K, b_transpose=b_fast != mma_utils.Dim.K, a_k_stride=a_k,
+          b_k_stride=b_k, n=TILE, swizzle=64 if c == last else common.SW_CHUNK, a_element_type=f8,
+          b_element_type=f8)
     raw_mgpu.wgmma_commit()
     raw_mgpu.wgmma_wait(0)
     done = mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=internal.layout,
