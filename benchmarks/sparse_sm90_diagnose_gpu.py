@@ -323,6 +323,9 @@ ROWS = {
                  (vt_registers, "_key_words"): _key_words_per_key},
     # the producer's QKᵀ descriptors built per chunk from its address (mgpu.wgmma; before the thirty-second session)
     "qk_desc_per_chunk": {(heads_m, "_qk_fp8_18"): _qk_fp8_18_per_chunk},
+    # the producer's tile mask (its ids' loads) made after its QKᵀ is waited for (inside the softmax step; the form
+    # before)
+    "ids_after_qk": {(heads_m, "_producer_mask"): lambda mask, t: None},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
     # bf16 cache, "producer_vt": the multipliers' P·V as four N = 64 groups instead of one N = 256 group
@@ -331,7 +334,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_n64",
-           "qk_desc_per_chunk")
+           "qk_desc_per_chunk", "ids_after_qk")
 
 
 @contextlib.contextmanager

@@ -413,6 +413,13 @@ def _zero_state():
   return acc0, m0, l0
 
 
+def _producer_mask(mask, t):
+  """The producer's key mask of tile t (``mask(t)``, or None for an unmasked range), made before its QKᵀ is waited
+  for: the index loads and their latency off the head of the softmax chain (the indices are in SMEM from the
+  start)."""
+  return None if mask is None else mask(t)
+
+
 def _softmax_step(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent: bool = False):
   """The online softmax of one tile; ``valid``: its key mask or None (``rescale_threshold``: lazy rescaling;
   ``scale_in_exponent``: the row scale folded into exp2's argument; all ``common.online_softmax_tile``)."""
@@ -812,12 +819,14 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     m, l = carry
     with jax.named_scope("p_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
+      valid = _producer_mask(mask, t)
     with jax.named_scope("p_qk"):
       s = _qk_producer(cfg, k_tiles, r, interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
-      p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, None if mask is None else mask(t), RESCALE_THRESHOLD,
-                                         scale_in_exponent=True)
+      if valid is None and mask is not None:    # (the diagnosis row ids_after_qk: the mask after the QKᵀ wait)
+        valid = mask(t)
+      p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, valid, RESCALE_THRESHOLD, scale_in_exponent=True)
       p16 = p.astype(cfg.p_dtype)
     _publish_p(t, pb, p16, alpha, _p_slot(cfg, r, kb, pb), r, interpret)
     return m_new, l
