@@ -269,10 +269,11 @@ b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, an
 }
 diag_qkdesc() {   # queued (branch queued/qk-descriptors): the producer's QKᵀ from one descriptor pair per tile
                   # against qk_desc_per_chunk (the previous form), and its tile ids loaded before the QKᵀ wait
-                  # against ids_after_qk; P1 and F1, with ptxas
+                  # against ids_after_qk, and the multipliers' P·V descriptors from slot 0's plus the slot offset
+                  # against p_desc_per_call; P1 and F1, with ptxas
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_qkdesc_P1 60 $py --iters 20 --cases P1 --ptxas --rows none,qk_desc_per_chunk,ids_after_qk --out "$OUT/diag_qkdesc"
-  run diag_qkdesc_F1 150 $py --iters 20 --cases F1 --rows none,qk_desc_per_chunk,ids_after_qk --out "$OUT/diag_qkdesc_F1"
+  run diag_qkdesc_P1 90 $py --iters 20 --cases P1 --ptxas --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc"
+  run diag_qkdesc_F1 200 $py --iters 20 --cases F1 --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc_F1"
 }
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1

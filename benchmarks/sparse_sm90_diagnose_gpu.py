@@ -136,8 +136,8 @@ def _pv_half_identity(acc, p_op, wg, interpret, r):
 
 
 def _pv_wgmmas_identity(words, pt_ref, accs, swizzle, blocks=vt_registers.ALL_BLOCKS, p_rows=False,
-                        pipelined=False):
-  del words, pt_ref, swizzle, blocks, p_rows, pipelined  # the words' loads are side-effecting asm: they stay
+                        pipelined=False, slot=None):
+  del words, pt_ref, swizzle, blocks, p_rows, pipelined, slot  # the words' loads are side-effecting asm: they stay
   return tuple(accs)
 
 
@@ -194,6 +194,14 @@ def _qk_fp8_18_per_chunk(q_sw, k_tiles):
                                  _original_layout=acc._original_layout, _sync=False)
     return fa.optimization_barrier(done.value)
   return qk(q_sw, k_tiles)
+
+
+def _p_view_sliced(pt, slot):
+  """``vt_registers._p_view`` as before: the P slot sliced with the dynamic index, its descriptors built from it in
+  every call (``mgpu.wgmma`` on ``p_sw.at[pb]``)."""
+  if slot is None:
+    return pt, 0
+  return mgpu_utils.memref_slice(pt, arith.index_cast(ir.IndexType.get(), slot)), 0
 
 
 def _words_unpaired(words, blocks):
@@ -326,6 +334,8 @@ ROWS = {
     # the producer's tile mask (its ids' loads) made after its QKᵀ is waited for (inside the softmax step; the form
     # before)
     "ids_after_qk": {(heads_m, "_producer_mask"): lambda mask, t: None},
+    # the P·V B descriptors built from the dynamically sliced P slot in every call (the form before)
+    "p_desc_per_call": {(vt_registers, "_p_view"): _p_view_sliced},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
     # bf16 cache, "producer_vt": the multipliers' P·V as four N = 64 groups instead of one N = 256 group
@@ -334,7 +344,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_n64",
-           "qk_desc_per_chunk", "ids_after_qk")
+           "qk_desc_per_chunk", "ids_after_qk", "p_desc_per_call")
 
 
 @contextlib.contextmanager

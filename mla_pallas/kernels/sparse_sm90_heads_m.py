@@ -704,8 +704,8 @@ def _pv_vt(accs, words, pb, r: common.SparseRefs):
   ``words`` one block at a time: ``pv_wgmmas(pipelined=True)``)."""
   accs = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: common.scale_columns(
       a, plgpu.load(r.head_smem.at[pb], layout=COL_LAYOUT, optimized=False)), tuple(accs))
-  return tuple(vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * TILE,
-                                      blocks=tuple(range(vt_registers.HALF_BLOCKS)), p_rows=True, pipelined=True))
+  return tuple(vt_registers.pv_wgmmas(words, r.p_sw, accs, 2 * TILE, blocks=tuple(range(vt_registers.HALF_BLOCKS)),
+                                      p_rows=True, pipelined=True, slot=pb))
 
 
 def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_in=None, n_tiles=None):

@@ -225,7 +225,7 @@ def _pv_consumer(cfg: common.SparseSm90Config, r: common.SparseRefs, n_tiles=Non
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_wait(r.p_full.at[pb])
     accs = common.scale_columns(accs, _head_values(r, ALPHA_ROW + pb))
-    accs = vt_registers.pv_wgmmas(words, r.p_sw.at[pb], accs, 2 * HEADS_N)
+    accs = vt_registers.pv_wgmmas(words, r.p_sw, accs, 2 * HEADS_N, slot=pb)
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 

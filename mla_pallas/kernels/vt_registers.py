@@ -29,6 +29,8 @@ the CPU and numerically on the GPU (tests/test_vt_registers.py, tests/test_spars
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 import jax.numpy as jnp
@@ -36,12 +38,14 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.mosaic.gpu import mma_utils, utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels.raw_mgpu import (SCALAR_LAYOUT, asm as _asm, c32 as _i32, scalar_array, scalar_value,
                                          thread_in_warpgroup, wgmma_commit as _commit, wgmma_wait as _wait)
+
+mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
 
 D_V = 512            # latent columns of V
 TILE = 64            # keys per tile; rows per M block
@@ -287,21 +291,57 @@ def load_v_words(k_tile_ref):
   return f(k_tile_ref)
 
 
-def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bool):
+def _p_view(pt, slot):
+  """The P tile whose descriptor the P·V wgmmas are built from, and the byte offset (an i64 value, or 0) of the
+  tile they read from it: with ``slot`` (an i32 value), slot 0 of ``pt`` ([slots, ...]: a static view, so its
+  descriptor does not depend on the loop and LLVM hoists it) and slot · slot bytes; without, ``pt`` itself."""
+  if slot is None:
+    return pt, 0
+  strides, _ = ir.MemRefType(pt.type).get_strides_and_offset()
+  slot_bytes = strides[0] * 2      # f16
+  i64 = ir.IntegerType.get_signless(64)
+  offset = arith.muli(arith.extui(i64, slot), arith.constant(i64, slot_bytes))
+  return mgpu_utils.memref_slice(pt, 0), offset
+
+
+def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bool, slot=None):
   """Inside an ``inline_mgpu`` body: issue (and commit) accs[i] += Vᵀ[M block blocks[i]] · Pᵀ, one wgmma group per
   block; returns the accumulators (the last group's wgmmas in flight). ``pipelined``: the byte pairs of all blocks
   first (:func:`paired_words`), then block i's A fragments converted only after ``wgmma.wait_group 1`` has retired
-  block i - 2's group (:func:`pv_wgmmas`)."""
+  block i - 2's group (:func:`pv_wgmmas`). ``slot``: P is slot ``slot`` of ``pt`` (:func:`_p_view`). The B
+  descriptors (one per 16-key group of P) are built once, as ``mgpu.wgmma`` builds them, and shared by the
+  blocks."""
+  view, offset = _p_view(pt, slot)
   if p_rows:      # tiled memref (N/8, 1, 8, 64) of P -> the transposed (1, N/8, 64, 8) view of Pᵀ
-    pt = mgpu_utils.memref_transpose(pt, (1, 0, 3, 2))
+    view = mgpu_utils.memref_transpose(view, (1, 0, 3, 2))
+  (_, n), _ = mma_utils.tiled_memref_shape(view)
+  k_group = swizzle // 2                     # f16 keys per swizzled row of Pᵀ
+  (desc, k_step), (_, k_group_stride), fastest = mma_utils.create_descriptor(
+      view, swizzle=swizzle, large_tile=(k_group,) * 2, group_size=(k_group, n), logical_k_major=True)
+  i64 = ir.IntegerType.get_signless(64)
+  if not isinstance(offset, int):
+    desc = llvm.add(desc, arith.shrui(offset, arith.constant(i64, 4)), overflow_flags=llvm.IntegerOverflowFlags.none)
+  b_descs = [desc if not g else llvm.add(desc, arith.constant(i64, mma_utils.encode_addr(g * k_group_stride)),
+                                         overflow_flags=llvm.IntegerOverflowFlags.none)
+             for g in range(TILE // k_group)]
+  f16 = ir.F16Type.get()
   out = []
   a_ops = None if pipelined else block_operands(words, blocks)
   paired = paired_words(words, blocks) if pipelined else None
   for i, (g, acc) in enumerate(zip(blocks, accs)):
     if pipelined and i >= 2:
       _wait(1)     # block i - 2 done: its A registers are free for block i's
-    a = paired_operand(paired, g) if pipelined else a_ops[i]
-    out.append(mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc), a, pt, swizzle=swizzle))
+    a = mgpu_wgmma.wgmma_fence(paired_operand(paired, g) if pipelined else a_ops[i])
+    acc = mgpu.WGMMAAccumulator.from_registers(acc)
+    regs = acc._value.registers.copy()
+    for kg, b_desc in enumerate(b_descs):
+      regs[0:1] = mgpu_wgmma.wgmma_m64(regs[0:1], a[:, kg * k_group:(kg + 1) * k_group], b_desc, a_transpose=None,
+                                       b_transpose=fastest != mma_utils.Dim.K, a_k_stride=None,
+                                       b_k_stride=k_step[1][0], n=n, swizzle=swizzle, a_element_type=f16,
+                                       b_element_type=f16)
+    out.append(mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=acc._value.layout,
+                                                               _is_signed=None),
+                                     _original_layout=acc._original_layout, _sync=False))
     _commit()
   return out
 
@@ -310,10 +350,14 @@ def _acc_types(accs):
   return tuple(plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA) for a in accs)
 
 
-def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, pipelined: bool = False):
+def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool = False, pipelined: bool = False,
+              slot=None):
   """accs[i] (f32 (64, N), WGMMA layout) += Vᵀ[M block blocks[i]] · Pᵀ, A from ``words`` in registers,
   B = ``pt_ref``: Pᵀ [64 keys, N] f16, swizzled ``swizzle`` = 2N bytes, or with ``p_rows`` P [N, 64 keys] (rows
-  of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators.
+  of heads, 128-byte swizzle), read transposed (K-major B); waited for. Returns the new accumulators. ``slot`` (an
+  int32 scalar): ``pt_ref`` holds P slots on its first axis and the product reads slot ``slot``; its B
+  descriptors are slot 0's (loop-invariant) plus the slot's offset, not built from a dynamically sliced ref in
+  every call.
 
   Default: the A fragments of all ``blocks`` are built (``prmt`` + ``cvt``, two blocks per ``prmt``) and then
   the wgmmas issued, one group per block; with many accumulator registers live ptxas keeps every block's A alive
@@ -327,13 +371,16 @@ def pv_wgmmas(words, pt_ref, accs, swizzle: int, blocks=ALL_BLOCKS, p_rows: bool
   The register operand is read asynchronously by the tensor cores; ptxas keeps those registers alive until the
   wait at the end (one ``wgmma.wait_group 0``), and the results pass an optimization barrier after it so that
   LLVM cannot move their uses above the wait."""
+  slot_types = (SCALAR_LAYOUT,) if slot is not None else ()
+
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(common.swizzled(jnp.float16, swizzle)),
-                                tuple(plgpu.Layout.WGMMA for _ in accs)),
+                                tuple(plgpu.Layout.WGMMA for _ in accs)) + slot_types,
                      return_type=_acc_types(accs))
-  def f(ctx, words, pt, accs):
+  def f(ctx, words, pt, accs, *slot_arr):
     del ctx
-    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, pipelined)
+    out = _issue_pv(words, pt, accs, swizzle, blocks, p_rows, pipelined,
+                    scalar_value(slot_arr[0]) if slot_arr else None)
     _wait(0)
     return tuple(fa.optimization_barrier(a.value) for a in out)
-  return f(words, pt_ref, tuple(accs))
+  return f(words, pt_ref, tuple(accs), *((scalar_array(slot),) if slot is not None else ()))
 
