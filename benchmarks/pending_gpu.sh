@@ -275,6 +275,14 @@ diag_qkdesc() {   # queued (branch queued/qk-descriptors): the producer's QKᵀ 
   run diag_qkdesc_P1 90 $py --iters 20 --cases P1 --ptxas --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc"
   run diag_qkdesc_F1 200 $py --iters 20 --cases F1 --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc_F1"
 }
+diag_qprod() {   # queued (branch queued/qk-descriptors): the producer quantizes Q rows 0-15 (the multipliers 24 each)
+                 # against q_rows_multipliers (32 each, the form before); P1 and F1 and the P1 timeline
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_qprod_P1 60 $py --iters 20 --cases P1 --rows none,q_rows_multipliers --out "$OUT/diag_qprod"
+  run diag_qprod_F1 100 $py --iters 20 --cases F1 --rows none,q_rows_multipliers --out "$OUT/diag_qprod_F1"
+  run timeline_qprod 60 $py --timeline --cases P1 --rows none,q_rows_multipliers --out "$OUT/timeline_qprod"
+  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+}
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
@@ -326,7 +334,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_qkdesc,t_gpu_par_vt,b_dense_routes,diag_s32c,t_bf16p,b_bf16"
+next="diag_qkdesc,t_gpu_par_vt,diag_qprod,b_dense_routes,diag_s32c,t_bf16p,b_bf16"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

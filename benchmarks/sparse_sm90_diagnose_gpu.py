@@ -336,6 +336,8 @@ ROWS = {
     "ids_after_qk": {(heads_m, "_producer_mask"): lambda mask, t: None},
     # the P·V B descriptors built from the dynamically sliced P slot in every call (the form before)
     "p_desc_per_call": {(vt_registers, "_p_view"): _p_view_sliced},
+    # the multipliers quantize all of Q, 32 rows each (the form before; the default gives the producer 16)
+    "q_rows_multipliers": {(heads_m, "PRODUCER_Q_ROWS"): 0},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
     # bf16 cache, "producer_vt": the multipliers' P·V as four N = 64 groups instead of one N = 256 group
@@ -344,7 +346,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_n64",
-           "qk_desc_per_chunk", "ids_after_qk", "p_desc_per_call")
+           "qk_desc_per_chunk", "ids_after_qk", "p_desc_per_call", "q_rows_multipliers")
 
 
 @contextlib.contextmanager

@@ -280,7 +280,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       plgpu.SMEM((table_width(cfg.tiles_per_split),), jnp.int32),                          # table row
       plgpu.SMEM((TILE,), jnp.float32),                                                    # lse
       plgpu.SMEM((core.head_rows, TILE), jnp.float32),                                     # alpha, 1/l, ...
-      plgpu.Barrier(num_arrivals=2 if core.q_in_kernel else lay.chunks),                   # q_bar
+      plgpu.Barrier(num_arrivals=heads_m._q_arrivals(core) if core.q_in_kernel else lay.chunks),   # q_bar
       plgpu.Barrier(),                                                                     # tab_bar
       plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, lay),
                     num_barriers=cfg.k_buffers),                                           # k_full

@@ -72,7 +72,7 @@ Q_LOAD_REGS = 128
 
 
 def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first=0, count: int | None = None,
-                           q_rope=None) -> None:
+                           q_rope=None, load_regs: int | None = None) -> None:
   """Raw Mosaic GPU body (one warpgroup): tile rows ``first .. first + count`` (default: all) of the Q tile ``q8``
   (SMEM memref [5, tile_rows, 128] fp8, Tiling(8, 128) + 128-byte swizzle: latent | 64 zeros | rope) from rows
   ``row0 + r`` of ``q`` (GMEM memref [R, 576] bf16 or f32; or, with ``q_rope``, q [R, 512] the latent part and
@@ -80,7 +80,8 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first=0, count: int
   module docstring, and
   each row's max |q| into ``amax_out[r]`` (SMEM memref of >= tile_rows f32); tile rows ``r >= rows`` get zeros
   (and amax 0). ``row0``: i32 value; ``rows``, ``count`` (a multiple of 4) static; ``first`` static or an i32
-  value (one code path for both halves of a tile).
+  value (one code path for both halves of a tile); ``load_regs``: at most this many registers of q loads in
+  flight per lane (a warpgroup with few registers; default and cap ``Q_LOAD_REGS``).
 
   Warp w takes tile rows first + w, first + w + 4, ...; lane l loads latent values [16 l, 16 l + 16) and lanes 4-7
   also rope values [16 (l - 4), 16 (l - 4) + 16), the loads of up to ``Q_LOAD_REGS`` registers' worth of rows
@@ -130,7 +131,7 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first=0, count: int
     return r, real, latent, rope
 
   row_regs = LANE_VALUES * (item + rope_item) // 4     # registers of one row's raw vectors per lane
-  per_batch = max(1, Q_LOAD_REGS // row_regs)
+  per_batch = max(1, (Q_LOAD_REGS if load_regs is None else min(load_regs, Q_LOAD_REGS)) // row_regs)
   warp_rows = list(range(count // 4))
   for b in range(0, len(warp_rows), per_batch):
     batch = [load(j) for j in warp_rows[b:b + per_batch]]    # all the batch's loads in flight before any store
@@ -154,7 +155,8 @@ def quantize_head_rows_raw(q, q8, amax_out, row0, rows: int, first=0, count: int
                lambda r=r, a=amax: raw.st_shared_f32(arith.addi(amax_base, arith.muli(r, raw.c32(4))), a))
 
 
-def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first=0, count: int | None = None) -> None:
+def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first=0, count: int | None = None,
+                       load_regs: int | None = None) -> None:
   """Pallas-level :func:`quantize_head_rows_raw` (run by one warpgroup; not in interpret mode): ``q_ref`` GMEM
   [R, 576] bf16 / f32, or a pair (latent [R, 512], rope [R, 64]) of GMEM refs (:func:`q_parts`), ``q8_ref`` SMEM
   [5, tile_rows, 128] fp8 (``common.q_scratch``), ``amax_ref`` SMEM [>= tile_rows] f32; ``row0`` an int32 scalar
@@ -175,7 +177,7 @@ def quantize_head_rows(q_ref, q8_ref, amax_ref, row0, rows: int, first=0, count:
       *qs, q8, amax, row0_fa, first_fa = args
       first_v = raw.scalar_value(first_fa)
     quantize_head_rows_raw(qs[0], q8, amax, raw.scalar_value(row0_fa), rows, first_v, count,
-                           q_rope=qs[1] if len(qs) > 1 else None)
+                           q_rope=qs[1] if len(qs) > 1 else None, load_regs=load_regs)
   f(*parts, q8_ref, amax_ref, raw.scalar_array(row0), *(() if static_first else (raw.scalar_array(first),)))
 
 
@@ -196,9 +198,10 @@ def q_rows(q_ref, start, count: int):
 
 
 def quantize_head_rows_interpret(q_ref, q8_ref, amax_ref, row0, rows: int, first: int = 0,
-                                 count: int | None = None) -> None:
+                                 count: int | None = None, load_regs: int | None = None) -> None:
   """:func:`quantize_head_rows` for interpret mode (no ``inline_mgpu`` there): the same values by Pallas array
-  ops (interpret mode checks no layouts); ``q_ref`` as there."""
+  ops (interpret mode checks no layouts); ``q_ref`` as there (``load_regs`` has no meaning here)."""
+  del load_regs
   count = q8_ref.shape[1] if count is None else count
   real = min(max(rows - first, 0), count)     # tile rows first .. first + real come from q
   q8 = jnp.zeros((0, common.Q_SW_COLS), common.FP8)

@@ -48,10 +48,10 @@ Schedules (``TuningConfig.schedule``; the op picks one by split length, ``ops.sp
   not issued), releases the K buffer, runs the online softmax and writes P (f16 [64, 64], 128-byte swizzled) and
   alpha into slot t % 2 of ``p_sw`` / ``head_smem`` (``p_full``; it runs up to two tiles ahead); after the last
   tile it publishes kv_scale / l (``p_full[2]``) and writes the lse. WG1 and WG2 — the *multipliers* (200
-  registers; one code path, their half traced) — first quantize 32 rows of Q each (section "Q in the kernel"),
-  then each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the register A operand built
-  from the fp8 K tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key, ``prmt``, exact e4m3x2 →
-  f16x2), Pᵀ the K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each
+  registers; one code path, their half traced) — first quantize 24 rows of Q each, the producer 16 (section
+  "Q in the kernel"), then each hold half of the transposed output, Oᵀ [512, 64 heads] = Vᵀ·Pᵀ: Vᵀ is the
+  register A operand built from the fp8 K tile (``kernels/vt_registers.py``: one 64-bit SMEM load per key,
+  ``prmt``, exact e4m3x2 → f16x2), Pᵀ the K-major view of P's slot; 4 Oᵀ blocks of 64 latent rows each
   (``vt_registers.latent_of_half_row``: thread (w, q) holds latent columns 256 half + 64w + 8q + [0, 8) in its
   rows of the 4 blocks; 4 × 32 f32 registers).
   The producer's softmax rescales lazily (``RESCALE_THRESHOLD``: a row's max moves only when it grows by more than
@@ -97,11 +97,12 @@ K tile itself (a 16-bit wgmma takes the MN-major B, so there is no V copy).
 Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
 -------------------------------------------------------------------------------
 The kernel takes the op's q ([num_tokens · H, 576] bf16 or f32, or with ``q_split`` its latent [.., 512] and rope
-[.., 64] parts as two inputs; no ``qs``), not a pre-pass's tiles: two warpgroups ("twin": the consumers, WG0 rows
-0-31 and WG1 32-63; "producer_vt": the multipliers, which would otherwise wait for the first P) each quantize 32
-of the tile's 64 rows (rows past H are zeros) straight from GMEM into ``q_sw`` and their max |q| into a [64] f32
-SMEM row (raw PTX, ``q_quant.quantize_head_rows``: the pre-pass's bytes), fence and arrive on ``q_bar`` (two
-arrivals); the softmax warpgroups wait for it and take the row scales as ``q_quant.row_scales(amax)``. The loader
+[.., 64] parts as two inputs; no ``qs``), not a pre-pass's tiles: "twin"'s two consumers (WG0 rows 0-31, WG1
+32-63), or "producer_vt"'s producer (rows 0-15, ``PRODUCER_Q_ROWS``) and multipliers (which would otherwise wait
+for the first P; rows 16-39 and 40-63) quantize the tile's 64 rows (rows past H are zeros) straight from GMEM
+into ``q_sw`` and their max |q| into a [64] f32 SMEM row (raw PTX, ``q_quant.quantize_head_rows``: the
+pre-pass's bytes), fence and arrive on ``q_bar`` (one arrival per quantizing warpgroup); the softmax warpgroups
+wait for it and take the row scales as ``q_quant.row_scales(amax)``. The loader
 then TMAs only the indices. SMEM: + the amax row ("twin": 1 024; "producer_vt": a fourth ``head_smem`` row, within
 the 1 KB rounding). Only the bf16 cache takes the op's Q tiles (``q``, ``qs``) by TMA.
 
@@ -432,12 +433,15 @@ def _softmax_prologue(tile_q, r: common.SparseRefs, q_in=None, regs: tuple[int, 
   """A softmax consumer's start: its registers (``regs``: count and setmaxnreg action), Q and the indices landed;
   returns (row_scale [64], kv_scale). ``q_in`` (``TuningConfig.q_in_kernel``): (wg, heads, softmax_scale,
   interpret); with ``quantize`` this consumer quantizes its half of the tile's rows first
-  (:func:`_quantize_q_half`), else (the "producer_vt" producer) the multipliers do; the rows' max |q| is read
-  from :func:`_amax_row`."""
+  (:func:`_quantize_q_half`), else (the "producer_vt" producer) its ``PRODUCER_Q_ROWS`` and the multipliers the
+  rest; the rows' max |q| is read from :func:`_amax_row`."""
   plgpu.set_max_registers(regs[0], action=regs[1])
   if q_in is not None and quantize:
     wg, heads, _, interpret = q_in
     _quantize_q_half(tile_q, r, wg, heads, interpret)
+  elif q_in is not None and PRODUCER_Q_ROWS:
+    _, heads, _, interpret = q_in
+    _quantize_q_rows(tile_q, r, 0, PRODUCER_Q_ROWS, heads, interpret, load_regs=PRODUCER_Q_LOAD_REGS)
   plgpu.barrier_wait(r.q_bar)
   plgpu.barrier_wait(r.idx_bar)
   if q_in is None:
@@ -452,15 +456,29 @@ def _amax_row(r: common.SparseRefs):
   return r.head_smem if len(r.head_smem.shape) == 1 else r.head_smem.at[INV_SLOT + 1]
 
 
-def _quantize_q_rows(tile_q, r: common.SparseRefs, half, heads: int, interpret: bool):
-  """``TuningConfig.q_in_kernel``: this warpgroup quantizes tile rows [32 half, 32 half + 32) of query tile
+# "producer_vt": tile rows of Q the producer quantizes (rows [0, PRODUCER_Q_ROWS); each multiplier half of the
+# rest), with at most PRODUCER_Q_LOAD_REGS registers of q loads in flight (it has 88); the warpgroups' shares of
+# the CTA's start (the multipliers alone: ~8 k cycles, 8 rows per warp) even out.
+PRODUCER_Q_ROWS = 16
+PRODUCER_Q_LOAD_REGS = 32
+
+
+def _q_arrivals(cfg) -> int:
+  """Arrivals on ``q_bar`` where the kernel quantizes Q: one per quantizing warpgroup."""
+  return 3 if cfg.producer and PRODUCER_Q_ROWS else 2
+
+
+def _quantize_q_rows(tile_q, r: common.SparseRefs, first, count: int, heads: int, interpret: bool,
+                     load_regs: int | None = None):
+  """``TuningConfig.q_in_kernel``: this warpgroup quantizes tile rows [first, first + count) of query tile
   ``tile_q`` (heads 64 (tile_q % tiles) + r of token tile_q // tiles; rows past H are zeros) from q [T · H, 576]
-  into ``q_sw`` and their max |q| into :func:`_amax_row`, fences them and arrives on ``q_bar`` (two arrivals:
-  the tile is complete). ``half``: 0 or 1, a Python int or traced (the multipliers' one code path)."""
+  into ``q_sw`` and their max |q| into :func:`_amax_row`, fences them and arrives on ``q_bar`` (:func:`_q_arrivals`:
+  the tile is complete when every quantizing warpgroup has). ``first``: a Python int or traced (the
+  multipliers' one code path); ``count`` a multiple of 4; ``load_regs``: ``q_quant.quantize_head_rows``'."""
   tiles = max(1, heads // TILE)
   row0 = lax.div(tile_q, tiles) * heads + lax.rem(tile_q, tiles) * TILE
   quantize = q_quant.quantize_head_rows_interpret if interpret else q_quant.quantize_head_rows
-  quantize(r.q_gmem, r.q_sw, _amax_row(r), row0, min(heads, TILE), first=half * (TILE // 2), count=TILE // 2)
+  quantize(r.q_gmem, r.q_sw, _amax_row(r), row0, min(heads, TILE), first=first, count=count, load_regs=load_regs)
   plgpu.commit_smem()
   plgpu.barrier_arrive(r.q_bar)
 
@@ -470,7 +488,7 @@ def _quantize_q_half(tile_q, r: common.SparseRefs, wg, heads: int, interpret: bo
   for w in range(2):
     @pl.when(wg == w)
     def _():
-      _quantize_q_rows(tile_q, r, w, heads, interpret)
+      _quantize_q_rows(tile_q, r, w * (TILE // 2), TILE // 2, heads, interpret)
 
 
 def _p_operand(p, dtype, wg, interpret: bool, r: common.SparseRefs):
@@ -659,8 +677,9 @@ def _multiplier_start(tile_q, r: common.SparseRefs, half, q_in):
   interpret), its half of the tile's rows first."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   if q_in is not None:
+    rows = (TILE - PRODUCER_Q_ROWS) // 2      # the producer quantizes rows [0, PRODUCER_Q_ROWS)
     with jax.named_scope("m_quantize_q"):
-      _quantize_q_rows(tile_q, r, half, *q_in)
+      _quantize_q_rows(tile_q, r, PRODUCER_Q_ROWS + half * rows, rows, *q_in)
 
 
 def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half: int, q_in=None,
@@ -808,7 +827,8 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
   themselves), the online softmax (lazy rescaling, the row scale in the exponent), P (f16) and alpha into slot
   t % 2 (``_publish_p``: it runs up to two tiles ahead of the multipliers); at the end kv_scale / l for WG1 / WG2
   and the lse. It holds no O (88 registers).
-  ``q_in`` (wg, heads, softmax_scale, interpret): the row scales from the multipliers' max |q| row.
+  ``q_in`` (wg, heads, softmax_scale, interpret): it quantizes Q rows [0, PRODUCER_Q_ROWS) first; the row scales
+  from the max |q| row the three quantizing warpgroups write.
   ``keys``: a function returning the ``common.KeyTiles`` to run, called after the prologue's waits (the dense
   kernel reads them from the table the loader copies); None: ``common.id_key_tiles`` of the split."""
   with jax.named_scope("p_prologue"):
@@ -946,7 +966,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
           plgpu.SMEM((TILE,), jnp.float32),                                                # lse
           *head_scratch,                                                                   # alpha, 1/l
-          plgpu.Barrier(num_arrivals=2 if cfg.q_in_kernel else cfg.layout.chunks),         # q_bar
+          plgpu.Barrier(num_arrivals=_q_arrivals(cfg) if cfg.q_in_kernel else cfg.layout.chunks),   # q_bar
           plgpu.Barrier(),                                                                 # idx_bar
           plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, cfg.layout),
                         num_barriers=cfg.k_buffers),                                       # k_full
