@@ -275,6 +275,12 @@ diag_qkdesc() {   # queued (branch queued/qk-descriptors): the producer's QKᵀ 
   run diag_qkdesc_P1 90 $py --iters 20 --cases P1 --ptxas --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc"
   run diag_qkdesc_F1 200 $py --iters 20 --cases F1 --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc_F1"
 }
+diag_s35() {   # the queued branch's four changes in one run each at P1 (ptxas) and F1: the default beside each
+               # one reverted (qk_desc_per_chunk, ids_after_qk, p_desc_per_call, q_rows_multipliers)
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" rows=none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call,q_rows_multipliers
+  run diag_s35_P1 130 $py --iters 20 --cases P1 --ptxas --rows $rows --out "$OUT/diag_s35"
+  run diag_s35_F1 200 $py --iters 20 --cases F1 --rows $rows --out "$OUT/diag_s35_F1"
+}
 diag_qprod() {   # queued (branch queued/qk-descriptors): the producer quantizes Q rows 0-15 (the multipliers 24 each)
                  # against q_rows_multipliers (32 each, the form before); P1 and F1 and the P1 timeline
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
