@@ -281,6 +281,17 @@ diag_s35() {   # the queued branch's four changes in one run each at P1 (ptxas) 
   run diag_s35_P1 130 $py --iters 20 --cases P1 --ptxas --rows $rows --out "$OUT/diag_s35"
   run diag_s35_F1 200 $py --iters 20 --cases F1 --rows $rows --out "$OUT/diag_s35_F1"
 }
+t_all_par() {   # every GPU test of the decode kernels (sparse, dense, bf16 cache, batch invariance, Vt registers)
+                # in 10 processes, beside the prefill kernel's ping-pong and fp8 P·V tests in 3, on the one GPU
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 520 $PY -m pytest -q -m gpu -p no:cacheprovider -n 3 \
+    tests/test_prefill_kernel_gpu.py -k "pingpong or pv_fp8" > "$OUT/t_prefill_pp.txt" 2>&1 &
+  local pid=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_decode_par 520 $PY -m pytest -q -m gpu -p no:cacheprovider -n 10 \
+    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py \
+    tests/test_batch_invariance_gpu.py
+  wait $pid; RC[t_prefill_pp]=$?
+  echo "## t_prefill_pp: rc ${RC[t_prefill_pp]}"; grep -v "^[WI]0000" "$OUT/t_prefill_pp.txt" | tail -n 25
+}
 diag_qprod() {   # queued (branch queued/qk-descriptors): the producer quantizes Q rows 0-15 (the multipliers 24 each)
                  # against q_rows_multipliers (32 each, the form before); P1 and F1 and the P1 timeline
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
