@@ -283,7 +283,7 @@ diag_s35() {   # the queued branch's four changes in one run each at P1 (ptxas) 
 }
 t_all_par() {   # every GPU test of the decode kernels (sparse, dense, bf16 cache, batch invariance, Vt registers)
                 # in 10 processes, beside the prefill kernel's ping-pong and fp8 P·V tests in 3, on the one GPU
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 520 $PY -m pytest -q -m gpu -p no:cacheprovider -n 3 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( DEADLINE - SECONDS < 520 ? DEADLINE - SECONDS : 520 )) $PY -m pytest -q -m gpu -p no:cacheprovider -n 3 \
     tests/test_prefill_kernel_gpu.py -k "pingpong or pv_fp8" > "$OUT/t_prefill_pp.txt" 2>&1 &
   local pid=$!
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_decode_par 520 $PY -m pytest -q -m gpu -p no:cacheprovider -n 10 \
