@@ -267,20 +267,6 @@ b_dense_routes() {   # issue 21: the dense kernel (default plan, k_buffers=3, an
   run b_dense_routes_D3 120 $B dense_mla_decode --impl mosaic $only,k_buffers=5,tiles_per_split=64 \
     --shape B=64,s_q=1,H=16,ctx=32768,page=64 "${common[@]}"
 }
-diag_qkdesc() {   # queued (branch queued/qk-descriptors): the producer's QKᵀ from one descriptor pair per tile
-                  # against qk_desc_per_chunk (the previous form), and its tile ids loaded before the QKᵀ wait
-                  # against ids_after_qk, and the multipliers' P·V descriptors from slot 0's plus the slot offset
-                  # against p_desc_per_call; P1 and F1, with ptxas
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_qkdesc_P1 90 $py --iters 20 --cases P1 --ptxas --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc"
-  run diag_qkdesc_F1 200 $py --iters 20 --cases F1 --rows none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call --out "$OUT/diag_qkdesc_F1"
-}
-diag_s35() {   # the queued branch's four changes in one run each at P1 (ptxas) and F1: the default beside each
-               # one reverted (qk_desc_per_chunk, ids_after_qk, p_desc_per_call, q_rows_multipliers)
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" rows=none,qk_desc_per_chunk,ids_after_qk,p_desc_per_call,q_rows_multipliers
-  run diag_s35_P1 130 $py --iters 20 --cases P1 --ptxas --rows $rows --out "$OUT/diag_s35"
-  run diag_s35_F1 200 $py --iters 20 --cases F1 --rows $rows --out "$OUT/diag_s35_F1"
-}
 t_all_par() {   # every GPU test of the decode kernels (sparse, dense, bf16 cache, batch invariance, Vt registers)
                 # in 10 processes, beside the prefill kernel's ping-pong and fp8 P·V tests in 3, on the one GPU
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( DEADLINE - SECONDS < 520 ? DEADLINE - SECONDS : 520 )) $PY -m pytest -q -m gpu -p no:cacheprovider -n 3 \
@@ -292,13 +278,13 @@ t_all_par() {   # every GPU test of the decode kernels (sparse, dense, bf16 cach
   wait $pid; RC[t_prefill_pp]=$?
   echo "## t_prefill_pp: rc ${RC[t_prefill_pp]}"; grep -v "^[WI]0000" "$OUT/t_prefill_pp.txt" | tail -n 25
 }
-diag_qprod() {   # queued (branch queued/qk-descriptors): the producer quantizes Q rows 0-15 (the multipliers 24 each)
-                 # against q_rows_multipliers (32 each, the form before); P1 and F1 and the P1 timeline
+diag_p2() {   # P2 (heads on N) went 167.2 -> 186.6 us between the thirty-second and thirty-fifth sessions' kit runs:
+              # the default beside the two vt_registers changes made since, each reverted (p_desc_per_call: the P·V
+              # descriptors per call; s32_base: both thirty-second-session multiplier changes; pv_prmt_each,
+              # key_words_each: one each), with ptxas
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_qprod_P1 60 $py --iters 20 --cases P1 --rows none,q_rows_multipliers --out "$OUT/diag_qprod"
-  run diag_qprod_F1 100 $py --iters 20 --cases F1 --rows none,q_rows_multipliers --out "$OUT/diag_qprod_F1"
-  run timeline_qprod 60 $py --timeline --cases P1 --rows none,q_rows_multipliers --out "$OUT/timeline_qprod"
-  rm -f "$OUT"/timeline*/timeline_*/*trace.json
+  run diag_p2 150 $py --iters 20 --cases P2 --ptxas --rows none,p_desc_per_call,s32_base,pv_prmt_each,key_words_each \
+    --out "$OUT/diag_p2"
 }
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1
@@ -322,7 +308,7 @@ diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16
                 # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" shape="B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16"
   run diag_bf16_rows 150 $py --iters 20 --shape $shape --tuning schedule=producer_vt,tiles_per_split=16 \
-    --rows none,no_gather,no_qk,no_softmax,no_pv,pv_bf16_n64 --out "$OUT/diag_bf16"
+    --rows none,no_gather,no_qk,no_softmax,no_pv --out "$OUT/diag_bf16"
   run diag_bf16_timeline 120 $py --timeline --timeline-space 48 --shape $shape \
     --tuning schedule=producer_vt,tiles_per_split=16 --rows none --out "$OUT/diag_bf16_timeline"
   rm -f "$OUT"/diag_bf16_timeline/timeline_*/*trace.json
@@ -351,7 +337,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="diag_qkdesc,t_gpu_par_vt,diag_qprod,b_dense_routes,diag_s32c,t_bf16p,b_bf16"
+next="t_bf16p,diag_p2,b_bf16,b_prefill_pp"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -117,19 +117,6 @@ def _pv_bf16_identity(acc, k_tiles, half, interpret):
   return acc
 
 
-def _pv_bf16_n64(acc, k_tiles, half, interpret):
-  """The bf16 multipliers' P·V as four m64n64k16 groups (Pallas wgmmas, one per 64-column chunk of V, each
-  re-reading P from SMEM: 4 KB of operands per 32 cycles, the SMEM port's rate) instead of one m64n256k16 group
-  (10 KB per 128 cycles): the default's premise that SMEM bandwidth matters at bf16."""
-  p_ref = k_tiles.at[heads_m.BF16_P_CHUNK]
-  accs = tuple(acc[:, common.TILE * g:common.TILE * (g + 1)] for g in range(heads_m.BF16_V_BLOCKS))
-
-  def pv(acc_refs):
-    for g, a in enumerate(acc_refs):
-      plgpu.wgmma(a, p_ref, k_tiles.at[heads_m.BF16_V_BLOCKS * half + g])
-  return jnp.concatenate(common.accumulate(pv, accs, interpret), axis=1)
-
-
 def _pv_half_identity(acc, p_op, wg, interpret, r):
   del p_op, wg, interpret, r
   return acc
@@ -331,9 +318,6 @@ ROWS = {
                  (vt_registers, "_key_words"): _key_words_per_key},
     # the producer's QKᵀ descriptors built per chunk from its address (mgpu.wgmma; before the thirty-second session)
     "qk_desc_per_chunk": {(heads_m, "_qk_fp8_18"): _qk_fp8_18_per_chunk},
-    # the producer's tile mask (its ids' loads) made after its QKᵀ is waited for (inside the softmax step; the form
-    # before)
-    "ids_after_qk": {(heads_m, "_producer_mask"): lambda mask, t: None},
     # the P·V B descriptors built from the dynamically sliced P slot in every call (the form before)
     "p_desc_per_call": {(vt_registers, "_p_view"): _p_view_sliced},
     # the multipliers quantize all of Q, 32 rows each (the form before; the default gives the producer 16)
@@ -341,12 +325,11 @@ ROWS = {
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
     # bf16 cache, "producer_vt": the multipliers' P·V as four N = 64 groups instead of one N = 256 group
-    "pv_bf16_n64": {(heads_m, "_pv_bf16"): _pv_bf16_n64},
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_n64",
-           "qk_desc_per_chunk", "ids_after_qk", "p_desc_per_call", "q_rows_multipliers")
+           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base",
+           "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers")
 
 
 @contextlib.contextmanager

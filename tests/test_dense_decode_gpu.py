@@ -87,7 +87,7 @@ BF16_CASES = [   # H, s_q, page, causal, lengths, bad pages inside
 @pytest.mark.parametrize("H,s_q,page,causal,lens,bad_inside", BF16_CASES)
 def test_bf16_cache_matches_reference(rng, route, H, s_q, page, causal, lens, bad_inside):
   """A bfloat16 cache (BF16 attention) through both routes: "dense" runs the dense kernel's bf16 form ("producer_vt"
-  over bf16: P in the K buffer's rope chunk, the multipliers' P·V as m64n256k16 wgmmas from SMEM), "sparse" the
+  over bf16: P in the K buffer's rope chunk, the multipliers' P·V as m64n64k16 wgmmas from SMEM), "sparse" the
   sparse op's bf16 kernel. Error model: testing.BF16_ATTENTION_REL_L2 (P and the output in bf16, f32
   accumulation); NaN in every unread slot, bad pages, lengths 0 / 1 and partial tails; bitwise deterministic."""
   import jax.numpy as jnp

@@ -192,7 +192,7 @@ def test_designs_agree(rng, H, s_q):
     pytest.param(32, 4, (), marks=pytest.mark.slow)])
 def test_bf16_cache_producer(rng, H, s_q, tuning):
   """"producer_vt" over a bfloat16 cache (kernels/sparse_sm90_heads_m.py: the producer's bf16 QKᵀ and softmax, P
-  into the K buffer's rope chunk, the multipliers' P·V as m64n256k16 wgmmas whose B spans four 64-column chunks)
+  into the K buffer's rope chunk, the multipliers' P·V as m64n64k16 wgmmas, one group per 64-column chunk of V)
   against the reference within testing.BF16_ATTENTION_REL_L2: top-k 2051 (a partial last tile, 16-tile splits),
   NaN rows, invalid ids, an all-invalid row; 2-tile splits; one K buffer; bitwise deterministic. Passing here is
   what BF16_PRODUCER_VALIDATED_ON records."""

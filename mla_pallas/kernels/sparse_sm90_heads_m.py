@@ -87,9 +87,8 @@ K tile itself (a 16-bit wgmma takes the MN-major B, so there is no V copy).
   after its QKᵀ only P lives there; FlashMLA's sparse prefill overlaps a P buffer with the rope part the same way),
   so the kernel has no P slots; alpha and the rescale flags go to ``head_smem`` slot t % 2 as over fp8. Each
   multiplier holds O [64 heads, 256 columns] (heads on its rows, 128 f32 registers) and per tile, after the
-  slot's arrival, rescales it unless every alpha is 1 and adds P · V[:, 256 half ...] as one m64n256k16 × 4 group
-  (``_pv_bf16``: P from the rope chunk as A, V chunks 4 half ... 4 half + 3 as one B whose 64-column blocks lie
-  8 KB apart), then releases the K buffer and the slot (``k_buffers`` <= 2: the P and alpha slots follow the
+  slot's arrival, rescales it unless every alpha is 1 and adds P · V[:, 256 half ...] as one m64n64k16 × 4 group per
+  64-column chunk (``_pv_bf16``: P from the rope chunk as A, V chunk 4 half + g as B), then releases the K buffer and the slot (``k_buffers`` <= 2: the P and alpha slots follow the
   buffers). SMEM: Q 73 728 + K 2 × 73 728 + indices + lse, alpha / 1/l / flag rows, barriers, and no Mosaic
   reduction scratch (``reduction_scratch``: every reduction here is within warps) = 227 840 bytes with 16-tile
   splits, 231 936 with 32 (the lowered kernel's own count: 231 512), so a top-k of 2048 runs as one split.
@@ -412,13 +411,6 @@ def _zero_state():
   m0 = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW_LAYOUT)
   l0 = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), ROW_LAYOUT)
   return acc0, m0, l0
-
-
-def _producer_mask(mask, t):
-  """The producer's key mask of tile t (``mask(t)``, or None for an unmasked range), made before its QKᵀ is waited
-  for: the index loads and their latency off the head of the softmax chain (the indices are in SMEM from the
-  start)."""
-  return None if mask is None else mask(t)
 
 
 def _softmax_step(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_exponent: bool = False):
@@ -761,34 +753,20 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_
 def _pv_bf16(acc, k_tiles, half, interpret: bool):
   """"producer_vt" over a bf16 cache: acc [64 heads, 256] f32 += P · V[:, 256 half : 256 half + 256], P [64 heads,
   64 keys] bf16 from the K buffer's rope chunk (:func:`_p_slot`) as the K-major A operand and V chunks 4 half ...
-  4 half + 3 of the same K buffer as one MN-major B operand [64 keys, 256] (a 16-bit wgmma takes it as stored):
-  four m64n256k16 wgmmas, waited for. Its four 64-column chunks lie 8 KB apart, which the B descriptor's leading
-  byte offset expresses (Pallas's ``plgpu.wgmma`` takes only a contiguous [64, 256] ref, so the hardware path is an
-  ``inline_mgpu`` body); ``half`` may be traced. Interpret mode (no ``inline_mgpu``): the same product in f32 from
-  the loaded values (bf16 products are exact in f32; only the summation order differs)."""
+  4 half + 3 of the same K buffer as MN-major B operands [64 keys, 64] (a 16-bit wgmma takes them as stored): one
+  m64n64k16 x 4 group per 64-column chunk, waited for; ``half`` may be traced. Not one m64n256k16 group: ptxas
+  refuses an instruction whose operands need more registers than the launch count (65536 / 512 threads = 128),
+  even in a region ``setmaxnreg`` raised to 200 (where the code around it may use up to 200), and one m64n256k16
+  needs its 128 accumulators plus its operands ("Insufficient registers (128) ... 154"; docs/kernels). Interpret
+  mode: fresh accumulators added (``common.accumulate``); the reads of V are generic-proxy there, so the fence
+  before the release is ``_multiplier_bf16``'s."""
   p_ref = k_tiles.at[BF16_P_CHUNK]
-  v_ref = k_tiles.at[pl.ds(BF16_V_BLOCKS * half, BF16_V_BLOCKS)]
-  if interpret:
-    p = p_ref[...].astype(jnp.float32)
-    v = v_ref[...].astype(jnp.float32)                       # [4, 64 keys, 64]
-    # these are generic-proxy reads of a buffer the loader refills by copies (async proxy) after the release:
-    # the fence orders them (on hardware the wgmma reads through the async proxy itself)
-    plgpu.commit_smem()
-    v = jnp.transpose(v, (1, 0, 2)).reshape(TILE, BF16_V_BLOCKS * TILE)
-    return acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
-  sw = plgpu.RefType(swizzled(jnp.bfloat16, 128))
+  accs = tuple(acc[:, TILE * g:TILE * (g + 1)] for g in range(BF16_V_BLOCKS))
 
-  @plgpu.inline_mgpu(arg_types=(sw, sw, plgpu.Layout.WGMMA),
-                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
-  def pv(ctx, p_smem, v_smem, acc_in):
-    del ctx
-    # v_smem: the tiled memref [4 chunks, 8 key groups, 1, 8 keys, 64] -> B as (K tiles, N tiles, 8, 64)
-    v = mgpu_utils.memref_transpose(mgpu_utils.memref_slice(v_smem, (slice(None), slice(None), 0)), (1, 0, 2, 3))
-    out = mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(acc_in), p_smem, v, swizzle=128)
-    raw_mgpu.wgmma_commit()
-    raw_mgpu.wgmma_wait(0)
-    return fa.optimization_barrier(out.value)
-  return pv(p_ref, v_ref, acc)
+  def pv(acc_refs):
+    for g, a in enumerate(acc_refs):
+      plgpu.wgmma(a, p_ref, k_tiles.at[BF16_V_BLOCKS * half + g])
+  return jnp.concatenate(common.accumulate(pv, accs, interpret), axis=1)
 
 
 def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half, interpret: bool,
@@ -810,6 +788,8 @@ def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.Spar
       acc = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: a * lax.broadcast_in_dim(
           plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False), a.shape, [0]), acc)
       acc = _pv_bf16(acc, k_tiles, half, interpret)
+      if interpret:       # the interpreter reads V through the generic proxy: fenced before the release
+        plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return acc
@@ -839,13 +819,13 @@ def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split,
     m, l = carry
     with jax.named_scope("p_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
-      valid = _producer_mask(mask, t)
+      # the tile's key mask (None: an unmasked range) before its QKᵀ is waited for: the index loads' latency off
+      # the head of the softmax chain (the indices are in SMEM from the start)
+      valid = None if mask is None else mask(t)
     with jax.named_scope("p_qk"):
       s = _qk_producer(cfg, k_tiles, r, interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     with jax.named_scope("p_softmax"):
-      if valid is None and mask is not None:    # (the diagnosis row ids_after_qk: the mask after the QKᵀ wait)
-        valid = mask(t)
       p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, valid, RESCALE_THRESHOLD, scale_in_exponent=True)
       p16 = p.astype(cfg.p_dtype)
     _publish_p(t, pb, p16, alpha, _p_slot(cfg, r, kb, pb), r, interpret)
