@@ -286,6 +286,20 @@ diag_p2() {   # P2 (heads on N) went 167.2 -> 186.6 us between the thirty-second
   run diag_p2 150 $py --iters 20 --cases P2 --ptxas --rows none,p_desc_per_call,s32_base,pv_prmt_each,key_words_each \
     --out "$OUT/diag_p2"
 }
+b_dense_table() {   # issue 21: the dense op with its one-fusion table beside the sparse route at D1 and D2 (~100 s)
+  local only="--sweep --sweep-only route=sparse"
+  run b_dense_table_D1 80 $B dense_mla_decode --impl mosaic $only --shape B=128,s_q=1,H=128,ctx=4096,page=64 \
+    "${common[@]}"
+  run b_dense_table_D2 80 $B dense_mla_decode --impl mosaic $only --shape B=128,s_q=1,H=64,ctx=8192,page=64 \
+    "${common[@]}"
+}
+diag_d3() {   # issue 21's D3 (heads on N, 3.27 TB/s against the bar's 3.5): the sparse core at D3's work (64 tokens x
+              # 512 tiles) with the gather, the P·V or the Vt words ablated: which warpgroup limits a tile (~1.45 us
+              # per tile per SM, where 36 KB at 4 TB/s / 132 SMs is ~1.2)
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_d3 150 $py --iters 20 --shape B=64,s_q=1,H=16,topk=32768,page=64,ctx=32768 \
+    --rows none,no_gather,no_pv,no_vt_words --out "$OUT/diag_d3"
+}
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
@@ -308,7 +322,7 @@ diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16
                 # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" shape="B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16"
   run diag_bf16_rows 150 $py --iters 20 --shape $shape --tuning schedule=producer_vt,tiles_per_split=16 \
-    --rows none,no_gather,no_qk,no_softmax,no_pv --out "$OUT/diag_bf16"
+    --rows none,no_gather,no_qk,no_softmax,no_pv,pv_bf16_p_regs --out "$OUT/diag_bf16"
   run diag_bf16_timeline 120 $py --timeline --timeline-space 48 --shape $shape \
     --tuning schedule=producer_vt,tiles_per_split=16 --rows none --out "$OUT/diag_bf16_timeline"
   rm -f "$OUT"/diag_bf16_timeline/timeline_*/*trace.json
@@ -337,7 +351,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_bf16p,diag_p2,b_bf16,b_prefill_pp"
+next="t_bf16p,diag_p2,diag_d3,b_dense_table,b_bf16,b_prefill_pp"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

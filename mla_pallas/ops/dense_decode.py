@@ -333,17 +333,23 @@ def dense_tile_table(block_table, cache_seqlens, *, page_size: int, num_pages: i
   page = block_table[:, jnp.minimum(col, max_pages - 1)]                      # [B, tiles]
   ok = (col < max_pages)[None] & (page >= 0) & (page < num_pages)
   first = jnp.where(ok, page * page_size + pos0 % page_size, num_slots)
+  # the split's first tile on a bad page, relative to the split's start (tps where none): the one reduction
+  bad = jnp.min(jnp.where(ok.reshape(b, num_splits, tps), tps, jnp.arange(tps, dtype=jnp.int32)), axis=-1)
   limit = _limits(cache_seqlens, s_q, n_pos, causal)                          # [B, s_q]
-  full = ok[:, None, :] & (pos0[None, None, :] + TILE <= limit[:, :, None])   # [B, s_q, tiles]
-  full = full.reshape(b, s_q, num_splits, tps).astype(jnp.int32)
-  n_full = jnp.sum(jnp.cumprod(full, axis=-1), axis=-1)                       # the leading run
   rel = limit[:, :, None] - jnp.arange(num_splits, dtype=jnp.int32) * (tps * TILE)   # [B, s_q, S]
+  # the leading run of tiles on good pages and wholly below the limit
+  n_full = jnp.minimum(jnp.clip(rel // TILE, 0, tps), bad[:, None, :])
   n_tiles = jnp.clip(-(-rel // TILE), 0, tps)
-  header = jnp.stack([n_full, n_tiles, rel, jnp.zeros_like(rel)], axis=-1)   # [B, s_q, S, 4]
-  rows = jnp.broadcast_to(first.reshape(b, 1, num_splits, tps), (b, s_q, num_splits, tps))
+  # the row as one elementwise expression of its column (header, the tiles' first slots, zeros), so that XLA
+  # writes it in one fusion after the reduction (a concatenate of the parts took two more launches)
   width = dense_sm90.table_width(tps)
-  pad = jnp.zeros((b, s_q, num_splits, width - dense_sm90.HEADER - tps), jnp.int32)
-  return jnp.concatenate([header, rows, pad], axis=-1).reshape(b * s_q * num_splits, width)
+  c = jnp.arange(width, dtype=jnp.int32)
+  head = dense_sm90.HEADER
+  rows = jnp.pad(first.reshape(b, 1, num_splits, tps), ((0, 0), (0, 0), (0, 0), (head, width - head - tps)))
+  field = lambda v: v[..., None]                                              # noqa: E731
+  table = jnp.where(c == 0, field(n_full), jnp.where(c == 1, field(n_tiles), jnp.where(c == 2, field(rel), rows)))
+  table = jnp.where(c == 3, 0, table)
+  return table.reshape(b * s_q * num_splits, width)
 
 
 def _mosaic_dense_decode(parts, kv_cache, block_table, cache_seqlens, kv_scale, softmax_scale, causal, interpret,
