@@ -137,19 +137,26 @@ def time_wall_state(fn: Callable, sets: Sequence[tuple], state: tuple[int, int],
 
 def _aggregate_cupti(iter_timings: Sequence[Sequence[tuple[str, float]]], n: int
                      ) -> tuple[list[float], dict[str, float]]:
-  """Samples (µs per call) and kernel name -> median µs per call. Within one call, a name that occurs again (every
-  Mosaic GPU kernel is "anonymous_mosaic_gpu_kernel") gets "#2", "#3", ... in launch order, so that the stages
-  of a graph stay apart."""
+  """Samples (µs per call) and kernel name -> median µs per call, from ``iter_timings`` (per iteration, the
+  (name, ms) launches of one pass over ``n`` input sets).
+
+  Where the pass splits into ``n`` equal runs of the same names (each set's call launched on its own), a name that
+  occurs again within a call (every Mosaic GPU kernel is "anonymous_mosaic_gpu_kernel") gets "#2", "#3", ... in
+  launch order, so that the stages of a graph stay apart. Where it does not (XLA compiled the pass as one program
+  and interleaved the sets' launches), stages cannot be told from sets: every name gets its total per call, and
+  repeated stages of one name are summed under it."""
   samples, per_kernel = [], {}
   for it in iter_timings:
     samples.append(sum(ms for _, ms in it) * 1e3 / n)
-    per_call = len(it) // n if n and len(it) % n == 0 else len(it)
+    per_call = len(it) // n if n and len(it) % n == 0 else 0
+    calls = [it[i0:i0 + per_call] for i0 in range(0, len(it), per_call)] if per_call else []
+    staged = bool(calls) and all([nm for nm, _ in c] == [nm for nm, _ in calls[0]] for c in calls)
     acc: dict[str, float] = {}
-    for i0 in range(0, len(it), max(per_call, 1)):
+    for call in (calls if staged else [it]):
       seen: dict[str, int] = {}
-      for name, ms in it[i0:i0 + per_call]:
+      for name, ms in call:
         seen[name] = seen.get(name, 0) + 1
-        label = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        label = name if seen[name] == 1 or not staged else f"{name}#{seen[name]}"
         acc[label] = acc.get(label, 0.0) + ms * 1e3 / n
     for name, us in acc.items():
       per_kernel.setdefault(name, []).append(us)

@@ -651,3 +651,21 @@ def test_sweep_dense_decode_runs_both_routes_in_interpret_mode():
   assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
   assert list(dense_decode.sweep_configs(16, 2, 128)) == ["default", "route=sparse", "k_buffers=2", "k_buffers=3",
                                                           "k_buffers=5"]
+
+
+def test_cupti_breakdown_by_stage_and_when_sets_interleave():
+  """bench_timing._aggregate_cupti: sets launched one after another keep a graph's repeated kernel names apart as
+  stages ("#2"); sets that XLA interleaved in one program give each name its total per call (stages merged), so a
+  kernel that ran once per call is never reported as two half-time stages. The samples are the same either way."""
+  from mla_pallas import bench_timing
+  k, f = "anonymous_mosaic_gpu_kernel", "loop_fusion"
+  grouped = [[(f, 0.001), (k, 0.1), (k, 0.05), (f, 0.001), (k, 0.1), (k, 0.05)]] * 3     # 2 sets, 3 iterations
+  samples, kernels = bench_timing._aggregate_cupti(grouped, 2)
+  assert samples == [pytest.approx(151.0)] * 3
+  assert kernels == pytest.approx({f: 1.0, k: 100.0, f"{k}#2": 50.0})
+  interleaved = [[(f, 0.001), (f, 0.001), (k, 0.2), (k, 0.2)]] * 3                    # one kernel per call
+  samples, kernels = bench_timing._aggregate_cupti(interleaved, 2)
+  assert samples == [pytest.approx(201.0)] * 3
+  assert kernels == pytest.approx({f: 1.0, k: 200.0})
+  ragged = [[(f, 0.001), (k, 0.2), (k, 0.2)]] * 3                                     # not divisible by the sets
+  assert bench_timing._aggregate_cupti(ragged, 2)[1] == pytest.approx({f: 0.5, k: 200.0})
