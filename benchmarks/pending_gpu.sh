@@ -318,6 +318,15 @@ b_prefill_pp() {   # issue 23: the ping-pong schedule and fp8 P·V beside the de
   run b_prefill_pp_glm5 200 $B mla_prefill --impl all --sweep --sweep-only pingpong,pv_fp8 --preset glm5 \
     "${common[@]}"
 }
+diag_bf16p() {   # issue 22: the bf16 "producer_vt" multipliers' P from registers (pv_bf16_p_regs: 64 KB less SMEM
+                 # traffic per tile) against P from SMEM (the default), P1 and F1 (as decode: B 4096, s_q 1),
+                 # 32-tile splits (~150 s)
+  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
+  run diag_bf16p_P1 80 $py --iters 20 --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16 \
+    --tuning schedule=producer_vt,tiles_per_split=32 --rows none,pv_bf16_p_regs --out "$OUT/diag_bf16p"
+  run diag_bf16p_F1 100 $py --iters 10 --shape B=4096,s_q=1,H=128,topk=2048,page=64,ctx=8192,cache=bf16 \
+    --tuning schedule=producer_vt,tiles_per_split=32 --rows none,pv_bf16_p_regs --out "$OUT/diag_bf16p_F1"
+}
 diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16 spends a tile (P1's shape, 16-tile
                 # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" shape="B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16"
@@ -351,7 +360,7 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_bf16p,diag_p2,diag_d3,b_dense_table,b_bf16,b_prefill_pp"
+next="t_bf16p,diag_p2,diag_d3,b_dense_table,b_bf16,diag_bf16p,b_prefill_pp"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do
