@@ -279,26 +279,19 @@ t_all_par() {   # every GPU test of the decode kernels (sparse, dense, bf16 cach
   echo "## t_prefill_pp: rc ${RC[t_prefill_pp]}"; grep -v "^[WI]0000" "$OUT/t_prefill_pp.txt" | tail -n 25
 }
 diag_p2() {   # P2 (heads on N) went 167.2 -> 186.6 us between the thirty-second and thirty-fifth sessions' kit runs:
-              # the default beside the two vt_registers changes made since, each reverted (p_desc_per_call: the P·V
-              # descriptors per call; s32_base: both thirty-second-session multiplier changes; pv_prmt_each,
-              # key_words_each: one each), with ptxas
+              # the default beside the heads-on-N P·V's forms of then, one at a time (fragments_fused: one asm block
+              # per prmt and its two conversions; key_words_each: the V word addresses per key; p_desc_per_call:
+              # the P descriptors per call) and all three (heads_n_4cb55bb), with ptxas
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_p2 150 $py --iters 20 --cases P2 --ptxas --rows none,p_desc_per_call,s32_base,pv_prmt_each,key_words_each \
-    --out "$OUT/diag_p2"
-}
-b_dense_table() {   # issue 21: the dense op with its one-fusion table beside the sparse route at D1 and D2 (~100 s)
-  local only="--sweep --sweep-only route=sparse"
-  run b_dense_table_D1 80 $B dense_mla_decode --impl mosaic $only --shape B=128,s_q=1,H=128,ctx=4096,page=64 \
-    "${common[@]}"
-  run b_dense_table_D2 80 $B dense_mla_decode --impl mosaic $only --shape B=128,s_q=1,H=64,ctx=8192,page=64 \
-    "${common[@]}"
+  run diag_p2 150 $py --iters 20 --cases P2 --ptxas \
+    --rows none,fragments_fused,key_words_each,p_desc_per_call,heads_n_4cb55bb --out "$OUT/diag_p2"
 }
 diag_d3() {   # issue 21's D3 (heads on N, 3.27 TB/s against the bar's 3.5): the sparse core at D3's work (64 tokens x
               # 512 tiles) with the gather, the P·V or the Vt words ablated: which warpgroup limits a tile (~1.45 us
               # per tile per SM, where 36 KB at 4 TB/s / 132 SMs is ~1.2)
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
   run diag_d3 150 $py --iters 20 --shape B=64,s_q=1,H=16,topk=32768,page=64,ctx=32768 \
-    --rows none,no_gather,no_pv,no_vt_words --out "$OUT/diag_d3"
+    --rows none,no_gather,no_pv,no_vt_words,heads_n_4cb55bb --out "$OUT/diag_d3"
 }
 diag_s32c() {   # the thirty-second session's two multiplier changes one by one (pv_prmt_each: 64 prmt from the
                 # words; key_words_each: an address register per key) beside the default, P1 and F1

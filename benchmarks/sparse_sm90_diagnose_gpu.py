@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -207,6 +207,29 @@ def _p_view_sliced(pt, slot):
   return mgpu_utils.memref_slice(pt, arith.index_cast(ir.IndexType.get(), slot)), 0
 
 
+def _block_operands_fused(words, blocks=vt_registers.ALL_BLOCKS):
+  """``vt_registers.block_operands`` (the heads-on-N P·V's A operands, all blocks first) as at ``4cb55bb``: per
+  (key pair, row half, block pair) one inline-asm block with the ``prmt`` and both ``cvt.rn.f16x2.e4m3x2``, where
+  the default issues the ``prmt`` and each conversion as separate blocks (the same instructions; LLVM may order
+  them differently)."""
+  i32 = ir.IntegerType.get_signless(32)
+  pairs = {}
+  wreg = words.registers
+  for c in range(8):
+    for h in range(2):
+      wa, wb = wreg[0, 2 * c, 0, 0, h, 0, 0, 0, 0], wreg[0, 2 * c + 1, 0, 0, h, 0, 0, 0, 0]
+      for g in blocks[::2]:
+        b, word = g % 4, g // 4
+        sel = b | (4 + b) << 4 | (b + 1) << 8 | (4 + b + 1) << 12
+        conv = vt_registers._asm(
+            llvm.StructType.get_literal([i32, i32]), [vector.extract(wa, [], [word]), vector.extract(wb, [], [word])],
+            "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
+            f"prmt.b32 p, $2, $3, {sel:#x};\nmov.b32 {{lo, hi}}, p;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n"
+            "cvt.rn.f16x2.e4m3x2 $1, hi;\n}", "=r,=r,r,r")
+        pairs[c, h, g], pairs[c, h, g + 1] = (llvm.extractvalue(i32, conv, [j]) for j in range(2))
+  return [vt_registers._operand(lambda c, h, g=g: pairs[c, h, g]) for g in blocks]
+
+
 def _words_unpaired(words, blocks):
   del blocks
   return words
@@ -334,6 +357,11 @@ ROWS = {
     "s32_base": {(vt_registers, "paired_words"): _words_unpaired,
                  (vt_registers, "paired_operand"): _operand_per_register,
                  (vt_registers, "_key_words"): _key_words_per_key},
+    # the heads-on-N P·V's fragments as one asm block per prmt and its two conversions (as at 4cb55bb, the kit run
+    # with P2 at 167.2 us), and that plus the V word addresses per key and the P descriptors per call (its form then)
+    "fragments_fused": {(vt_registers, "block_operands"): _block_operands_fused},
+    "heads_n_4cb55bb": {(vt_registers, "block_operands"): _block_operands_fused,
+                        (vt_registers, "_key_words"): _key_words_per_key, (vt_registers, "_p_view"): _p_view_sliced},
     # the producer's QKᵀ descriptors built per chunk from its address (mgpu.wgmma; before the thirty-second session)
     "qk_desc_per_chunk": {(heads_m, "_qk_fp8_18"): _qk_fp8_18_per_chunk},
     # the P·V B descriptors built from the dynamically sliced P slot in every call (the form before)
@@ -347,7 +375,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_p_regs",
-           "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers")
+           "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers", "fragments_fused", "heads_n_4cb55bb")
 
 
 @contextlib.contextmanager

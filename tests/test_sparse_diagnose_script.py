@@ -41,8 +41,11 @@ def test_rows_patch_the_kernel(diag, H, tuning):
   vt = H <= 16 or tuning == (("schedule", "producer_vt"),)
   rows += ["no_vt_words", "pv_all_blocks" if tuning and tuning[0][1] == "producer_vt" else "pv_pipelined"] if vt else []
   producer_rows = ["regs_56_88_184", "regs_24_72_208", "p_slots_3", "eager_rescale", "p_store_ref", "exact_math",
-                   "scaled_logits", "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers"]
+                   "scaled_logits", "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base",
+                   "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers"]
   rows += producer_rows if tuning == (("schedule", "producer_vt"),) else []
+  # the heads-on-N P·V's fragment forms (vt_registers.block_operands, which only the heads-on-N kernel calls)
+  rows += ["fragments_fused", "heads_n_4cb55bb", "key_words_each", "p_desc_per_call"] if H <= 16 else []
   for row in rows:
     assert ir(row) != base, row
 
