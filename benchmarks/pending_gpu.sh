@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What waits for a GPU (issues 20-24), as named groups for device calls (state after the twenty-first session):
+# What waits for a GPU (issues 20-24), as named groups for device calls (groups accumulate; `next` is the current queue):
 #
 #   bash benchmarks/pending_gpu.sh GROUPS [OUT]    # GROUPS: comma-separated names below, or tests | bench | next
 #   DEADLINE=540 bash benchmarks/pending_gpu.sh next   # start no group after 540 s, and cut the running one's
