@@ -155,50 +155,6 @@ def _pv_forced(pipelined: bool):
   return pv
 
 
-def _qk_fp8_18_per_chunk(q_sw, k_tiles):
-  """``heads_m._qk_fp8_18`` as before the thirty-second session: chunks 0-3 through ``mgpu.wgmma``, each building
-  its descriptors from its chunk's address, and the fifth chunk's last two steps from its own descriptors."""
-  mgpu, mma_utils, raw_mgpu = heads_m.mgpu, heads_m.mma_utils, heads_m.raw_mgpu
-  tile = common.TILE
-  sw = plgpu.RefType(heads_m.swizzled(common.FP8, common.SW_CHUNK))
-
-  @plgpu.inline_mgpu(arg_types=(sw, sw), return_type=plgpu.ShapeDtypeStruct((tile, tile), jnp.float32,
-                                                                               layout=plgpu.Layout.WGMMA))
-  def qk(ctx, q8, k8):
-    del ctx
-    acc = mgpu.WGMMAAccumulator.zero(tile, tile)
-    views = [(mgpu_utils.memref_slice(q8, c), mgpu_utils.memref_transpose(mgpu_utils.memref_slice(k8, c),
-                                                                          (1, 0, 3, 2)))
-             for c in range(common.SW_CHUNKS)]
-    for a, b in views[:-1]:
-      acc = mgpu.wgmma(acc, a, b, swizzle=common.SW_CHUNK)
-    a, b = views[-1]
-    (a_desc, a_k), _, a_fast = mma_utils.create_descriptor(a, swizzle=common.SW_CHUNK, large_tile=(tile, 128),
-                                                           group_size=(tile, 128), logical_k_major=False)
-    (b_desc, b_k), _, b_fast = mma_utils.create_descriptor(b, swizzle=common.SW_CHUNK, large_tile=(128, 128),
-                                                           group_size=(128, tile), logical_k_major=True)
-    a_k, b_k = a_k[1][0], b_k[1][0]
-    i64 = ir.IntegerType.get_signless(64)
-
-    def skip(desc, stride):
-      return llvm.add(desc, llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, 2 * (stride >> 4))),
-                      overflow_flags=llvm.IntegerOverflowFlags.none)
-    f8 = ir.Float8E4M3FNType.get()
-    internal = acc._value
-    regs = internal.registers.copy()
-    regs[0:1] = heads_m.mgpu_wgmma.wgmma_m64(
-        regs[0:1], skip(a_desc, a_k), skip(b_desc, b_k), a_transpose=a_fast != mma_utils.Dim.K,
-        b_transpose=b_fast != mma_utils.Dim.K, a_k_stride=a_k, b_k_stride=b_k, n=tile, swizzle=64,
-        a_element_type=f8, b_element_type=f8)
-    raw_mgpu.wgmma_commit()
-    raw_mgpu.wgmma_wait(0)
-    done = mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=internal.layout,
-                                                           _is_signed=None),
-                                 _original_layout=acc._original_layout, _sync=False)
-    return fa.optimization_barrier(done.value)
-  return qk(q_sw, k_tiles)
-
-
 def _p_view_sliced(pt, slot):
   """``vt_registers._p_view`` as before: the P slot sliced with the dynamic index, its descriptors built from it in
   every call (``mgpu.wgmma`` on ``p_sw.at[pb]``)."""
@@ -362,8 +318,6 @@ ROWS = {
     "fragments_fused": {(vt_registers, "block_operands"): _block_operands_fused},
     "heads_n_4cb55bb": {(vt_registers, "block_operands"): _block_operands_fused,
                         (vt_registers, "_key_words"): _key_words_per_key, (vt_registers, "_p_view"): _p_view_sliced},
-    # the producer's QKᵀ descriptors built per chunk from its address (mgpu.wgmma; before the thirty-second session)
-    "qk_desc_per_chunk": {(heads_m, "_qk_fp8_18"): _qk_fp8_18_per_chunk},
     # the P·V B descriptors built from the dynamically sliced P slot in every call (the form before)
     "p_desc_per_call": {(vt_registers, "_p_view"): _p_view_sliced},
     # the multipliers quantize all of Q, 32 rows each (the form before; the default gives the producer 16)
@@ -375,7 +329,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_p_regs",
-           "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers", "fragments_fused", "heads_n_4cb55bb")
+           "p_desc_per_call", "q_rows_multipliers", "fragments_fused", "heads_n_4cb55bb")
 
 
 @contextlib.contextmanager

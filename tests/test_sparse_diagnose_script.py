@@ -42,7 +42,7 @@ def test_rows_patch_the_kernel(diag, H, tuning):
   rows += ["no_vt_words", "pv_all_blocks" if tuning and tuning[0][1] == "producer_vt" else "pv_pipelined"] if vt else []
   producer_rows = ["regs_56_88_184", "regs_24_72_208", "p_slots_3", "eager_rescale", "p_store_ref", "exact_math",
                    "scaled_logits", "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base",
-                   "qk_desc_per_chunk", "p_desc_per_call", "q_rows_multipliers"]
+                   "p_desc_per_call", "q_rows_multipliers"]
   rows += producer_rows if tuning == (("schedule", "producer_vt"),) else []
   # the heads-on-N P·V's fragment forms (vt_registers.block_operands, which only the heads-on-N kernel calls)
   rows += ["fragments_fused", "heads_n_4cb55bb", "key_words_each", "p_desc_per_call"] if H <= 16 else []
@@ -73,15 +73,6 @@ def test_qk_20_issues_the_zero_steps(lowered_row):
   (``heads_m._qk_fp8_18`` skips the first two k32 steps of the fifth chunk, which meet Q's zero columns)."""
   qk = r"m64n64k32\.f32\.e4m3\.e4m3"
   assert lowered_row("none").count(qk) == 18 and lowered_row("qk_20").count(qk) == 20
-  assert lowered_row("qk_desc_per_chunk").count(qk) == 18
-
-
-def test_qk_descriptors_built_once(lowered_row):
-  """The producer's QKᵀ builds one A and one B descriptor per tile (``mma_utils`` encodes each from a pointer:
-  ptrtoint, and, lshr, or) and offsets them by constants; row qk_desc_per_chunk builds one pair per chunk (4 more
-  pairs: chunks 1-4)."""
-  desc = r"llvm\.and\b"
-  assert lowered_row("qk_desc_per_chunk").count(desc) - lowered_row("none").count(desc) == 8
 
 
 def test_multiplier_pv_instruction_counts(lowered_row):

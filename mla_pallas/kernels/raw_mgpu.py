@@ -12,6 +12,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm, math as math_dialect, scf, vector
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -48,6 +49,14 @@ def wgmma_commit() -> None:
 def wgmma_wait(pending: int) -> None:
   """``wgmma.wait_group``: wait until at most ``pending`` of this warpgroup's newest groups are in flight."""
   asm(ir.Type.parse("!llvm.void"), [], f"wgmma.wait_group.sync.aligned {pending};", "", side_effects=True)
+
+
+def with_registers(acc, regs):
+  """The Mosaic GPU accumulator ``acc`` (``mgpu.WGMMAAccumulator``) with its registers replaced by ``regs`` (the
+  outputs of raw ``wgmma_m64`` calls on a copy of ``acc``'s registers), in ``acc``'s layout."""
+  return mgpu.WGMMAAccumulator(_value=mgpu_fa.FragmentedArray(_registers=regs, _layout=acc._value.layout,
+                                                              _is_signed=None),
+                               _original_layout=acc._original_layout, _sync=False)
 
 
 def scalar_array(x):

@@ -362,8 +362,7 @@ def _qk_fp8_18(q_sw, k_tiles):
       return llvm.add(desc, llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, nbytes >> 4)),
                       overflow_flags=llvm.IntegerOverflowFlags.none)
     f8 = ir.Float8E4M3FNType.get()
-    internal = acc._value     # the accumulator's own (32-bit ACC) layout, as mgpu.wgmma keeps it
-    regs = internal.registers.copy()
+    regs = acc._value.registers.copy()     # in the accumulator's own (32-bit ACC) layout, as mgpu.wgmma keeps it
     chunk_bytes = TILE * common.SW_CHUNK
     last = common.SW_CHUNKS - 1
     for c in range(common.SW_CHUNKS):
@@ -375,10 +374,7 @@ def _qk_fp8_18(q_sw, k_tiles):
           b_element_type=f8)
     raw_mgpu.wgmma_commit()
     raw_mgpu.wgmma_wait(0)
-    done = mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=internal.layout,
-                                                           _is_signed=None),
-                                 _original_layout=acc._original_layout, _sync=False)
-    return fa.optimization_barrier(done.value)
+    return fa.optimization_barrier(raw_mgpu.with_registers(acc, regs).value)
   return qk(q_sw, k_tiles)
 
 

@@ -43,7 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_pallas.kernels import common
 from mla_pallas.kernels.raw_mgpu import (SCALAR_LAYOUT, asm as _asm, c32 as _i32, scalar_array, scalar_value,
-                                         thread_in_warpgroup, wgmma_commit as _commit, wgmma_wait as _wait)
+                                         thread_in_warpgroup, wgmma_commit as _commit, wgmma_wait as _wait,
+                                         with_registers as _with_registers)
 
 mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")   # the module (the package exports a function)
 
@@ -339,9 +340,7 @@ def _issue_pv(words, pt, accs, swizzle: int, blocks, p_rows: bool, pipelined: bo
                                        b_transpose=fastest != mma_utils.Dim.K, a_k_stride=None,
                                        b_k_stride=k_step[1][0], n=n, swizzle=swizzle, a_element_type=f16,
                                        b_element_type=f16)
-    out.append(mgpu.WGMMAAccumulator(_value=fa.FragmentedArray(_registers=regs, _layout=acc._value.layout,
-                                                               _is_signed=None),
-                                     _original_layout=acc._original_layout, _sync=False))
+    out.append(_with_registers(acc, regs))
     _commit()
   return out
 
