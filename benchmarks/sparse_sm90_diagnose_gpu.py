@@ -112,25 +112,18 @@ def _no_softmax(s, m, l, row_scale, valid, rescale_threshold=None, scale_in_expo
   return s, plgpu.layout_cast(jnp.ones(m.shape, jnp.float32), heads_m.ROW_LAYOUT), m, l
 
 
-def _pv_bf16_identity(acc, k_tiles, half, interpret):
-  del k_tiles, half, interpret
-  return acc
+def _pv_bf16_identity(accs, p_op, k_tiles, half, interpret):
+  del p_op, k_tiles, half, interpret
+  return accs
 
 
-def _pv_bf16_p_regs(acc, k_tiles, half, interpret):
-  """The bf16 multipliers' P·V with P loaded into registers once per tile (WGMMA layout, 16 registers) as the A
-  operand of the four m64n64k16 groups, instead of each group reading P from SMEM: 64 KB less SMEM traffic per
-  tile (P 8 KB x 4 groups x 2 multipliers), for 16 more registers. Interpret mode: the default (the interpreter
-  has no wgmma with A in registers)."""
-  if interpret:
-    return heads_m._pv_bf16(acc, k_tiles, half, interpret)
-  p = plgpu.load(k_tiles.at[heads_m.BF16_P_CHUNK], layout=plgpu.Layout.WGMMA, optimized=False)
-  accs = tuple(acc[:, common.TILE * g:common.TILE * (g + 1)] for g in range(heads_m.BF16_V_BLOCKS))
-
-  def pv(acc_refs):
-    for g, a in enumerate(acc_refs):
-      plgpu.wgmma(a, p, k_tiles.at[heads_m.BF16_V_BLOCKS * half + g])
-  return jnp.concatenate(common.accumulate(pv, accs, interpret), axis=1)
+def _multiplier_p_regs(k_tiles, interpret):
+  """The bf16 multipliers' P loaded into registers once per tile (WGMMA layout, 16 registers) as the A operand of
+  the four m64n64k16 groups, instead of each group reading P from SMEM: 64 KB less SMEM traffic per tile (P 8 KB
+  x 4 groups x 2 multipliers), for 16 more registers. Interpret mode: the ref (the interpreter has no wgmma with
+  A in registers)."""
+  p_ref = k_tiles.at[heads_m.BF16_P_CHUNK]
+  return p_ref if interpret else plgpu.load(p_ref, layout=plgpu.Layout.WGMMA, optimized=False)
 
 
 def _pv_half_identity(acc, p_op, wg, interpret, r):
@@ -272,7 +265,7 @@ ROWS = {
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity, (heads_m, "_pv_bf16"): _pv_bf16_identity},
     # the bf16 "producer_vt" multipliers' P loaded into registers once per tile (real variant, checked)
-    "pv_bf16_p_regs": {(heads_m, "_pv_bf16"): _pv_bf16_p_regs},
+    "pv_bf16_p_regs": {(heads_m, "_multiplier_p"): _multiplier_p_regs},
     # real variants (checked): every P·V from registers with its A fragments built one block at a time (wait_group
     # 1 between blocks; "producer_vt"'s form) or all first (the others' form)
     "pv_pipelined": {(vt_registers, "pv_wgmmas"): _pv_forced(True)},

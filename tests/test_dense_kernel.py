@@ -231,10 +231,11 @@ def test_lowers_for_sm90_with_expected_instructions():
 
 
 def test_bf16_lowers_for_sm90_with_expected_instructions():
-  """D1's shape over a bf16 cache (2 splits of 32 tiles, f32 partials): the producer's QKᵀ as nine bf16 m64n64k16
-  x 4 wgmmas in its unmasked and its masked loop (72), the multipliers' P·V as one m64n64k16 x 4 group per
-  64-column chunk of V (16, one traced path; no m64n256k16, which ptxas cannot fit in 128 registers), P by stmatrix (4 per loop), no fp8 and no byte permutes; the loader's 4 x 9 cp.async per thread and
-  tile (1152-byte rows), the TMAs of Q's nine chunks and of the table row; the sweep offers no third K buffer."""
+  """D1's shape over a bf16 cache (2 splits of 32 tiles, f32 partials): the producer's QKᵀ as nine bf16 m64n64k16 x 4
+  wgmmas in its unmasked and its masked loop (72), the multipliers' P·V as one m64n64k16 x 4 group per 64-column
+  chunk of V (16, one traced path; no m64n256k16, which ptxas cannot fit in 128 registers), P by stmatrix (4 per
+  loop), no fp8 and no byte permutes; the loader's 4 x 9 cp.async per thread and tile (1152-byte rows), the TMAs of
+  Q's nine chunks and of the table row; the sweep offers no third K buffer."""
   S = jax.ShapeDtypeStruct
   cfg = dense_sm90.TuningConfig(tiles_per_split=32, cache_dtype="bfloat16")
   assert cfg.smem_budget() <= 232448 and not cfg.core.p_slots()

@@ -52,11 +52,11 @@ BF16 cache (``TuningConfig.cache_dtype="bfloat16"``; heads on M at every H, as t
 BF16 attention over a bfloat16 cache ([num_slots, 576] bf16, 1152 bytes per row), the sparse heads-on-M kernel's
 bf16 "producer_vt" (its module docstring, "BF16 cache"): the kernel takes q as bf16 tiles [num_q_tiles, 64, 576]
 (H < 64 zero-padded) and ``qs`` [num_q_tiles, 64] f32 (softmax_scale · kv_scale · log2 e) in place of the q rows,
-which the loader TMAs (nine 64-column chunks on ``q_bar``) before the table; the tiles land as nine 64-column
-chunks (36 ``cp.async`` per thread and tile); the producer's QKᵀ is nine bf16 wgmmas and it writes P (bf16) into
-the tile's rope chunk; the multipliers hold O [64 heads, 256] and add P·V (m64n64k16 per 64-column chunk, both operands in
-the K buffer). o is float32 where the op merges splits. SMEM (k_buffers = 2, the only count that fits): Q 73 728 + K
-147 456 + table 1 024 + lse 1 024 + alpha / 1/l / flag rows 1 024 + barriers and scratch 2 560 = 226 816.
+which the loader TMAs (nine 64-column chunks on ``q_bar``) before the table; the tiles land as nine 64-column chunks
+(36 ``cp.async`` per thread and tile); the producer's QKᵀ is nine bf16 wgmmas and it writes P (bf16) into the tile's
+rope chunk; the multipliers hold O [64 heads, 256] and add P·V (m64n64k16 per 64-column chunk, both operands in the
+K buffer). o is float32 where the op merges splits. SMEM (k_buffers = 2, the only count that fits): Q 73 728 + K 147
+456 + table 1 024 + lse 1 024 + alpha / 1/l / flag rows 1 024 + barriers and scratch 2 560 = 226 816.
 
 Heads on N (H <= 16: :func:`build_heads_n`, :class:`HeadsNConfig`)
 ------------------------------------------------------------------

@@ -88,10 +88,11 @@ K tile itself (a 16-bit wgmma takes the MN-major B, so there is no V copy).
   so the kernel has no P slots; alpha and the rescale flags go to ``head_smem`` slot t % 2 as over fp8. Each
   multiplier holds O [64 heads, 256 columns] (heads on its rows, 128 f32 registers) and per tile, after the
   slot's arrival, rescales it unless every alpha is 1 and adds P · V[:, 256 half ...] as one m64n64k16 × 4 group per
-  64-column chunk (``_pv_bf16``: P from the rope chunk as A, V chunk 4 half + g as B), then releases the K buffer and the slot (``k_buffers`` <= 2: the P and alpha slots follow the
-  buffers). SMEM: Q 73 728 + K 2 × 73 728 + indices + lse, alpha / 1/l / flag rows, barriers, and no Mosaic
-  reduction scratch (``reduction_scratch``: every reduction here is within warps) = 227 840 bytes with 16-tile
-  splits, 231 936 with 32 (the lowered kernel's own count: 231 512), so a top-k of 2048 runs as one split.
+  64-column chunk (``_pv_bf16``: P from the rope chunk as A, V chunk 4 half + g as B), then releases the K buffer
+  and the slot (``k_buffers`` <= 2: the P and alpha slots follow the buffers). SMEM: Q 73 728 + K 2 × 73 728 +
+  indices + lse, alpha / 1/l / flag rows, barriers, and no Mosaic reduction scratch (``reduction_scratch``: every
+  reduction here is within warps) = 227 840 bytes with 16-tile splits, 231 936 with 32 (the lowered kernel's own
+  count: 231 512), so a top-k of 2048 runs as one split.
 
 Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
 -------------------------------------------------------------------------------
@@ -531,12 +532,7 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
     s = _qk_and_upcast(k_tiles, None, r)
     p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
     accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
-    p_op = _p_operand(p, jnp.bfloat16, wg, interpret, r)
-
-    def pv(acc_refs):
-      for g, a in enumerate(acc_refs):
-        plgpu.wgmma(a, p_op, k_tiles.at[BF16_V_BLOCKS * wg + g])
-    accs = common.accumulate(pv, accs, interpret)
+    accs = _pv_bf16(accs, _p_operand(p, jnp.bfloat16, wg, interpret, r), k_tiles, wg, interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     return accs, m_new, l
 
@@ -572,12 +568,12 @@ def _all_alpha_one(r: common.SparseRefs, pb):
 
 def _store_p_alpha(p16, alpha, p_ref, alpha_ref, flags_ref, interpret: bool):
   """P ([64, 64] f16, or bf16 over a bf16 cache) into its 128-byte swizzled slot, alpha ([64]) into its row and the
-  slot's rescale flags (:func:`_flags`, ``flags_ref`` [4] f32) committed for the async proxy (the multipliers read P through wgmma
-  after the arrival that follows). On the GPU in raw Mosaic GPU (``stmatrix`` of P, plain stores of alpha, a warp
-  vote per producer warp and lane 0's store of its flag, the proxy fence and one warpgroup barrier): Pallas's
-  ``ref[...] = x`` puts a warpgroup barrier before and after each store (four of the five barriers per tile in
-  the SASS), where every producer thread only writes, into a slot it has waited for itself. Interpret mode: the
-  ref stores (all four flags the warpgroup's)."""
+  slot's rescale flags (:func:`_flags`, ``flags_ref`` [4] f32) committed for the async proxy (the multipliers read P
+  through wgmma after the arrival that follows). On the GPU in raw Mosaic GPU (``stmatrix`` of P, plain stores of
+  alpha, a warp vote per producer warp and lane 0's store of its flag, the proxy fence and one warpgroup barrier):
+  Pallas's ``ref[...] = x`` puts a warpgroup barrier before and after each store (four of the five barriers per
+  tile in the SASS), where every producer thread only writes, into a slot it has waited for itself. Interpret
+  mode: the ref stores (all four flags the warpgroup's)."""
   if interpret:
     p_ref[...] = p16
     alpha_ref[...] = alpha
@@ -746,23 +742,25 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_
     vt_registers.store_half_o(common.scale_columns(accs, inv), r.o_gmem.at[tile_q, split], half)
 
 
-def _pv_bf16(acc, k_tiles, half, interpret: bool):
-  """"producer_vt" over a bf16 cache: acc [64 heads, 256] f32 += P · V[:, 256 half : 256 half + 256], P [64 heads,
-  64 keys] bf16 from the K buffer's rope chunk (:func:`_p_slot`) as the K-major A operand and V chunks 4 half ...
-  4 half + 3 of the same K buffer as MN-major B operands [64 keys, 64] (a 16-bit wgmma takes them as stored): one
-  m64n64k16 x 4 group per 64-column chunk, waited for; ``half`` may be traced. Not one m64n256k16 group: ptxas
-  refuses an instruction whose operands need more registers than the launch count (65536 / 512 threads = 128),
-  even in a region ``setmaxnreg`` raised to 200 (where the code around it may use up to 200), and one m64n256k16
-  needs its 128 accumulators plus its operands ("Insufficient registers (128) ... 154"; docs/kernels). Interpret
-  mode: fresh accumulators added (``common.accumulate``); the reads of V are generic-proxy there, so the fence
-  before the release is ``_multiplier_bf16``'s."""
-  p_ref = k_tiles.at[BF16_P_CHUNK]
-  accs = tuple(acc[:, TILE * g:TILE * (g + 1)] for g in range(BF16_V_BLOCKS))
-
+def _pv_bf16(accs, p_op, k_tiles, half, interpret: bool):
+  """Both schedules over a bf16 cache: accs (four [64 heads, 64] f32, WGMMA layout) += P · V[:, 256 half + 64 g
+  ...], P ``p_op`` [64 heads, 64 keys] bf16 (registers, or a ref: "producer_vt"'s rope chunk, :func:`_p_slot`) as
+  the A operand and V chunk 4 half + g of the K tile ``k_tiles`` as the MN-major B (a 16-bit wgmma takes it as
+  stored): one m64n64k16 x 4 group per chunk, waited for; ``half`` may be traced. Not one m64n256k16 group into a
+  [64, 256] accumulator: ptxas refuses an instruction whose operands need more registers than the launch count
+  (65536 / 512 threads = 128 in "producer_vt"), even in a region ``setmaxnreg`` raised to 200 (where the code
+  around it may use up to 200), and one m64n256k16 needs its 128 accumulators plus its operands ("Insufficient
+  registers (128) ... 154"; docs/kernels)."""
   def pv(acc_refs):
     for g, a in enumerate(acc_refs):
-      plgpu.wgmma(a, p_ref, k_tiles.at[BF16_V_BLOCKS * half + g])
-  return jnp.concatenate(common.accumulate(pv, accs, interpret), axis=1)
+      plgpu.wgmma(a, p_op, k_tiles.at[BF16_V_BLOCKS * half + g])
+  return common.accumulate(pv, accs, interpret)
+
+
+def _multiplier_p(k_tiles, interpret: bool):
+  """"producer_vt" over a bf16 cache: a multiplier's P operand of the tile in ``k_tiles``, its rope chunk."""
+  del interpret
+  return k_tiles.at[BF16_P_CHUNK]
 
 
 def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half, interpret: bool,
@@ -771,30 +769,34 @@ def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.Spar
   once slot t % 2 has arrived, its half of O [64 heads, 256 columns] rescaled by the producer's alpha (skipped
   where every alpha is 1) plus P · V (:func:`_pv_bf16`, both operands in the K buffer), then the release of the K
   buffer and the slot; at the end its half of O scaled by the producer's kv_scale / l. No Vᵀ words: O keeps the
-  heads on its rows. ``n_tiles``: as :func:`_multiplier`."""
+  heads on its rows (four [64, 64] accumulators). ``n_tiles``: as :func:`_multiplier`."""
   plgpu.set_max_registers(PRODUCER_REGS[2], action="increase")
   n_tiles = cfg.tiles_per_split if n_tiles is None else n_tiles()
 
-  def step(t, acc):
+  def rescaled(accs, pb):
+    alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
+    return tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
+
+  def step(t, accs):
     with jax.named_scope("m_wait_k"):
       kb, pb, k_tiles = _landed(t, cfg, r)
     with jax.named_scope("m_wait_p"):
       plgpu.barrier_wait(r.p_full.at[pb])
     with jax.named_scope("m_pv"):
-      acc = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: a * lax.broadcast_in_dim(
-          plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False), a.shape, [0]), acc)
-      acc = _pv_bf16(acc, k_tiles, half, interpret)
+      accs = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: rescaled(a, pb), accs)
+      accs = _pv_bf16(accs, _multiplier_p(k_tiles, interpret), k_tiles, half, interpret)
       if interpret:       # the interpreter reads V through the generic proxy: fenced before the release
         plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_arrive(r.p_empty.at[pb])
-    return acc
+    return accs
 
-  acc = lax.fori_loop(0, n_tiles, step, _zero_state()[0])
+  zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
+  accs = lax.fori_loop(0, n_tiles, step, (zero,) * BF16_V_BLOCKS)
   with jax.named_scope("m_store"):
     plgpu.barrier_wait(r.p_full.at[INV_SLOT])
     inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-    _store_half(acc, inv, half, out_dtype, tile_q, split, r)
+    _store_half(jnp.concatenate(accs, axis=1), inv, half, out_dtype, tile_q, split, r)
 
 
 def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None,
