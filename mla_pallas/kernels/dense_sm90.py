@@ -158,7 +158,6 @@ class TuningConfig(_DenseConfig):
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch
 
 
-
 def _header(r: common.SparseRefs, entry: int):
   return r.idx_smem[entry]
 

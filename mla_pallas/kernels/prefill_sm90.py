@@ -93,10 +93,9 @@ ALIGN = 8                     # q0, k0: multiples of 8 rows, Tq_al and Tk_al too
 CONSUMER_REGS = 232           # 2 x 128 x 232 + 128 x 40 <= 65536
 LOADER_REGS = 40
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # [64]: one value per query row
-COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [block_kv]: one value per key
+COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [block_kv] or [Dv]: one value per column (key, or O's column)
 MAX_HEAD_DIM = 256            # wgmma N <= 256 (Dv); one QKᵀ wgmma of K = Dqk
 P_FP8_SCALE = 256.0           # pv_fp8: P in [0, 1] is stored as e4m3(256 p) (an exact power of two; 256 < 448)
-COL_DV_LAYOUT = plgpu.Layout.WGMMA.reduce(0)   # [Dv]: one value per output column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +269,7 @@ def _consumer(cfg: TuningConfig, causal: bool, interpret: bool, wg, t, h, r: _Re
   has = l > 0
   inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
   if cfg.pv_fp8:          # O's column scales: V's, and 1 / 256 for P's
-    cols = plgpu.load(r.vs_smem.at[wg], layout=COL_DV_LAYOUT, optimized=False) * (1.0 / P_FP8_SCALE)
+    cols = plgpu.load(r.vs_smem.at[wg], layout=COL_LAYOUT, optimized=False) * (1.0 / P_FP8_SCALE)
     acc = acc * lax.broadcast_in_dim(cols, acc.shape, [1])
   o_lin.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
   lse_smem.at[wg][...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * common.LN2, -jnp.inf)

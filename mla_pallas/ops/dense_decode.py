@@ -346,9 +346,8 @@ def dense_tile_table(block_table, cache_seqlens, *, page_size: int, num_pages: i
   c = jnp.arange(width, dtype=jnp.int32)
   head = dense_sm90.HEADER
   rows = jnp.pad(first.reshape(b, 1, num_splits, tps), ((0, 0), (0, 0), (0, 0), (head, width - head - tps)))
-  field = lambda v: v[..., None]                                              # noqa: E731
-  table = jnp.where(c == 0, field(n_full), jnp.where(c == 1, field(n_tiles), jnp.where(c == 2, field(rel), rows)))
-  table = jnp.where(c == 3, 0, table)
+  table = jnp.where(c == 0, n_full[..., None], jnp.where(c == 1, n_tiles[..., None],
+                                                         jnp.where(c == 2, rel[..., None], rows)))  # column 3: 0
   return table.reshape(b * s_q * num_splits, width)
 
 
