@@ -70,34 +70,48 @@ def _thread():
 ALL_BLOCKS = tuple(range(M_BLOCKS))
 
 
-def _key_words(k_tile, chunk, units, place):
+def _key_words(k_tile, chunk, units, place, *, shared_bases: bool):
   """The shared loop of :func:`load_words` / :func:`load_half_words`: for each of this thread's 16 keys
   8 (i // 2) + 2t + i % 2 and each 16-byte unit u of ``units`` (i32 values, before the swizzle), one
   ``ld.shared.v2.b32`` of the 8 bytes at byte (q % 2) * 8 of that unit in the key's row of K chunk ``chunk``,
   i.e. address base + chunk * CHUNK_BYTES + key * 128 + (u ^ (key % 8)) * 16 + (q % 2) * 8; ``place(regs, i, j,
-  lo, hi)`` puts unit j's two words into the (64, 128) int32 WGMMA-layout container. key % 8 is 2t + i % 2 (the
-  8 (i // 2) drops out), so each (unit, i % 2) has one base address and the keys differ from it by constants
-  (8 (i // 2) · 128 bytes): two base registers per unit and the constants as the loads' immediate offsets,
-  instead of a swizzled offset per key (which ptxas kept in local memory across the multipliers' loop). The
-  loads are side-effecting inline asm so that LLVM keeps them before the caller's release of the K buffer (an
-  mbarrier arrive that follows them)."""
+  lo, hi)`` puts unit j's two words into the (64, 128) int32 WGMMA-layout container.
+
+  Two address forms, each the faster one where it is used (docs/kernels/sparse_decode_sm90.md, "Vᵀ word
+  addresses"): ``shared_bases=True`` uses that key % 8 is 2t + i % 2 (the 8 (i // 2) drops out), so each (unit,
+  i % 2) has one base register and the keys differ from it by constants (8 (i // 2) · 128 bytes) that become the
+  loads' immediate offsets (the heads-on-M multipliers, whose loop ptxas otherwise kept 16 per-key offsets live
+  across, partly in local memory); ``shared_bases=False`` computes each key's swizzled address from the key (the
+  heads-on-N consumer, which holds no other state across its loop). The loads are side-effecting inline asm so
+  that LLVM keeps them before the caller's release of the K buffer (an mbarrier arrive that follows them)."""
   i32 = ir.IntegerType.get_signless(32)
   _, q, t = _thread()
   base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_tile))
   regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE, 2 * TILE)), dtype=object)
   row0 = arith.addi(arith.addi(base, arith.muli(chunk, _i32(CHUNK_BYTES))),
                     arith.muli(arith.remui(q, _i32(2)), _i32(8)))
+
+  def row_unit(key_mod8, row, unit):     # the swizzled address of ``unit`` in ``row`` (key % 8 given)
+    return arith.addi(row, arith.muli(arith.xori(unit, key_mod8), _i32(16)))
+
   bases = {}
-  for parity in range(2):
-    key_mod8 = arith.addi(arith.muli(t, _i32(2)), _i32(parity))      # key % 8 of keys 8m + 2t + parity (t <= 3)
-    row = arith.addi(row0, arith.muli(key_mod8, _i32(ROW_BYTES)))
-    for j, unit in enumerate(units):
-      bases[parity, j] = arith.addi(row, arith.muli(arith.xori(unit, key_mod8), _i32(16)))
+  if shared_bases:
+    for parity in range(2):
+      key_mod8 = arith.addi(arith.muli(t, _i32(2)), _i32(parity))      # key % 8 of keys 8m + 2t + parity (t <= 3)
+      row = arith.addi(row0, arith.muli(key_mod8, _i32(ROW_BYTES)))
+      for j, unit in enumerate(units):
+        bases[parity, j] = row_unit(key_mod8, row, unit)
   for i in range(KEYS_PER_THREAD):
-    for j in range(len(units)):
-      offset = 8 * (i // 2) * ROW_BYTES     # an immediate of the load: no address register per key
-      pair = _asm(llvm.StructType.get_literal([i32, i32]), [bases[i % 2, j]],
-                  f"ld.shared.v2.b32 {{$0, $1}}, [$2+{offset}];", "=r,=r,r", side_effects=True)
+    if not shared_bases:
+      key = arith.addi(arith.muli(t, _i32(2)), _i32(8 * (i // 2) + i % 2))
+      row = arith.addi(row0, arith.muli(key, _i32(ROW_BYTES)))
+    for j, unit in enumerate(units):
+      if shared_bases:
+        addr, at = bases[i % 2, j], f"[$2+{8 * (i // 2) * ROW_BYTES}]"
+      else:
+        addr, at = row_unit(arith.remui(key, _i32(8)), row, unit), "[$2]"
+      pair = _asm(llvm.StructType.get_literal([i32, i32]), [addr], f"ld.shared.v2.b32 {{$0, $1}}, {at};",
+                  "=r,=r,r", side_effects=True)
       place(regs, i, j, llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1]))
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
 
@@ -116,7 +130,7 @@ def load_words(k_tile):
   latent columns 128w + 64h + 8q + [0, 8) (two 32-bit words): chunk w, units 4h + q // 2."""
   w, q, _ = _thread()
   unit = arith.divui(q, _i32(2))
-  return _key_words(k_tile, w, [unit, arith.addi(unit, _i32(4))], _put)
+  return _key_words(k_tile, w, [unit, arith.addi(unit, _i32(4))], _put, shared_bases=False)
 
 
 HALF_BLOCKS = 4     # M blocks of one multiplier half (256 latent columns) in the heads-on-M "producer_vt"
@@ -145,7 +159,7 @@ def load_half_words(k_tile, half):
   def place(regs, i, _, lo, hi):
     _put(regs, i, 0, lo, lo)
     _put(regs, i, 1, hi, hi)
-  return _key_words(k_tile, chunk, [unit], place)
+  return _key_words(k_tile, chunk, [unit], place, shared_bases=True)
 
 
 def store_half_rows(accs, o, half):
