@@ -593,10 +593,13 @@ def test_bf16_cache_kernel_interpret(rng, B, H, s_q, topk, tl, races):
 
 
 @pytest.mark.parametrize("b,s_q,h,topk,splits", [(128, 2, 128, 2048, 2), (8, 2, 64, 2051, 7), (4, 1, 32, 500, 2)])
-def test_bf16_cache_kernel_lowers_for_sm90(b, s_q, h, topk, splits):
-  """The bf16-cache kernel at sm_90a: QKᵀ as nine bf16 m64n64k16 x 4 wgmmas per tile, P·V as 4 blocks x 4, all in
-  the one code path both consumers share; the loader's 4 x 9 16-byte cp.async per thread (1152-byte rows);
-  splits of at most BF16_MAX_SPLIT_TILES tiles (SMEM: bf16 Q and two K tiles)."""
+def test_bf16_cache_kernel_lowers_for_sm90(b, s_q, h, topk, splits, monkeypatch):
+  """The bf16-cache "twin" at sm_90a (the default where "producer_vt" over bf16 is not validated): QKᵀ as nine
+  bf16 m64n64k16 x 4 wgmmas per tile, P·V as 4 blocks x 4, all in the one code path both consumers share; the
+  loader's 4 x 9 16-byte cp.async per thread (1152-byte rows); splits of at most BF16_MAX_SPLIT_TILES tiles
+  (SMEM: bf16 Q and two K tiles)."""
+  monkeypatch.setattr(sd, "BF16_PRODUCER_VALIDATED_ON", ())
+  jax.clear_caches()    # the op's jitted entry was perhaps traced under the shipped plan
   S = jax.ShapeDtypeStruct
   cfg = sd._config(h, b * s_q, topk, "sm90", (), "bfloat16")
   assert cfg.num_splits == splits and cfg.kernel.tiles_per_split <= sd.BF16_MAX_SPLIT_TILES
@@ -641,16 +644,17 @@ def test_bf16_cache_producer_interpret(rng, B, H, s_q, topk, tl, tuning, races):
 
 
 def test_bf16_cache_producer_lowers_for_sm90():
-  """"producer_vt" over a bf16 cache at P1's shape (2 splits of 16 tiles): the producer's QKᵀ as nine bf16
+  """"producer_vt" over a bf16 cache at P1's shape in 2 splits of 16 tiles: the producer's QKᵀ as nine bf16
   m64n64k16 x 4 wgmmas, the multipliers' P·V as one m64n64k16 x 4 group per 64-column chunk of V (one traced code
   path; no m64n256k16: ptxas compiles a 512-thread kernel within 128 registers per thread), P stored by stmatrix,
   no fp8; the loader's 4 x 9 cp.async per thread, the TMAs of Q's nine chunks and the indices; SMEM
   within the limit (no P slots: P sits in the K buffer)."""
   S = jax.ShapeDtypeStruct
-  cfg = sd._config(128, 256, 2048, "sm90", BF16_PRODUCER, "bfloat16")
+  tuning = BF16_PRODUCER + (("tiles_per_split", 16),)
+  cfg = sd._config(128, 256, 2048, "sm90", tuning, "bfloat16")
   assert cfg.num_splits == 2 and cfg.kernel.producer and cfg.kernel.bf16 and not cfg.kernel.p_slots()
   assert cfg.kernel.smem_budget() <= common.SMEM_LIMIT
-  fn = jax.jit(lambda q, kv, i, sc: sd._mosaic_sparse_decode(q, kv, i, 0.1, sc, None, False, BF16_PRODUCER, "sm90"))
+  fn = jax.jit(lambda q, kv, i, sc: sd._mosaic_sparse_decode(q, kv, i, 0.1, sc, None, False, tuning, "sm90"))
   low = testing.lower_for_cuda(fn, S((128, 2, 128, 576), jnp.bfloat16), S((4096 * 8, 576), jnp.bfloat16),
                                S((128, 2, 2048), jnp.int32), S((), jnp.float32))
   assert len(low.mosaic) == 1
@@ -674,8 +678,11 @@ def test_bf16_cache_producer_lowers_for_sm90():
 def test_bf16_cache_configs():
   """A bfloat16 cache: heads on M at every H ("twin", splits <= BF16_MAX_SPLIT_TILES; the fp8 cache keeps heads on
   N at H <= 16); validated on sm_90 at every kernel head count (its GPU tests passed on the H200 at H 8-128,
-  2026-12-02), so auto picks it there (validated_on). "producer_vt" over bf16: a sweep candidate (up to
-  BF16_PRODUCER_MAX_SPLIT_TILES), the default only where BF16_PRODUCER_VALIDATED_ON names the family."""
+  2026-12-02), so auto picks it there (validated_on). "producer_vt" over bf16 (splits up to
+  BF16_PRODUCER_MAX_SPLIT_TILES): the default where BF16_PRODUCER_VALIDATED_ON names the family (sm_90, where it
+  passed its GPU tests and beat "twin"), a sweep candidate elsewhere."""
+  assert sd.BF16_PRODUCER_VALIDATED_ON == ("sm90",)
+  twin_default = unittest.mock.patch.object(sd, "BF16_PRODUCER_VALIDATED_ON", ())
   assert sd.default_config(16, 8, 2048, "sm90", "bfloat16").design == "sm90_heads_m"
   assert sd.default_config(16, 8, 2048, "sm90").design == "sm90_heads_n"
   with pytest.raises(NotImplementedError, match="bfloat16-cache kernel"):
@@ -683,7 +690,7 @@ def test_bf16_cache_configs():
   assert sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"),), "bfloat16").kernel.producer
   with pytest.raises(ValueError, match="k_buffers <= 2"):     # P and alpha slots tied to the K buffers
     sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"), ("k_buffers", 3)), "bfloat16")
-  with pytest.raises(ValueError, match="SMEM"):
+  with twin_default, pytest.raises(ValueError, match="SMEM"):
     sd._config(128, 256, 2048, "sm90", (("tiles_per_split", 32),), "bfloat16")
   # "producer_vt" over bf16: 32-tile splits fit (no P slots, no reduction scratch), 64 do not
   assert sd._config(128, 256, 2048, "sm90", (("schedule", "producer_vt"), ("tiles_per_split", 32)), "bfloat16")
@@ -692,11 +699,14 @@ def test_bf16_cache_configs():
   assert sd.validated_on(jnp.bfloat16) == ("sm90",) and sd.validated_on(FP8) == ("sm90",)
   assert all(sd.validated_on(jnp.bfloat16, h) == ("sm90",) for h in sd.KERNEL_HEADS)
   assert sd.validated_on(jnp.bfloat16, 3) == () and sd.validated_on(FP8, 16) == ("sm90",)
-  # "producer_vt" over bf16 is a sweep candidate; the default only where it was validated on hardware
-  sweep = sd.sweep_configs(128, 256, 2048, "sm90", "bfloat16")
-  assert ("schedule=producer_vt" in sweep) and not any(dict(t).get("k_buffers") == 3 for t in sweep.values())
-  assert sd.default_config(128, 256, 2048, "sm90", "bfloat16").kernel.schedule == "twin"
-  assert "schedule=producer_vt, tiles_per_split=32" in sd.sweep_configs(128, 4096, 2048, "sm90", "bfloat16")
+  # "producer_vt" over bf16 is a sweep candidate where it is not validated on hardware, and the default where it is
+  with twin_default:
+    sweep = sd.sweep_configs(128, 256, 2048, "sm90", "bfloat16")
+    assert ("schedule=producer_vt" in sweep) and not any(dict(t).get("k_buffers") == 3 for t in sweep.values())
+    assert sd.default_config(128, 256, 2048, "sm90", "bfloat16").kernel.schedule == "twin"
+    assert "schedule=producer_vt, tiles_per_split=32" in sd.sweep_configs(128, 4096, 2048, "sm90", "bfloat16")
+  assert f"schedule=twin, tiles_per_split={sd.BF16_MAX_SPLIT_TILES}" in sd.sweep_configs(128, 256, 2048, "sm90",
+                                                                                      "bfloat16")
   assert sd.PRODUCER_MIN_TILES <= sd.BF16_MAX_SPLIT_TILES   # a split too long for "twin" gets "producer_vt"
   with unittest.mock.patch.object(sd, "BF16_PRODUCER_VALIDATED_ON", ("sm90",)):
     assert sd.default_config(128, 256, 2048, "sm90", "bfloat16").kernel.schedule == "producer_vt"

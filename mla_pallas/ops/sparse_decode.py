@@ -325,9 +325,10 @@ def default_config(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
 INVARIANT_SPLIT_TILES = 16
 PRODUCER_MIN_TILES = 8  # heads on M: "producer_vt" from splits this long; "twin" (Q quantized in the kernel) below
 # Families where "producer_vt" over a bfloat16 cache (P in the K buffer's rope chunk, P·V from SMEM: kernels/
-# sparse_sm90_heads_m.py) ran and matched the reference on hardware; until then a bf16 cache runs "twin" (the
-# sweep has both).
-BF16_PRODUCER_VALIDATED_ON: tuple[str, ...] = ()
+# sparse_sm90_heads_m.py) ran and matched the reference on hardware; elsewhere a bf16 cache runs "twin" (the
+# sweep has both). On sm90 "producer_vt" with 32-tile splits took P1 443 -> 299 us and F1 7093 -> 4533 us
+# against "twin" (benchmarks/RESULTS.md, thirty-sixth session).
+BF16_PRODUCER_VALIDATED_ON: tuple[str, ...] = ("sm90",)
 
 
 def _heads_m_tuning(tiles_per_split: int) -> dict:
@@ -374,8 +375,9 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
-    if cfg.kernel.bf16:   # "producer_vt" over bf16 takes splits of up to BF16_PRODUCER_MAX_SPLIT_TILES
-      candidates += [(("schedule", "producer_vt"), ("tiles_per_split", BF16_PRODUCER_MAX_SPLIT_TILES))]
+    if cfg.kernel.bf16:   # "producer_vt" over bf16 takes splits of up to BF16_PRODUCER_MAX_SPLIT_TILES, "twin"
+      candidates += [(("schedule", "producer_vt"), ("tiles_per_split", BF16_PRODUCER_MAX_SPLIT_TILES)),
+                     (("schedule", "twin"), ("tiles_per_split", BF16_MAX_SPLIT_TILES))]
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
