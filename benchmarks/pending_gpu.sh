@@ -352,6 +352,22 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
       --shape "$shape,topk=2048,page=64" "${common[@]}"
   done
 }
+t_decode_pv() {   # the decode GPU tests (heads-on-N V word addresses, the bf16 validation flags) in 9 processes
+                  # beside the prefill kernel's fp8 P·V tests (the op's new Vᵀ pass) in 3
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( DEADLINE - SECONDS < 200 ? DEADLINE - SECONDS : 200 )) $PY -m pytest \
+    -q -m gpu -p no:cacheprovider -n 3 tests/test_prefill_kernel_gpu.py -k pv_fp8 > "$OUT/t_prefill_pv.txt" 2>&1 &
+  local pid=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_decode 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 9 \
+    tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py
+  wait $pid; RC[t_prefill_pv]=$?
+  echo "## t_prefill_pv: rc ${RC[t_prefill_pv]}"; grep -v "^[WI]0000" "$OUT/t_prefill_pv.txt" | tail -n 8
+}
+b_prefill_pv() {   # issue 23: fp8 P·V (with the ping-pong) beside the bf16 P·V default and cuDNN, with the op's Vᵀ pass
+                   # in three XLA passes (it was one 1.8 ms fusion), 2 x 4096 causal, both models
+  run b_prefill_pv_deepseek 60 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only block_kv=128,pv_fp8 --preset deepseek_v32 \
+    "${common[@]}"
+  run b_prefill_pv_glm5 50 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only pv_fp8 --preset glm5 "${common[@]}"
+}
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
 next="t_bf16p,diag_p2,diag_d3,b_dense_table,b_bf16,diag_bf16p,b_prefill_pp"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
