@@ -311,20 +311,11 @@ b_prefill_pp() {   # issue 23: the ping-pong schedule and fp8 P·V beside the de
   run b_prefill_pp_glm5 200 $B mla_prefill --impl all --sweep --sweep-only pingpong,pv_fp8 --preset glm5 \
     "${common[@]}"
 }
-diag_bf16p() {   # issue 22: the bf16 "producer_vt" multipliers' P from registers (pv_bf16_p_regs: 64 KB less SMEM
-                 # traffic per tile) against P from SMEM (the default), P1 and F1 (as decode: B 4096, s_q 1),
-                 # 32-tile splits (~150 s)
-  local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py"
-  run diag_bf16p_P1 80 $py --iters 20 --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16 \
-    --tuning schedule=producer_vt,tiles_per_split=32 --rows none,pv_bf16_p_regs --out "$OUT/diag_bf16p"
-  run diag_bf16p_F1 100 $py --iters 10 --shape B=4096,s_q=1,H=128,topk=2048,page=64,ctx=8192,cache=bf16 \
-    --tuning schedule=producer_vt,tiles_per_split=32 --rows none,pv_bf16_p_regs --out "$OUT/diag_bf16p_F1"
-}
 diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16 spends a tile (P1's shape, 16-tile
                 # splits: the profiler's buffers do not fit beside 32-tile splits' indices) and the ablations
   local py="$PY benchmarks/sparse_sm90_diagnose_gpu.py" shape="B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16"
   run diag_bf16_rows 150 $py --iters 20 --shape $shape --tuning schedule=producer_vt,tiles_per_split=16 \
-    --rows none,no_gather,no_qk,no_softmax,no_pv,pv_bf16_p_regs --out "$OUT/diag_bf16"
+    --rows none,no_gather,no_qk,no_softmax,no_pv --out "$OUT/diag_bf16"
   run diag_bf16_timeline 120 $py --timeline --timeline-space 48 --shape $shape \
     --tuning schedule=producer_vt,tiles_per_split=16 --rows none --out "$OUT/diag_bf16_timeline"
   rm -f "$OUT"/diag_bf16_timeline/timeline_*/*trace.json
@@ -353,23 +344,23 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 t_decode_pv() {   # the decode GPU tests (heads-on-N V word addresses, the bf16 validation flags) in 9 processes
-                  # beside the prefill kernel's fp8 P·V tests (the op's new Vᵀ pass) in 3
+                  # beside the prefill kernel's tests (fp8 P·V the default, the op's new Vᵀ pass) in 3
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( DEADLINE - SECONDS < 200 ? DEADLINE - SECONDS : 200 )) $PY -m pytest \
-    -q -m gpu -p no:cacheprovider -n 3 tests/test_prefill_kernel_gpu.py -k pv_fp8 > "$OUT/t_prefill_pv.txt" 2>&1 &
+    -v -m gpu -p no:cacheprovider -n 3 tests/test_prefill_kernel_gpu.py > "$OUT/t_prefill_pv.txt" 2>&1 &
   local pid=$!
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_decode 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 9 \
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py
   wait $pid; RC[t_prefill_pv]=$?
-  echo "## t_prefill_pv: rc ${RC[t_prefill_pv]}"; grep -v "^[WI]0000" "$OUT/t_prefill_pv.txt" | tail -n 8
+  echo "## t_prefill_pv: rc ${RC[t_prefill_pv]}"; grep -E "passed|failed|FAILED|ERROR" "$OUT/t_prefill_pv.txt" | tail -n 12
 }
-b_prefill_pv() {   # issue 23: fp8 P·V (with the ping-pong) beside the bf16 P·V default and cuDNN, with the op's Vᵀ pass
+b_prefill_pv() {   # issue 23: fp8 P·V (the default; with the ping-pong) beside bf16 P·V and cuDNN, with the op's Vᵀ pass
                    # in three XLA passes (it was one 1.8 ms fusion), 2 x 4096 causal, both models
-  run b_prefill_pv_deepseek 60 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only block_kv=128,pv_fp8 --preset deepseek_v32 \
+  run b_prefill_pv_deepseek 60 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only pv_fp8,pingpong --preset deepseek_v32 \
     "${common[@]}"
-  run b_prefill_pv_glm5 50 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only pv_fp8 --preset glm5 "${common[@]}"
+  run b_prefill_pv_glm5 50 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only pv_fp8,pingpong --preset glm5 "${common[@]}"
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_bf16p,diag_p2,diag_d3,b_dense_table,b_bf16,diag_bf16p,b_prefill_pp"
+next="t_decode_pv,b_prefill_pv"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

@@ -115,15 +115,6 @@ def _pv_bf16_identity(accs, p_op, k_tiles, half, interpret):
   return accs
 
 
-def _multiplier_p_regs(k_tiles, interpret):
-  """The bf16 multipliers' P loaded into registers once per tile (WGMMA layout, 16 registers) as the A operand of
-  the four m64n64k16 groups, instead of each group reading P from SMEM: 64 KB less SMEM traffic per tile (P 8 KB
-  x 4 groups x 2 multipliers), for 16 more registers. Interpret mode: the ref (the interpreter has no wgmma with
-  A in registers)."""
-  p_ref = k_tiles.at[heads_m.BF16_P_CHUNK]
-  return p_ref if interpret else plgpu.load(p_ref, layout=plgpu.Layout.WGMMA, optimized=False)
-
-
 def _pv_half_identity(acc, p_op, wg, interpret, r):
   del p_op, wg, interpret, r
   return acc
@@ -258,8 +249,6 @@ ROWS = {
     "no_vt_words": {(vt_registers, "load_v_words"): _zero_words, (vt_registers, "load_v_half_words"): _zero_words},
     "no_gather+no_pv": {(gather_threads, "gather_tile"): _no_gather, (heads_m, "_pv_half"): _pv_half_identity,
                         (vt_registers, "pv_wgmmas"): _pv_wgmmas_identity, (heads_m, "_pv_bf16"): _pv_bf16_identity},
-    # the bf16 "producer_vt" multipliers' P loaded into registers once per tile (real variant, checked)
-    "pv_bf16_p_regs": {(heads_m, "_multiplier_p"): _multiplier_p_regs},
     # real variants (checked): every P·V from registers with its A fragments built one block at a time (wait_group
     # 1 between blocks; "producer_vt"'s form) or all first (the others' form)
     "pv_pipelined": {(vt_registers, "pv_wgmmas"): _pv_forced(True)},
@@ -313,11 +302,10 @@ ROWS = {
     "q_rows_multipliers": {(heads_m, "PRODUCER_Q_ROWS"): 0},
     # each multiplier reduces the slot's 64 alphas itself (the default before; the producer still writes its flags)
     "alpha_min": {(heads_m, "_all_alpha_one"): _alpha_min},
-    # bf16 cache, "producer_vt": the multipliers' P·V as four N = 64 groups instead of one N = 256 group
 }
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
-           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base", "pv_bf16_p_regs",
+           "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base",
            "p_desc_per_call", "q_rows_multipliers", "fragments_fused", "heads_n_4cb55bb")
 
 

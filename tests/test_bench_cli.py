@@ -607,9 +607,11 @@ def test_mla_prefill_sweep_runs_the_kernel_candidates_in_interpret_mode():
   from mla_pallas.ops import prefill as pf
   cands = pf.sweep_configs(192, 128)
   assert list(cands)[0] == "default" and "block_kv=64,kv_stages=2" in cands     # the default is 128-key blocks
-  # at 256 / 256 no other bf16-V block shape fits in SMEM: the default, its other schedule (pingpong) and fp8 P·V
-  assert pf.sweep_configs(256, 256) == {"default": (), "pingpong=True": (("pingpong", True),),
-                                        "block_kv=64,pv_fp8=True": (("block_kv", 64), ("pv_fp8", True))}
+  # at 256 / 256 (fp8 P·V, 64-key blocks by default) three stages fit, 128-key blocks do not; the other schedule
+  # (pingpong) and the bf16 P·V
+  assert pf.sweep_configs(256, 256) == {"default": (), "block_kv=64,kv_stages=3": (("block_kv", 64), ("kv_stages", 3)),
+                                        "pingpong=True": (("pingpong", True),),
+                                        "block_kv=64,pv_fp8=False": (("block_kv", 64), ("pv_fp8", False))}
   results = bench.run("mla_prefill", ("mosaic",), dict(H=1, seqs=1, T=64, ctx=0, causal=1), iters=1, n_inputs=1,
                       progress=False, interpret=True, sweep=True)
   assert len(results) == len(cands)

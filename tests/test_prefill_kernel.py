@@ -55,6 +55,12 @@ def zeros_of(avals):
   return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
 
+def _default_pv_fp8(q, v) -> bool:
+  """Whether the op's default kernel config at these head dims runs the fp8 P·V (its error model has P and V in
+  e4m3 then)."""
+  return kp.default_config(q.shape[2], v.shape[2]).pv_fp8
+
+
 def _check(out, lse, r_out, r_lse, *, dqk, pv_length, what, quantized_p=False):
   o, r = np.asarray(out, np.float64), np.asarray(r_out, np.float64)
   np.testing.assert_array_equal(np.isnan(o), np.isnan(r), err_msg=f"{what}: NaN pattern")
@@ -83,7 +89,7 @@ def test_kernel_interpret_matches_reference(rng, name, causal):
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
   assert not ipc.get_races().races_found
   r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k)
-  _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=name)
+  _check(out, lse, r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what=name, quantized_p=_default_pv_fp8(q, v))
   if name == "padding_nonfinite":
     assert np.all(np.asarray(out, np.float32)[list(range(2)) + [15, 16, 17]] == 0)   # padding tokens
 
@@ -104,7 +110,8 @@ def test_kernel_interpret_outlier_rows(rng):
   g, w = np.asarray(lse, np.float64), np.asarray(r_lse, np.float64)
   big = np.abs(w) > 100
   assert big.sum() >= 2 and np.all(np.abs(g[big] - w[big]) <= 6 * 1e5 * 2.0 ** -4)
-  _check(out, np.where(big, w, g), r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what="outlier rows")
+  _check(out, np.where(big, w, g), r_out, r_lse, dqk=q.shape[2], pv_length=k.shape[0], what="outlier rows",
+         quantized_p=_default_pv_fp8(q, v))
 
 
 def test_kernel_interpret_model_head_dims_and_determinism(rng):
@@ -234,8 +241,8 @@ def test_aligned_packing_and_tiles():
 
 @pytest.mark.parametrize("poison", [False, True])
 def test_kernel_interpret_reads_v_in_place(rng, monkeypatch, poison):
-  """Key sequences at rows 0, 24, 64 of Tk = 72 (multiples of 8) and every v finite: the kernel reads v as it
-  is (no packed copy; tile field v0 = the caller's row); bitwise the packed path's result (the same products in
+  """Key sequences at rows 0, 24, 64 of Tk = 72 (multiples of 8) and every v finite: the bf16 P·V kernel reads v
+  as it is (no packed copy; tile field v0 = the caller's row); bitwise the packed path's result (the same products in
   the same order) and within the model of the reference. With a NaN in v the call is not clean and takes the
   packed path and the NaN rule."""
   t, tk, h, d = 40, 72, 2, 64
@@ -256,8 +263,9 @@ def test_kernel_interpret_reads_v_in_place(rng, monkeypatch, poison):
     seen.append(v_kernel.shape[0])
     return real(q8, k8, v_kernel, *a, **kw)
   monkeypatch.setattr(kp, "prefill_sm90", spy)
+  bf16_pv = dataclasses.replace(kp.default_config(d, d), pv_fp8=False)    # v in place is the bf16 P·V's
   run = functools.partial(pf._mosaic_prefill, q, k, v, cu, jnp.float32(d ** -0.5), causal=True, cu_seqlens_k=cu_k,
-                          interpret=RACES)
+                          interpret=RACES, cfg=bf16_pv)
   out, lse = run()
   assert sorted(seen) == [tk, pf._aligned_packing(cu_k, tk, 2)[2]]   # both branches of the cond are traced
   r_out, r_lse = ref.mla_prefill(q, k, v, cu, softmax_scale=d ** -0.5, causal=True, cu_seqlens_k=cu_k)
@@ -284,8 +292,8 @@ def test_default_config_and_sweep():
   """128-key blocks where two stages of them fit (DeepSeek's 192 / 128), 64-key blocks at GLM-5's 256 / 256; the
   sweep lists the default once, as "default", and only configs that fit."""
   from mla_pallas.ops import prefill as pf
-  assert kp.default_config(192, 128) == kp.TuningConfig(block_kv=128, kv_stages=2)
-  assert kp.default_config(256, 256) == kp.TuningConfig()
+  assert kp.default_config(192, 128) == kp.TuningConfig(block_kv=128, kv_stages=2, pv_fp8=True)
+  assert kp.default_config(256, 256) == kp.TuningConfig(pv_fp8=True)
   for dqk, dv in ((192, 128), (256, 256)):
     sweep = pf.sweep_configs(dqk, dv)
     assert list(sweep)[0] == "default" and sweep["default"] == ()
@@ -293,9 +301,10 @@ def test_default_config_and_sweep():
     assert len(set(cfgs)) == len(cfgs) and cfgs[0] == kp.default_config(dqk, dv)
     assert all(kp.smem_budget(c, dqk, dv) <= kp.common.SMEM_LIMIT for c in cfgs)
     assert sweep["pingpong=True"] == (("pingpong", True),)     # the schedule candidate, at the default blocks
-    assert sweep["block_kv=64,pv_fp8=True"] == (("block_kv", 64), ("pv_fp8", True))   # fp8 P·V: fits at both
-  assert "block_kv=128,pv_fp8=True" in pf.sweep_configs(192, 128)
-  assert "block_kv=128,pv_fp8=True" not in pf.sweep_configs(256, 256)     # 247 KB of SMEM
+    assert sweep["block_kv=64,pv_fp8=False"] == (("block_kv", 64), ("pv_fp8", False))   # bf16 P·V: fits at both
+  assert "block_kv=128,pv_fp8=False" in pf.sweep_configs(192, 128)
+  assert "block_kv=128,pv_fp8=False" not in pf.sweep_configs(256, 256)     # bf16 V: too much SMEM
+  assert "block_kv=128,kv_stages=2" not in pf.sweep_configs(256, 256)      # fp8 P·V at 128-key blocks: 247 KB
   with pytest.raises(ValueError, match="Dv a multiple of 64"):
     kp.default_config(192, 100)
 
@@ -319,14 +328,15 @@ def test_dispatch(rng):
 @pytest.mark.parametrize("dims", [(192, 128), (256, 256)], ids=["deepseek_v32", "glm5"])
 def test_kernel_lowers_for_sm90(dims, causal):
   """Mosaic's layout inference, wgmma and TMA checks at both models' head dims: per key block one fp8 QKᵀ
-  (Dqk / 32 wgmma instructions of K = 32) and one bf16 P·V (block_kv / 16 of K = 16), in each of the two key
-  loops (blocks without and with a mask); setmaxnreg up and down; the per-row scales' shape check."""
+  (Dqk / 32 wgmma instructions of K = 32) and, with ``pv_fp8=False``, one bf16 P·V (block_kv / 16 of K = 16), in
+  each of the two key loops (blocks without and with a mask); setmaxnreg up and down; the per-row scales' shape
+  check; the default's fp8 P·V below."""
   dqk, dv = dims
   S = jax.ShapeDtypeStruct
   tq, tk, h, nt = 304, 512, 4, 5
   avals = (S((tq, h, dqk), kp.FP8), S((tk, h, dqk), kp.FP8), S((tk, h, dv), jnp.bfloat16), S((nt, 8), jnp.int32),
            S((h, tq), jnp.float32), S((h, tk), jnp.float32))
-  cfg = kp.default_config(dqk, dv)
+  cfg = dataclasses.replace(kp.default_config(dqk, dv), pv_fp8=False)
   low = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=cfg, causal=causal, out_rows=300), *avals)
   assert low.count(r"wgmma.mma_async") == 2 * (dqk // 32 + cfg.block_kv // 16)   # the unmasked and masked loops
   assert low.count(r"e4m3") > 0 and low.count("setmaxnreg") == 2
@@ -337,6 +347,7 @@ def test_kernel_lowers_for_sm90(dims, causal):
     # pv_fp8: P·V as e4m3 wgmmas of K = 32 (block_kv / 32 per block) reading Vᵀ [H, Dv, Tv]; at 256 / 256 only
     # 64-key blocks fit
     b = 128 if dqk == 192 else 64
+    assert kp.default_config(dqk, dv) == kp.TuningConfig(block_kv=b, pv_fp8=True)
     fp8 = testing.lower_for_cuda(functools.partial(kp.prefill_sm90, cfg=kp.TuningConfig(block_kv=b, pv_fp8=True),
                                                    causal=causal, out_rows=300),
                                  *avals[:2], S((h, dv, tk), kp.FP8), *avals[3:], S((h, dv), jnp.float32))

@@ -86,18 +86,20 @@ def test_kernel_matches_reference(rng, model, case, causal):
     out = mla_prefill(q, k, v, cu, softmax_scale=scale, causal=causal, cu_seqlens_k=cu_k, impl="mosaic")
     assert _dispatch.last_impl("mla_prefill") == "mosaic"
     return out
-  _check(q, k, v, cu, cu_k, causal, run, f"{model} {case} causal={causal}")
+  from mla_pallas.kernels import prefill_sm90 as kp
+  _check(q, k, v, cu, cu_k, causal, run, f"{model} {case} causal={causal}", kp.default_config(dqk, dv).pv_fp8)
 
 
-def _check_config(rng, h, model, case, causal, cfg, what, quantized_p=False):
-  """The op's kernel path (``ops.prefill._mosaic_jit``) with ``cfg`` on a fresh case, through :func:`_check`."""
+def _check_config(rng, h, model, case, causal, cfg, what):
+  """The op's kernel path (``ops.prefill._mosaic_jit``) with ``cfg`` on a fresh case, through :func:`_check` (with
+  P and V in e4m3 in the error model where ``cfg.pv_fp8``)."""
   import functools
   from mla_pallas.ops import prefill as pf
   _, dqk, dv = DIMS[model]
   q, k, v, cu, cu_k = _inputs(rng, h, dqk, dv, case)
   run = functools.partial(pf._mosaic_jit, q, k, v, cu, jnp.float32(dqk ** -0.5), causal=causal, cu_seqlens_k=cu_k,
                           cfg=cfg)
-  _check(q, k, v, cu, cu_k, causal, run, what, quantized_p)
+  _check(q, k, v, cu, cu_k, causal, run, what, cfg.pv_fp8)
   return q, k
 
 
@@ -135,4 +137,16 @@ def test_pv_fp8_matches_reference(rng, model, case, causal):
   from mla_pallas.kernels import prefill_sm90 as kp
   h, dqk, _ = DIMS[model]
   cfg = kp.TuningConfig(block_kv=128 if dqk == 192 else 64, pv_fp8=True, pingpong=dqk != 192)
-  _check_config(rng, h, model, case, causal, cfg, f"pv_fp8 {model} {case} causal={causal}", quantized_p=True)
+  _check_config(rng, h, model, case, causal, cfg, f"pv_fp8 {model} {case} causal={causal}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_pv_bf16_matches_reference(rng, model, causal):
+  """``pv_fp8=False`` (bf16 P·V over v as it is or packed; the default before the fp8 P·V), the accurate form:
+  cached context, ragged tiles, within the error model with P and V unrounded; bitwise deterministic."""
+  import dataclasses
+  from mla_pallas.kernels import prefill_sm90 as kp
+  h, dqk, dv = DIMS[model]
+  cfg = dataclasses.replace(kp.default_config(dqk, dv), pv_fp8=False)
+  _check_config(rng, h, model, "context", causal, cfg, f"pv_bf16 {model} causal={causal}")

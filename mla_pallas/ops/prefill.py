@@ -634,25 +634,22 @@ def _mosaic_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, cu_seqlens_k=None
 
 def sweep_configs(dqk: int, dv: int) -> dict[str, tuple[tuple[str, object], ...]]:
   """Labelled ``tuning`` overrides of the prefill kernel for benchmark sweeps at head dims (Dqk, Dv), ``"default":
-  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM, then the default's blocks with the other
-  ``pingpong`` setting."""
+  ()`` first: every (block_kv, kv_stages) pair that fits in SMEM (with the default's P·V and schedule), the
+  default with the other ``pingpong`` setting, then each block size with the other P·V (``pv_fp8``)."""
   from mla_pallas.kernels import prefill_sm90 as kp
   kp.check_head_dims(dqk, dv)
   default = kp.default_config(dqk, dv)
   out: dict[str, tuple[tuple[str, object], ...]] = {"default": ()}
   for b in (64, 128):
     for st in (2, 3):
-      cfg = kp.TuningConfig(block_kv=b, kv_stages=st, pingpong=default.pingpong)
+      cfg = dataclasses.replace(default, block_kv=b, kv_stages=st)
       if cfg != default and kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
         out[f"block_kv={b},kv_stages={st}"] = (("block_kv", b), ("kv_stages", st))
   out[f"pingpong={not default.pingpong}"] = (("pingpong", not default.pingpong),)
-  for b in (64, 128):   # fp8 P·V (Vᵀ in e4m3): half the V bytes, so 128-key blocks may fit where bf16 V's do not
+  for b in (64, 128):   # the other P·V: bf16 V takes twice the SMEM, so 128-key blocks may fit only in e4m3
     cfg = dataclasses.replace(default, block_kv=b, pv_fp8=not default.pv_fp8)
     if kp.smem_budget(cfg, dqk, dv) <= kp.common.SMEM_LIMIT:
       out[f"block_kv={b},pv_fp8={cfg.pv_fp8}"] = (("block_kv", b), ("pv_fp8", cfg.pv_fp8))
-      if cfg.pv_fp8:    # the ping-pong beside it (the consumers' softmax is a larger share of an fp8 P·V block)
-        out[f"block_kv={b},pv_fp8=True,pingpong={not cfg.pingpong}"] = (
-            ("block_kv", b), ("pv_fp8", True), ("pingpong", not cfg.pingpong))
   return out
 
 
