@@ -45,7 +45,9 @@ def test_rows_patch_the_kernel(diag, H, tuning):
                    "p_desc_per_call", "q_rows_multipliers"]
   rows += producer_rows if tuning == (("schedule", "producer_vt"),) else []
   # the heads-on-N P·V's fragment forms (vt_registers.block_operands, which only the heads-on-N kernel calls)
-  rows += ["fragments_fused", "heads_n_4cb55bb", "key_words_each", "p_desc_per_call"] if H <= 16 else []
+  # (the heads-on-N consumer's V words are per key: key_words_shared reverts them; key_words_each, the
+  # multipliers', is then a no-op there)
+  rows += ["fragments_fused", "heads_n_4cb55bb", "key_words_shared", "p_desc_per_call"] if H <= 16 else []
   for row in rows:
     assert ir(row) != base, row
 
