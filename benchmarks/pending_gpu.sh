@@ -359,8 +359,18 @@ b_prefill_pv() {   # issue 23: fp8 P·V (the default; with the ping-pong) beside
     "${common[@]}"
   run b_prefill_pv_glm5 50 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only pv_fp8,pingpong --preset glm5 "${common[@]}"
 }
+b_seesaw() {   # issue 22: "seesaw" over a bf16 cache (the consumers alternate tiles for QKᵀ and softmax) beside
+               # "producer_vt" (the bf16 default) at F1 and P1, and its GPU test (~200 s)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_seesaw 150 $PY -m pytest -q -m gpu -p no:cacheprovider -n 3 -k seesaw \
+    tests/test_sparse_decode_gpu.py
+  local only="--sweep --sweep-only schedule=seesaw" cache="--cache-dtype bf16"
+  run b_seesaw_F1 120 $B sparse_mla_prefill --impl mosaic $cache $only --shape T=4096,H=128,topk=2048,page=64,ctx=8192 \
+    "${common[@]}"
+  run b_seesaw_P1 80 $B sparse_mla_decode --impl mosaic $cache $only --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768 \
+    "${common[@]}"
+}
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_decode_pv,b_prefill_pv"
+next="t_decode_pv,b_prefill_pv,b_seesaw"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

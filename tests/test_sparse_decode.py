@@ -643,6 +643,62 @@ def test_bf16_cache_producer_interpret(rng, B, H, s_q, topk, tl, tuning, races):
   assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
 
 
+SEESAW = (("schedule", "seesaw"),)
+
+
+@pytest.mark.parametrize("B,H,s_q,topk,tl,tuning,races", [
+    (1, 32, 1, 150, True, SEESAW + (("tiles_per_split", 16),), True),       # 3 tiles: consumer 0 takes the last
+    (2, 32, 2, 77, False, SEESAW + (("tiles_per_split", 1),), False),       # 1-tile splits: consumer 1 owns none
+    (1, 64, 1, 200, False, SEESAW + (("tiles_per_split", 2),), False),      # 2-tile splits, several of them
+])
+def test_bf16_cache_seesaw_interpret(rng, B, H, s_q, topk, tl, tuning, races):
+  """"seesaw" over a bfloat16 cache (consumer t % 2 computes tile t's S and softmax from the other's (m, l), hands
+  P, alpha, m, l through SMEM; both multiply every tile into their half of O) against the reference within
+  testing.BF16_ATTENTION_REL_L2, race-checked: NaN in unused rows, invalid and out-of-range ids, an all-invalid
+  row, partial last tiles, topk_length, odd and even tile counts per split (the last tile owned by either
+  consumer), splits where consumer 1 owns no tile; bitwise deterministic."""
+  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
+                   with_topk_length=tl)
+  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
+  testing.reset_interpreter()
+  out, lse = run_kernel(case, interpret=RACES if races else True, tuning=tuning)
+  assert not testing.races_found()
+  ref_out, ref_lse = _ref(case)
+  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 seesaw out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 seesaw lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+  again, _ = run_kernel(case, interpret=True, tuning=tuning)
+  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
+
+
+def test_bf16_cache_seesaw_lowers_for_sm90():
+  """"seesaw" at P1's shape in one 32-tile split (no lse buffer, no reduction scratch: it fits): per own tile nine bf16 m64n64k16 x 4 wgmmas of QKᵀ, P by stmatrix,
+  and per tile taken one m64n64k16 x 4 group per 64-column chunk of the consumer's half of V; consumer 0's first
+  tile peeled (no tile before it) and its tail the other's last tile (16 tiles: 52 + 68 + 16 wgmmas in consumer
+  0's code, 68 in consumer 1's, the counts of any even split length), no m64n256k16, no fp8; SMEM within the
+  limit. The config's rules: bf16 only, two K buffers."""
+  S = jax.ShapeDtypeStruct
+  tuning = SEESAW + (("tiles_per_split", 32),)
+  cfg = sd._config(128, 256, 2048, "sm90", tuning, "bfloat16")
+  assert cfg.num_splits == 1 and cfg.kernel.seesaw and not cfg.kernel.p_slots(True)
+  assert cfg.kernel.reduction_scratch == 0
+  assert cfg.kernel.smem_budget() <= common.SMEM_LIMIT
+  fn = jax.jit(lambda q, kv, i, sc: sd._mosaic_sparse_decode(q, kv, i, 0.1, sc, None, False, tuning, "sm90"))
+  low = testing.lower_for_cuda(fn, S((128, 2, 128, 576), jnp.bfloat16), S((4096 * 8, 576), jnp.bfloat16),
+                               S((128, 2, 2048), jnp.int32), S((), jnp.float32))
+  assert len(low.mosaic) == 1
+  assert low.count(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16") == (52 + 68 + 16) + 68
+  assert low.count(r"m64n256k16") == 0 and low.count(r"e4m3") == 0
+  assert low.count(r"stmatrix") == 3 * 4
+  assert low.count(r"cp\.async\.cg\.shared\.global \[") == 4 * 9
+  with pytest.raises(ValueError, match="seesaw"):
+    sd._config(128, 256, 2048, "sm90", SEESAW, "float8_e4m3fn")
+  with pytest.raises(ValueError, match="seesaw"):
+    sd._config(128, 256, 2048, "sm90", SEESAW + (("k_buffers", 1), ("tiles_per_split", 16)), "bfloat16")
+  sweep = sd.sweep_configs(128, 256, 2048, "sm90", "bfloat16")    # at the default plan's 32-tile split
+  assert sd._config(128, 256, 2048, "sm90", sweep["schedule=seesaw"], "bfloat16") == cfg
+
+
 def test_bf16_cache_producer_lowers_for_sm90():
   """"producer_vt" over a bf16 cache at P1's shape in 2 splits of 16 tiles: the producer's QKᵀ as nine bf16
   m64n64k16 x 4 wgmmas, the multipliers' P·V as one m64n64k16 x 4 group per 64-column chunk of V (one traced code

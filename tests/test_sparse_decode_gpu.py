@@ -210,6 +210,26 @@ def test_bf16_cache_producer(rng, H, s_q, tuning):
   assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
 
 
+@pytest.mark.parametrize("H,s_q,tiles", [(128, 2, 16), (64, 1, 3), (16, 2, 1), pytest.param(32, 4, 2, marks=pytest.mark.slow)])
+def test_bf16_cache_seesaw(rng, H, s_q, tiles):
+  """"seesaw" over a bfloat16 cache (kernels/sparse_sm90_heads_m.py: the consumers alternate tiles for QKᵀ and
+  softmax and hand P, alpha and (m, l) to each other through SMEM) against the reference within
+  testing.BF16_ATTENTION_REL_L2: top-k 2051 (a partial last tile), splits of 16 (even), 3 (odd: consumer 0 owns the
+  last tile) and 1 tile (consumer 1 owns none), NaN rows, invalid ids, an all-invalid row; bitwise deterministic."""
+  import dataclasses
+  case = make_case(rng, B=3, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64, kv_scale=0.5)
+  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
+  tuning = (("schedule", "seesaw"), ("tiles_per_split", tiles))
+  out, lse = run_kernel(case, interpret=False, tuning=tuning)
+  ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
+                                                 kv_scale=case.kv_scale)
+  testing.assert_close_fp8(out, ref_out, rel_l2=testing.BF16_ATTENTION_REL_L2, min_cos=0.9999, what="bf16 seesaw")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-3, what="bf16 seesaw lse")
+  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
+  again, _ = run_kernel(case, interpret=False, tuning=tuning)
+  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
+
+
 @pytest.mark.parametrize("H,s_q", [(128, 2), (64, 1), (16, 2), (8, 4), pytest.param(32, 4, marks=pytest.mark.slow)])
 def test_bf16_cache_kernel(rng, H, s_q):
   """The heads-on-M kernel over a bfloat16 cache (BF16 attention, impl="mosaic"; H <= 32 rows zero-padded to 64;

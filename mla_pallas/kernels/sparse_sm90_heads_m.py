@@ -94,6 +94,24 @@ K tile itself (a 16-bit wgmma takes the MN-major B, so there is no V copy).
   reduction here is within warps) = 227 840 bytes with 16-tile splits, 231 936 with 32 (the lowered kernel's own
   count: 231 512), so a top-k of 2048 runs as one split.
 
+Seesaw (``schedule="seesaw"``, a bfloat16 cache only, k_buffers = 2; a sweep candidate until measured)
+-------------------------------------------------------------------------------------------------------------
+"twin"'s three warpgroups and O split (each consumer four [64, 64] f32 accumulators of its 256 columns), with
+each tile's S computed once: consumer w owns tiles t ≡ w (mod 2), i.e. K buffer w. Per own tile it runs the
+nine bf16 QKᵀ wgmmas, waits for the other consumer's tile t − 1 (``p_full[1 − w]``: its alpha, running max m and
+sum l in ``head_smem``, :func:`_seesaw_rows`), runs the online softmax of tile t from that (m, l), writes P (bf16,
+stmatrix) into the rope chunk of K buffer w (after the QKᵀ only P needs it, as in "producer_vt") and its alpha, m,
+l, and arrives on ``p_full[w]``; then O takes tile t − 1 (rescaled by its alpha; P and V from K buffer 1 − w) and
+tile t, and the consumer releases both buffers (``k_empty``, two arrivals each). The softmaxes alternate between
+the consumers and each one's QKᵀ of tile t runs under the other's softmax of tile t − 1: the chain per tile is
+one softmax and the hand-off, where "producer_vt"'s producer runs QKᵀ and softmax in series (FlashMLA's BF16
+dense decode schedules its two warpgroups this way, its "seesaw"). Consumer 0's first tile is peeled (no tile
+before it); the other's last tile, where it comes after a consumer's last own tile, is taken after the loop.
+Each consumer's code is its own copy (which tiles it owns is static). SMEM: "twin"'s without the interpret-mode
+P slots and without its lse buffer and reduction scratch (every reduction is within warps, as in "producer_vt"
+over bf16), + (alpha, m, l) per K buffer, a flags row and the lse staging row (2 048 bytes) = 227 840 with
+16-tile splits and 231 936 with 32 (one split at F1's and P1's top-k of 2048).
+
 Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
 -------------------------------------------------------------------------------
 The kernel takes the op's q ([num_tokens · H, 576] bf16 or f32, or with ``q_split`` its latent [.., 512] and rope
@@ -188,7 +206,7 @@ class TuningConfig(common.SparseSm90Config):
   ("twin") or 32 ("producer_vt": no P slots, no reduction scratch).
   Over an fp8 cache both quantize Q in the kernel (:attr:`q_in_kernel`)."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (1, 2, 3)
-  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt")
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("twin", "producer_vt", "seesaw")
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "bfloat16")
   k_buffers: int = 2
   schedule: str = "twin"
@@ -199,6 +217,9 @@ class TuningConfig(common.SparseSm90Config):
       raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
     if self.cache_dtype not in self.CACHE_DTYPES:
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
+    if self.seesaw and (not self.bf16 or self.k_buffers != 2):
+      raise ValueError(f"TuningConfig: \"seesaw\" runs over a bfloat16 cache with k_buffers = 2 (tile t's owner is "
+                       f"consumer t % 2 and its P goes into K buffer t % 2); got {self}")
     if self.bf16 and self.producer and self.k_buffers > P_BUFFERS:
       raise ValueError(f"TuningConfig: over a bfloat16 cache \"producer_vt\" keeps P in the K buffers' rope chunk "
                        f"and alpha in {P_BUFFERS} slots, so k_buffers <= {P_BUFFERS}; got {self}")
@@ -228,6 +249,13 @@ class TuningConfig(common.SparseSm90Config):
     return self.schedule == "producer_vt"
 
   @property
+  def seesaw(self) -> bool:
+    """"seesaw" (bf16 cache): consumer t % 2 alone computes tile t's S and softmax and hands P, alpha and the
+    running (m, l) to the other through SMEM; both multiply every tile into their half of O (module docstring,
+    "Seesaw")."""
+    return self.schedule == "seesaw"
+
+  @property
   def loader(self) -> int:
     """The loader's warpgroup index (the last one)."""
     return LOADER + 1 if self.producer else LOADER
@@ -235,7 +263,10 @@ class TuningConfig(common.SparseSm90Config):
   @property
   def head_rows(self) -> int:
     """"producer_vt": rows of ``head_smem`` [rows, 64] f32: the alpha slots, kv_scale / l, with Q in the kernel
-    the rows' max |q|, and last the rescale flags (:func:`_flags`)."""
+    the rows' max |q|, and last the rescale flags (:func:`_flags`). "seesaw": (alpha, m, l) per K buffer and the
+    rescale flags (:func:`_seesaw_rows`)."""
+    if self.seesaw:     # + the lse staging row (the kernel's own [64] lse buffer would cost another 1 KB)
+      return 3 * self.k_buffers + 2
     return INV_SLOT + (3 if self.q_in_kernel else 2)
 
   @property
@@ -247,7 +278,7 @@ class TuningConfig(common.SparseSm90Config):
     """Whether the kernel has the P SMEM slots ``p_sw``: "producer_vt" over an fp8 cache (the hand-off), "twin" in
     interpret mode (no register A operand there). "producer_vt" over a bf16 cache writes P into the rope chunk of
     the tile's own K buffer instead (:func:`_p_slot`)."""
-    return (self.producer and not self.bf16) or (interpret and not self.producer)
+    return (self.producer and not self.bf16) or (interpret and not self.producer and not self.seesaw)
 
   def v_tile(self, interpret: bool = False) -> bool:
     """The f16 V tile exists unless "producer_vt" reads Vᵀ into registers (interpret mode always upcasts) or the
@@ -260,20 +291,20 @@ class TuningConfig(common.SparseSm90Config):
     2048, except "producer_vt" over a bf16 cache, which reduces only within warps (over the keys of a row and
     the producer's column residues) and needs the room for 32-tile splits' indices beside Q and two bf16 K
     tiles (a reduction that needed the scratch would fail to lower)."""
-    return 0 if self.bf16 and self.producer else 2048
+    return 0 if self.bf16 and (self.producer or self.seesaw) else 2048
 
   def smem_budget(self) -> int:
     lay = self.layout
     v_tile = (((TILE, D_V), jnp.float16),) if self.v_tile() else ()
     p_slots = (((P_BUFFERS, TILE, TILE), jnp.float16),) if self.p_slots() else ()
     slots = p_slots + (((self.head_rows, TILE), jnp.float32),) \
-        if self.producer else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or the rows' amax
+        if self.producer or self.seesaw else ((((TILE,), jnp.float32),) if self.q_in_kernel else ())   # or amax
     return common.smem_bytes(
         ((lay.chunks, TILE, lay.chunk_cols), lay.dtype),        # Q (fp8: latent | 0 | rope)
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),   # K, gathered into the swizzled layout
         *v_tile,                                                # V f16
         ((self.tiles_per_split, TILE), jnp.int32),              # indices
-        ((TILE,), jnp.float32),                                 # lse staging
+        *((((TILE,), jnp.float32),) if not self.seesaw else ()),   # lse staging ("seesaw": a head_smem row)
         *slots,                                                 # P slots, alpha / (kv_scale / l) rows
     ) + 64 * 8 + self.reduction_scratch   # barriers; Mosaic reduction scratch
 
@@ -544,6 +575,83 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
     out = a * lax.broadcast_in_dim(inv, a.shape, [0])
     r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256 + g * TILE, TILE)][...] = out.astype(out_dtype)
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+
+
+def _seesaw_rows(r: common.SparseRefs, kb):
+  """"seesaw": the ``head_smem`` rows of the tile in K buffer ``kb``: (alpha, m, l) [64] f32 each, and its owner's
+  four rescale flags (entries 4 kb ... 4 kb + 3 of row 6, :func:`_store_p_alpha`'s; unread here). The last row
+  (7) stages the lse."""
+  return (r.head_smem.at[3 * kb], r.head_smem.at[3 * kb + 1], r.head_smem.at[3 * kb + 2],
+          r.head_smem.at[6, pl.ds(4 * kb, 4)])
+
+
+def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, w: int, tile_q, split,
+                     r: common.SparseRefs):
+  """schedule "seesaw" over a bfloat16 cache, consumer ``w`` (0 or 1, static): it owns tiles t = w, w + 2, ...
+  (K buffer t % 2 = w). Per own tile: S = Q·Kᵀ (nine bf16 wgmmas), the other consumer's tile t - 1's (m, l) from
+  SMEM (``p_full[1 - w]``), the online softmax of tile t from there, then P (bf16, into the rope chunk of K buffer
+  w, which after the QKᵀ only P needs), alpha, m and l into its rows (:func:`_seesaw_rows`) and ``p_full[w]``;
+  then O's columns 256 w ... (four [64, 64] accumulators) take tile t - 1 (rescaled by its alpha, P from K
+  buffer 1 - w) and tile t (rescaled by alpha), and both K buffers are released. So a consumer's QKᵀ of tile t
+  runs while the other runs the softmax of tile t - 1, and the softmaxes alternate between the consumers (the
+  chain per tile: one softmax and the hand-off, instead of QKᵀ + softmax). After its last own tile it takes the
+  other's last tile if that comes later, and the final (m, l) is the last tile's."""
+  row_scale, kv_scale = _softmax_prologue(tile_q, r)
+  n = cfg.tiles_per_split
+  other = 1 - w
+
+  def rescale(accs, alpha):
+    return tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
+
+  def take(accs, kb, alpha):     # O += tile's P · V, P from the tile's rope chunk; then the buffer's release
+    if kb == other:       # the other's tile: landed for this consumer too (each consumer waits every phase once)
+      plgpu.barrier_wait(r.k_full.at[kb])
+    k_tiles = r.k_sw.at[kb]
+    accs = _pv_bf16(rescale(accs, alpha), k_tiles.at[BF16_P_CHUNK], k_tiles, w, interpret)
+    if interpret:         # the interpreter reads V through the generic proxy: fenced before the release
+      plgpu.commit_smem()
+    plgpu.barrier_arrive(r.k_empty.at[kb])
+    return accs
+
+  def stats(kb):          # the other consumer's tile in K buffer kb, once published: (alpha, m, l)
+    plgpu.barrier_wait(r.p_full.at[kb])
+    return tuple(plgpu.load(row, layout=ROW_LAYOUT, optimized=False) for row in _seesaw_rows(r, kb)[:3])
+
+  def own(t, accs, m, l, prev):   # prev: the other's tile t - 1's alpha, or None (t = 0)
+    plgpu.barrier_wait(r.k_full.at[w])
+    s = _qk_and_upcast(r.k_sw.at[w], None, r)
+    p, alpha, m, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
+    alpha_ref, m_ref, l_ref, flags = _seesaw_rows(r, w)
+    m_ref[...] = m
+    l_ref[...] = l
+    _store_p_alpha(p.astype(jnp.bfloat16), alpha, r.k_sw.at[w, BF16_P_CHUNK], alpha_ref, flags, interpret)
+    plgpu.barrier_arrive(r.p_full.at[w])
+    if prev is not None:
+      accs = take(accs, other, prev)
+    return take(accs, w, alpha), m, l
+
+  zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
+  _, m, l = _zero_state()
+  accs = (zero,) * BF16_V_BLOCKS
+  first = 0
+  if w == 0 and n > 0:    # tile 0: no tile before it
+    accs, m, l = own(0, accs, m, l, None)
+    first = 1
+
+  def step(j, carry):     # own tile t = 2 j + w, after the other's t - 1
+    accs, _, _ = carry
+    alpha_prev, m_prev, l_prev = stats(other)
+    return own(2 * j + w, accs, m_prev, l_prev, alpha_prev)
+
+  accs, m, l = lax.fori_loop(first, (n - w + 1) // 2, step, (accs, m, l))
+  if n > 0 and (n - 1) % 2 == other:   # the other's last tile comes after this consumer's last
+    alpha_prev, m, l = stats(other)
+    accs = take(accs, other, alpha_prev)
+  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
+  for g, a in enumerate(accs):
+    out = a * lax.broadcast_in_dim(inv, a.shape, [0])
+    r.o_gmem.at[tile_q, split, :, pl.ds(w * 256 + g * TILE, TILE)][...] = out.astype(out_dtype)
+  common.store_lse(w, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
 def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
@@ -857,10 +965,13 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   producer = cfg.producer
   v16, rest = (rest[0], rest[1:]) if cfg.v_tile(interpret) else (None, rest)
   p_sw, rest = (rest[0], rest[1:]) if cfg.p_slots(interpret) else (None, rest)
-  idx_smem, lse_smem, *rest = rest
-  head_smem, rest = (rest[0], rest[1:]) if producer or cfg.q_in_kernel else (None, rest)
+  idx_smem, *rest = rest
+  lse_smem, rest = (None, rest) if cfg.seesaw else (rest[0], rest[1:])
+  head_smem, rest = (rest[0], rest[1:]) if producer or cfg.seesaw or cfg.q_in_kernel else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
-  p_full, p_empty = rest if producer else (None, None)
+  p_full, p_empty = rest if producer else (rest[0], None) if cfg.seesaw else (None, None)
+  if cfg.seesaw:
+    lse_smem = head_smem.at[head_smem.shape[0] - 1]
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
             lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
@@ -893,6 +1004,11 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
       @pl.when((wg == 1) | (wg == 2))
       def _():
         _multiplier(cfg, tile_q, split, r, half=wg - 1, q_in=q_mult)
+  elif cfg.seesaw:     # the two consumers' code differs in which tiles they own: one copy each
+    for w in range(2):
+      @pl.when(wg == w)
+      def _():
+        _seesaw_consumer(cfg, num_slots, out_dtype, interpret, w, tile_q, split, r)
   else:
     @pl.when(wg < LOADER)
     def _():
@@ -926,10 +1042,11 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
   p_dtype = cfg.p_dtype
   p_scratch = [plgpu.SMEM((P_BUFFERS, TILE, TILE), p_dtype, transforms=swizzled(p_dtype, 128))] \
       if cfg.p_slots(interp) else []
-  head_scratch = [plgpu.SMEM((cfg.head_rows, TILE), jnp.float32)] if producer else \
+  head_scratch = [plgpu.SMEM((cfg.head_rows, TILE), jnp.float32)] if producer or cfg.seesaw else \
       [plgpu.SMEM((TILE,), jnp.float32)] if cfg.q_in_kernel else []
   producer_barriers = [plgpu.Barrier(num_barriers=P_BUFFERS + 1),                    # p_full (P slots, 1/l)
-                       plgpu.Barrier(num_arrivals=2, num_barriers=P_BUFFERS)] if producer else []   # p_empty
+                       plgpu.Barrier(num_arrivals=2, num_barriers=P_BUFFERS)] if producer else \
+      [plgpu.Barrier(num_barriers=2)] if cfg.seesaw else []                               # "seesaw": p_full
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((num_q_tiles, num_splits, TILE, D_V), out_dtype),
@@ -942,7 +1059,7 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
           *v_scratch,                                                                      # V f16
           *p_scratch,                                                                      # P slots
           plgpu.SMEM((cfg.tiles_per_split, TILE), jnp.int32),                              # indices
-          plgpu.SMEM((TILE,), jnp.float32),                                                # lse
+          *([] if cfg.seesaw else [plgpu.SMEM((TILE,), jnp.float32)]),                     # lse
           *head_scratch,                                                                   # alpha, 1/l
           plgpu.Barrier(num_arrivals=_q_arrivals(cfg) if cfg.q_in_kernel else cfg.layout.chunks),   # q_bar
           plgpu.Barrier(),                                                                 # idx_bar

@@ -375,9 +375,10 @@ def sweep_configs(h: int, batch_tokens: int, topk: int, arch: str = "sm90",
     schedules = cfg.module.TuningConfig.SCHEDULES
     candidates += [(("schedule", o),) for o in schedules if o != cfg.kernel.schedule]
     candidates += [(("schedule", o), ("k_buffers", 3)) for o in schedules if o != "twin"]   # no V tile: room
-    if cfg.kernel.bf16:   # "producer_vt" over bf16 takes splits of up to BF16_PRODUCER_MAX_SPLIT_TILES, "twin"
+    if cfg.kernel.bf16:   # "producer_vt" / "seesaw" over bf16 take splits of up to BF16_PRODUCER_MAX_SPLIT_TILES
       candidates += [(("schedule", "producer_vt"), ("tiles_per_split", BF16_PRODUCER_MAX_SPLIT_TILES)),
-                     (("schedule", "twin"), ("tiles_per_split", BF16_MAX_SPLIT_TILES))]
+                     (("schedule", "twin"), ("tiles_per_split", BF16_MAX_SPLIT_TILES)),
+                     (("schedule", "seesaw"), ("tiles_per_split", BF16_PRODUCER_MAX_SPLIT_TILES))]
   k_tiles = max(1, -(-topk // TILE))
   # split lengths (64 and 128 tiles: a larger index buffer) only where the top-k is long enough to differ
   short = (1, 2, 4) if cfg.num_splits * batch_tokens * _tiles_per_token(h, cfg.design) < _dispatch.num_sms() else ()
