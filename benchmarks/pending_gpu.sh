@@ -360,9 +360,8 @@ b_prefill_pv() {   # issue 23: fp8 P·V (the default; with the ping-pong) beside
   run b_prefill_pv_glm5 50 $B mla_prefill --impl mosaic,cudnn --sweep --sweep-only pv_fp8,pingpong --preset glm5 "${common[@]}"
 }
 b_seesaw() {   # issue 22: "seesaw" over a bf16 cache (the consumers alternate tiles for QKᵀ and softmax) beside
-               # "producer_vt" (the bf16 default) at F1 and P1, and its GPU test (~200 s)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_seesaw 150 $PY -m pytest -q -m gpu -p no:cacheprovider -n 3 -k seesaw \
-    tests/test_sparse_decode_gpu.py
+               # "producer_vt" (the bf16 default) at F1 and P1 (~150 s; its GPU tests are in t_decode_pv's files:
+               # pytest -m gpu -k bf16_cache_producer tests/test_sparse_decode_gpu.py)
   local only="--sweep --sweep-only schedule=seesaw" cache="--cache-dtype bf16"
   run b_seesaw_F1 120 $B sparse_mla_prefill --impl mosaic $cache $only --shape T=4096,H=128,topk=2048,page=64,ctx=8192 \
     "${common[@]}"

@@ -615,48 +615,26 @@ def test_bf16_cache_kernel_lowers_for_sm90(b, s_q, h, topk, splits, monkeypatch)
 
 
 BF16_PRODUCER = (("schedule", "producer_vt"),)
+SEESAW = (("schedule", "seesaw"),)
 
 
 @pytest.mark.parametrize("B,H,s_q,topk,tl,tuning,races", [
     (2, 64, 1, 200, True, BF16_PRODUCER, True),                                   # the plan's splits, races checked
     (2, 32, 2, 77, False, BF16_PRODUCER + (("k_buffers", 1), ("tiles_per_split", 2)), False),   # rows 32-63 padding
     pytest.param(1, 128, 2, 130, False, BF16_PRODUCER + (("tiles_per_split", 1),), False, marks=pytest.mark.slow),
-])
-def test_bf16_cache_producer_interpret(rng, B, H, s_q, topk, tl, tuning, races):
-  """"producer_vt" over a bfloat16 cache (the producer's bf16 QKᵀ and softmax, P written into the K buffer's rope
-  chunk, the multipliers' P·V from SMEM) against the reference within testing.BF16_ATTENTION_REL_L2: NaN in unused
-  rows, invalid and out-of-range ids, a duplicate, an all-invalid row, a partial last tile, topk_length, several
-  splits, one K buffer (the producer's P then waits for the multipliers of the tile before), two query tiles per
-  token (H 128, slow); bitwise deterministic. Interpret mode runs the multipliers' product from the loaded values
-  (the hardware's one inline wgmma is checked by lowering below)."""
-  case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
-                   with_topk_length=tl)
-  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
-  testing.reset_interpreter()
-  out, lse = run_kernel(case, interpret=RACES if races else True, tuning=tuning)
-  assert not testing.races_found()
-  ref_out, ref_lse = _ref(case)
-  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 producer out")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 producer lse")
-  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
-  again, _ = run_kernel(case, interpret=True, tuning=tuning)
-  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
-
-
-SEESAW = (("schedule", "seesaw"),)
-
-
-@pytest.mark.parametrize("B,H,s_q,topk,tl,tuning,races", [
     (1, 32, 1, 150, True, SEESAW + (("tiles_per_split", 16),), True),       # 3 tiles: consumer 0 takes the last
     (2, 32, 2, 77, False, SEESAW + (("tiles_per_split", 1),), False),       # 1-tile splits: consumer 1 owns none
     (1, 64, 1, 200, False, SEESAW + (("tiles_per_split", 2),), False),      # 2-tile splits, several of them
 ])
-def test_bf16_cache_seesaw_interpret(rng, B, H, s_q, topk, tl, tuning, races):
-  """"seesaw" over a bfloat16 cache (consumer t % 2 computes tile t's S and softmax from the other's (m, l), hands
-  P, alpha, m, l through SMEM; both multiply every tile into their half of O) against the reference within
-  testing.BF16_ATTENTION_REL_L2, race-checked: NaN in unused rows, invalid and out-of-range ids, an all-invalid
-  row, partial last tiles, topk_length, odd and even tile counts per split (the last tile owned by either
-  consumer), splits where consumer 1 owns no tile; bitwise deterministic."""
+def test_bf16_cache_schedules_interpret(rng, B, H, s_q, topk, tl, tuning, races):
+  """The schedules that hand P between warpgroups over a bfloat16 cache against the reference within
+  testing.BF16_ATTENTION_REL_L2, race-checked where marked: "producer_vt" (the producer's bf16 QKᵀ and softmax, P
+  written into the K buffer's rope chunk, the multipliers' P·V from SMEM; several splits, one K buffer (the
+  producer's P then waits for the multipliers of the tile before), two query tiles per token (H 128, slow)) and
+  "seesaw" (consumer t % 2 computes tile t's S and softmax from the other's (m, l) and hands P, alpha, m, l over;
+  odd and even tile counts per split (the last tile owned by either consumer), splits where consumer 1 owns no
+  tile). NaN in unused rows, invalid and out-of-range ids, a duplicate, an all-invalid row, partial last tiles,
+  topk_length; bitwise deterministic."""
   case = make_case(rng, B=B, s_q=s_q, H=H, topk=topk, page_size=16, num_pages=64, kv_scale=0.5,
                    with_topk_length=tl)
   case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
@@ -664,8 +642,8 @@ def test_bf16_cache_seesaw_interpret(rng, B, H, s_q, topk, tl, tuning, races):
   out, lse = run_kernel(case, interpret=RACES if races else True, tuning=tuning)
   assert not testing.races_found()
   ref_out, ref_lse = _ref(case)
-  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what="bf16 seesaw out")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what="bf16 seesaw lse")
+  testing.assert_close_fp8(out, ref_out, rel_l2=BF16_ATTN_BUDGET, min_cos=0.9999, what=f"bf16 {tuning[0][1]} out")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-4, what=f"bf16 {tuning[0][1]} lse")
   assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
   again, _ = run_kernel(case, interpret=True, tuning=tuning)
   assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))

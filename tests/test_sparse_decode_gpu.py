@@ -187,44 +187,31 @@ def test_designs_agree(rng, H, s_q):
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(base_lse)[fin], atol=1e-4)
 
 
+PRODUCER, SEESAW = (("schedule", "producer_vt"),), (("schedule", "seesaw"),)
+
+
 @pytest.mark.parametrize("H,s_q,tuning", [
-    (128, 2, ()), (64, 1, (("tiles_per_split", 2),)), (16, 2, (("k_buffers", 1),)),
-    pytest.param(32, 4, (), marks=pytest.mark.slow)])
+    (128, 2, PRODUCER), (64, 1, PRODUCER + (("tiles_per_split", 2),)), (16, 2, PRODUCER + (("k_buffers", 1),)),
+    pytest.param(32, 4, PRODUCER, marks=pytest.mark.slow),
+    (128, 2, SEESAW + (("tiles_per_split", 32),)), (64, 1, SEESAW + (("tiles_per_split", 3),)),
+    (16, 2, SEESAW + (("tiles_per_split", 1),)), pytest.param(32, 4, SEESAW + (("tiles_per_split", 2),),
+                                                              marks=pytest.mark.slow)])
 def test_bf16_cache_producer(rng, H, s_q, tuning):
-  """"producer_vt" over a bfloat16 cache (kernels/sparse_sm90_heads_m.py: the producer's bf16 QKᵀ and softmax, P
-  into the K buffer's rope chunk, the multipliers' P·V as m64n64k16 wgmmas, one group per 64-column chunk of V)
-  against the reference within testing.BF16_ATTENTION_REL_L2: top-k 2051 (a partial last tile, 16-tile splits),
-  NaN rows, invalid ids, an all-invalid row; 2-tile splits; one K buffer; bitwise deterministic. Passing here is
-  what BF16_PRODUCER_VALIDATED_ON records."""
+  """The schedules that hand P between warpgroups over a bfloat16 cache (kernels/sparse_sm90_heads_m.py) against
+  the reference within testing.BF16_ATTENTION_REL_L2: "producer_vt" (the producer's bf16 QKᵀ and softmax, P into
+  the K buffer's rope chunk, the multipliers' P·V as m64n64k16 wgmmas, one group per 64-column chunk of V; the
+  plan's splits, 2-tile splits, one K buffer: passing here is what BF16_PRODUCER_VALIDATED_ON records) and
+  "seesaw" (the consumers alternate tiles for QKᵀ and softmax; splits of 32 (even), 3 (odd: consumer 0 owns the
+  last tile) and 1 tile (consumer 1 owns none)). Top-k 2051 (a partial last tile), NaN rows, invalid ids, an
+  all-invalid row; bitwise deterministic."""
   import dataclasses
   case = make_case(rng, B=3, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64, kv_scale=0.5)
   case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
-  tuning = (("schedule", "producer_vt"),) + tuning
   out, lse = run_kernel(case, interpret=False, tuning=tuning)
   ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
                                                  kv_scale=case.kv_scale)
-  testing.assert_close_fp8(out, ref_out, rel_l2=testing.BF16_ATTENTION_REL_L2, min_cos=0.9999, what="bf16 producer")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-3, what="bf16 producer lse")
-  assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
-  again, _ = run_kernel(case, interpret=False, tuning=tuning)
-  assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
-
-
-@pytest.mark.parametrize("H,s_q,tiles", [(128, 2, 16), (64, 1, 3), (16, 2, 1), pytest.param(32, 4, 2, marks=pytest.mark.slow)])
-def test_bf16_cache_seesaw(rng, H, s_q, tiles):
-  """"seesaw" over a bfloat16 cache (kernels/sparse_sm90_heads_m.py: the consumers alternate tiles for QKᵀ and
-  softmax and hand P, alpha and (m, l) to each other through SMEM) against the reference within
-  testing.BF16_ATTENTION_REL_L2: top-k 2051 (a partial last tile), splits of 16 (even), 3 (odd: consumer 0 owns the
-  last tile) and 1 tile (consumer 1 owns none), NaN rows, invalid ids, an all-invalid row; bitwise deterministic."""
-  import dataclasses
-  case = make_case(rng, B=3, s_q=s_q, H=H, topk=2051, page_size=64, num_pages=16384 // 64, kv_scale=0.5)
-  case = dataclasses.replace(case, kv=case.kv.astype(jnp.bfloat16))
-  tuning = (("schedule", "seesaw"), ("tiles_per_split", tiles))
-  out, lse = run_kernel(case, interpret=False, tuning=tuning)
-  ref_out, ref_lse = reference.sparse_mla_decode(case.q, case.kv, case.indices, softmax_scale=case.softmax_scale,
-                                                 kv_scale=case.kv_scale)
-  testing.assert_close_fp8(out, ref_out, rel_l2=testing.BF16_ATTENTION_REL_L2, min_cos=0.9999, what="bf16 seesaw")
-  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-3, what="bf16 seesaw lse")
+  testing.assert_close_fp8(out, ref_out, rel_l2=testing.BF16_ATTENTION_REL_L2, min_cos=0.9999, what=f"bf16 {tuning[0][1]}")
+  testing.assert_close_fp8(lse, ref_lse, rel_l2=None, max_abs=1e-3, what=f"bf16 {tuning[0][1]} lse")
   assert np.all(np.asarray(out, np.float32)[~np.isfinite(np.asarray(ref_lse))] == 0.0)
   again, _ = run_kernel(case, interpret=False, tuning=tuning)
   assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
