@@ -15,6 +15,8 @@
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
 #   b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
 #   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 / steps_small.
+# Queued in the thirty-sixth session: t_decode_pv (decode + prefill kernel GPU tests), b_prefill_pv, b_seesaw; then
+#   the kit CASES=D1,D2,D3,P2 (issue 21: D1-D3 in one run) and the bf16 kit below (issue 22).
 # Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows, and
 #   issue 22's BF16 rows with mla-pallas on a bf16 cache: apply benchmarks/peers_bf16_cache_option.diff to the
 #   copy (`patch -d .peers -p1 < benchmarks/peers_bf16_cache_option.diff`), then
