@@ -1,8 +1,9 @@
 """Variable-length MLA prefill attention (FlashAttention varlen semantics): ``mla_prefill``.
 
 Semantics are exactly those of :func:`mla_pallas.reference.mla_prefill`. ``impl="mosaic"`` runs the sm_90a kernel
-:mod:`mla_pallas.kernels.prefill_sm90` (FP8 QKᵀ with q and k quantized to e4m3 per row, bf16 P·V; bfloat16 q, k,
-v with head dims multiples of 64 up to 256; docs/kernels/prefill_sm90.md) on a Hopper GPU or in interpret mode;
+:mod:`mla_pallas.kernels.prefill_sm90` (FP8 QKᵀ with q and k quantized to e4m3 per row; by default FP8 P·V over
+Vᵀ in e4m3 with per-column scales, which this op packs (:func:`_vt_fp8`), else bf16 P·V; bfloat16 q, k, v with
+head dims multiples of 64 up to 256; docs/kernels/prefill_sm90.md) on a Hopper GPU or in interpret mode;
 it passed its GPU tests on the H200, but the op (kernel plus its quantization and packing passes) is slower than
 cuDNN there, so ``impl="auto"`` runs XLA on hardware (``_KERNEL_VALIDATED_ON``; with ``interpret=True`` it runs
 the kernel in the interpreter, as for every op). The XLA path has two backends, chosen
@@ -439,7 +440,7 @@ def _cudnn_jit(q, k, v, cu_seqlens, softmax_scale, *, causal, scale, cu_seqlens_
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Mosaic GPU kernel (kernels/prefill_sm90.py): FP8 QKᵀ, bf16 P·V
+# Mosaic GPU kernel (kernels/prefill_sm90.py): FP8 QKᵀ, FP8 (default) or bf16 P·V
 # ----------------------------------------------------------------------------------------------------------
 
 # Families on which the kernel passed its GPU tests and the op measured faster than the XLA path ("auto" picks it
@@ -560,11 +561,12 @@ def _kernel_tiles(cu_q, cu_k, q_starts, k_starts, v_starts, tq: int, nseq: int, 
 def _mosaic_prefill(q, k, v, cu_seqlens, softmax_scale, *, causal: bool, cu_seqlens_k=None, interpret=False,
                     cfg=None):
   """``mla_prefill`` on the Mosaic GPU kernel: q and k quantized to e4m3 per row and laid out in the kernel's
-  aligned packing (every sequence at a multiple of 8 rows; one gather fused with the quantization), v sanitized
-  into the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the
-  module docstring applied. Under ``lax.cond`` on :func:`_is_clean` (every v finite, every token in a sequence):
-  a clean call skips the rules, and when moreover every key sequence starts at a multiple of 8 rows (and Tk is
-  one: :func:`_v_direct`), the kernel reads v as it is, with no packed copy. ``cfg``: the kernel's TuningConfig
+  aligned packing (every sequence at a multiple of 8 rows; one gather fused with the quantization), v as Vᵀ in
+  e4m3 (``cfg.pv_fp8``: :func:`_vt_fp8`, every sequence at a multiple of ``block_kv`` key columns) or sanitized into
+  the same packing, the kernel, then the lse gathered back and the non-finite-v and padding rules of the module
+  docstring applied. Under ``lax.cond`` on :func:`_is_clean` (every v finite, every token in a sequence): a clean
+  call skips the rules, and with a bf16 P·V, when moreover every key sequence starts at a multiple of 8 rows (and
+  Tk is one: :func:`_v_direct`), the kernel reads v as it is, with no packed copy. ``cfg``: the kernel's TuningConfig
   (None: ``default_config`` of the head dims)."""
   from mla_pallas.kernels import prefill_sm90 as kp
   cfg = kp.default_config(q.shape[2], v.shape[2]) if cfg is None else cfg
