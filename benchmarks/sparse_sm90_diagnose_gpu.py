@@ -183,18 +183,15 @@ def _operand_per_register(words, g):
 _KEY_WORDS = vt_registers._key_words
 
 
-def _key_words_per_key(k_tile, chunk, units, place, *, shared_bases):
-  """``vt_registers._key_words`` with each key's swizzled address computed from the key itself in both designs
-  (the heads-on-M multipliers' form before the thirty-second session; the heads-on-N consumer's default)."""
-  del shared_bases
-  return _KEY_WORDS(k_tile, chunk, units, place, shared_bases=False)
-
-
-def _key_words_shared(k_tile, chunk, units, place, *, shared_bases):
-  """``vt_registers._key_words`` with two base registers and immediate offsets in both designs (the heads-on-N
-  consumer's form from the thirty-second to the thirty-fifth session: P2 183.4 against 166.4 µs)."""
-  del shared_bases
-  return _KEY_WORDS(k_tile, chunk, units, place, shared_bases=True)
+def _key_words_forced(shared: bool):
+  """``vt_registers._key_words`` with one address form in both designs: per key (``shared=False``: the
+  heads-on-M multipliers' form before the thirty-second session; the heads-on-N consumer's default) or two base
+  registers and immediate offsets (True: the heads-on-N consumer's form from the thirty-second to the thirty-fifth
+  session, P2 183.4 against 166.4 µs)."""
+  def key_words(k_tile, chunk, units, place, *, shared_bases):
+    del shared_bases
+    return _KEY_WORDS(k_tile, chunk, units, place, shared_bases=shared)
+  return key_words
 
 
 def _zero_words(k_tile_ref, *args):
@@ -284,18 +281,19 @@ ROWS = {
     "pv_prmt_each": {(vt_registers, "paired_words"): _words_unpaired,
                      (vt_registers, "paired_operand"): _operand_per_register},
     # the Vᵀ words' SMEM addresses computed per key (the form before the thirty-second session)
-    "key_words_each": {(vt_registers, "_key_words"): _key_words_per_key},
+    "key_words_each": {(vt_registers, "_key_words"): _key_words_forced(False)},
     # the heads-on-N consumer's V word addresses as the multipliers' (two bases and immediate offsets)
-    "key_words_shared": {(vt_registers, "_key_words"): _key_words_shared},
+    "key_words_shared": {(vt_registers, "_key_words"): _key_words_forced(True)},
     # both of the above: the multipliers' V words and fragments as before the thirty-second session's second change
     "s32_base": {(vt_registers, "paired_words"): _words_unpaired,
                  (vt_registers, "paired_operand"): _operand_per_register,
-                 (vt_registers, "_key_words"): _key_words_per_key},
+                 (vt_registers, "_key_words"): _key_words_forced(False)},
     # the heads-on-N P·V's fragments as one asm block per prmt and its two conversions (as at 4cb55bb, the kit run
     # with P2 at 167.2 us), and that plus the V word addresses per key and the P descriptors per call (its form then)
     "fragments_fused": {(vt_registers, "block_operands"): _block_operands_fused},
     "heads_n_4cb55bb": {(vt_registers, "block_operands"): _block_operands_fused,
-                        (vt_registers, "_key_words"): _key_words_per_key, (vt_registers, "_p_view"): _p_view_sliced},
+                        (vt_registers, "_key_words"): _key_words_forced(False),
+                        (vt_registers, "_p_view"): _p_view_sliced},
     # the P·V B descriptors built from the dynamically sliced P slot in every call (the form before)
     "p_desc_per_call": {(vt_registers, "_p_view"): _p_view_sliced},
     # the multipliers quantize all of Q, 32 rows each (the form before; the default gives the producer 16)
@@ -306,7 +304,7 @@ ROWS = {
 CHECKED = ("none", "pv_pipelined", "pv_all_blocks", "regs_56_88_184", "regs_24_72_208", "p_slots_3",
            "k_buffers_3", "q_rows_serial", "eager_rescale", "p_store_ref", "exact_math", "scaled_logits",
            "before_s29", "qk_20", "alpha_min", "pv_prmt_each", "key_words_each", "s32_base",
-           "p_desc_per_call", "q_rows_multipliers", "fragments_fused", "heads_n_4cb55bb")
+           "p_desc_per_call", "q_rows_multipliers", "fragments_fused", "heads_n_4cb55bb", "key_words_shared")
 
 
 @contextlib.contextmanager

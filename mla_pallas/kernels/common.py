@@ -319,6 +319,11 @@ def scale_columns(accs, values):
   return tuple(a * lax.broadcast_in_dim(values, a.shape, [1]) for a in accs)
 
 
+def scale_rows(accs, values):
+  """Each [R, C] register tile of ``accs`` times a per-row [R] vector (heads on the rows: alpha, 1/l)."""
+  return tuple(a * lax.broadcast_in_dim(values, a.shape, [0]) for a in accs)
+
+
 @dataclasses.dataclass(frozen=True)
 class TileLayout:
   """How the cache rows of one dtype sit in a gathered K tile (and Q in its tile): ``chunks`` column chunks of 128

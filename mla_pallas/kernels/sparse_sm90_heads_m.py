@@ -109,7 +109,7 @@ dense decode schedules its two warpgroups this way, its "seesaw"). Consumer 0's 
 before it); the other's last tile, where it comes after a consumer's last own tile, is taken after the loop.
 Each consumer's code is its own copy (which tiles it owns is static). SMEM: "twin"'s without the interpret-mode
 P slots and without its lse buffer and reduction scratch (every reduction is within warps, as in "producer_vt"
-over bf16), + (alpha, m, l) per K buffer, a flags row and the lse staging row (2 048 bytes) = 227 840 with
+over bf16), + (alpha, m, l) per K buffer and the lse staging row (1 792 bytes, 2 048 aligned) = 227 840 with
 16-tile splits and 231 936 with 32 (one split at F1's and P1's top-k of 2048).
 
 Q in the kernel (both schedules over an fp8 cache: ``TuningConfig.q_in_kernel``)
@@ -263,10 +263,10 @@ class TuningConfig(common.SparseSm90Config):
   @property
   def head_rows(self) -> int:
     """"producer_vt": rows of ``head_smem`` [rows, 64] f32: the alpha slots, kv_scale / l, with Q in the kernel
-    the rows' max |q|, and last the rescale flags (:func:`_flags`). "seesaw": (alpha, m, l) per K buffer and the
-    rescale flags (:func:`_seesaw_rows`)."""
+    the rows' max |q|, and last the rescale flags (:func:`_flags`). "seesaw": (alpha, m, l) per K buffer
+    (:func:`_seesaw_rows`) and the lse staging row."""
     if self.seesaw:     # + the lse staging row (the kernel's own [64] lse buffer would cost another 1 KB)
-      return 3 * self.k_buffers + 2
+      return 3 * self.k_buffers + 1
     return INV_SLOT + (3 if self.q_in_kernel else 2)
 
   @property
@@ -434,6 +434,11 @@ def _store_half(acc, inv, wg, out_dtype, tile_q, split, r: common.SparseRefs):
   r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256, 256)][...] = out.astype(out_dtype)
 
 
+def _store_blocks(accs, inv, half, out_dtype, tile_q, split, r: common.SparseRefs):
+  """A bf16 consumer's O columns 256 half ... from its four [64, 64] accumulators (:func:`_store_half`)."""
+  _store_half(jnp.concatenate(accs, axis=1), inv, half, out_dtype, tile_q, split, r)
+
+
 def _zero_state():
   acc0 = plgpu.layout_cast(jnp.zeros((TILE, 256), jnp.float32), plgpu.Layout.WGMMA)
   m0 = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW_LAYOUT)
@@ -562,27 +567,21 @@ def _consumer_bf16(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool
     plgpu.barrier_wait(r.k_full.at[kb])
     s = _qk_and_upcast(k_tiles, None, r)
     p, alpha, m_new, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
-    accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
-    accs = _pv_bf16(accs, _p_operand(p, jnp.bfloat16, wg, interpret, r), k_tiles, wg, interpret)
+    accs = _pv_bf16(common.scale_rows(accs, alpha), _p_operand(p, jnp.bfloat16, wg, interpret, r), k_tiles, wg,
+                    interpret)
     plgpu.barrier_arrive(r.k_empty.at[kb])
     return accs, m_new, l
 
-  zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
   _, m0, l0 = _zero_state()
-  accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, ((zero,) * BF16_V_BLOCKS, m0, l0))
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
-  for g, a in enumerate(accs):
-    out = a * lax.broadcast_in_dim(inv, a.shape, [0])
-    r.o_gmem.at[tile_q, split, :, pl.ds(wg * 256 + g * TILE, TILE)][...] = out.astype(out_dtype)
+  accs, m, l = lax.fori_loop(0, cfg.tiles_per_split, step, (_zero_blocks(), m0, l0))
+  _store_blocks(accs, kv_scale / jnp.where(l == 0.0, 1.0, l), wg, out_dtype, tile_q, split, r)
   common.store_lse(wg, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
 def _seesaw_rows(r: common.SparseRefs, kb):
-  """"seesaw": the ``head_smem`` rows of the tile in K buffer ``kb``: (alpha, m, l) [64] f32 each, and its owner's
-  four rescale flags (entries 4 kb ... 4 kb + 3 of row 6, :func:`_store_p_alpha`'s; unread here). The last row
-  (7) stages the lse."""
-  return (r.head_smem.at[3 * kb], r.head_smem.at[3 * kb + 1], r.head_smem.at[3 * kb + 2],
-          r.head_smem.at[6, pl.ds(4 * kb, 4)])
+  """"seesaw": the ``head_smem`` rows of the tile in K buffer ``kb``: (alpha, m, l) [64] f32 each (no rescale
+  flags: every alpha is applied). The last row stages the lse."""
+  return r.head_smem.at[3 * kb], r.head_smem.at[3 * kb + 1], r.head_smem.at[3 * kb + 2]
 
 
 def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, w: int, tile_q, split,
@@ -600,14 +599,11 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
   n = cfg.tiles_per_split
   other = 1 - w
 
-  def rescale(accs, alpha):
-    return tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
-
   def take(accs, kb, alpha):     # O += tile's P · V, P from the tile's rope chunk; then the buffer's release
     if kb == other:       # the other's tile: landed for this consumer too (each consumer waits every phase once)
       plgpu.barrier_wait(r.k_full.at[kb])
     k_tiles = r.k_sw.at[kb]
-    accs = _pv_bf16(rescale(accs, alpha), k_tiles.at[BF16_P_CHUNK], k_tiles, w, interpret)
+    accs = _pv_bf16(common.scale_rows(accs, alpha), k_tiles.at[BF16_P_CHUNK], k_tiles, w, interpret)
     if interpret:         # the interpreter reads V through the generic proxy: fenced before the release
       plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
@@ -615,24 +611,23 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
 
   def stats(kb):          # the other consumer's tile in K buffer kb, once published: (alpha, m, l)
     plgpu.barrier_wait(r.p_full.at[kb])
-    return tuple(plgpu.load(row, layout=ROW_LAYOUT, optimized=False) for row in _seesaw_rows(r, kb)[:3])
+    return tuple(plgpu.load(row, layout=ROW_LAYOUT, optimized=False) for row in _seesaw_rows(r, kb))
 
   def own(t, accs, m, l, prev):   # prev: the other's tile t - 1's alpha, or None (t = 0)
     plgpu.barrier_wait(r.k_full.at[w])
     s = _qk_and_upcast(r.k_sw.at[w], None, r)
     p, alpha, m, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
-    alpha_ref, m_ref, l_ref, flags = _seesaw_rows(r, w)
+    alpha_ref, m_ref, l_ref = _seesaw_rows(r, w)
     m_ref[...] = m
     l_ref[...] = l
-    _store_p_alpha(p.astype(jnp.bfloat16), alpha, r.k_sw.at[w, BF16_P_CHUNK], alpha_ref, flags, interpret)
+    _store_p_alpha(p.astype(jnp.bfloat16), alpha, r.k_sw.at[w, BF16_P_CHUNK], alpha_ref, None, interpret)
     plgpu.barrier_arrive(r.p_full.at[w])
     if prev is not None:
       accs = take(accs, other, prev)
     return take(accs, w, alpha), m, l
 
-  zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
   _, m, l = _zero_state()
-  accs = (zero,) * BF16_V_BLOCKS
+  accs = _zero_blocks()
   first = 0
   if w == 0 and n > 0:    # tile 0: no tile before it
     accs, m, l = own(0, accs, m, l, None)
@@ -647,10 +642,7 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
   if n > 0 and (n - 1) % 2 == other:   # the other's last tile comes after this consumer's last
     alpha_prev, m, l = stats(other)
     accs = take(accs, other, alpha_prev)
-  inv = kv_scale / jnp.where(l == 0.0, 1.0, l)
-  for g, a in enumerate(accs):
-    out = a * lax.broadcast_in_dim(inv, a.shape, [0])
-    r.o_gmem.at[tile_q, split, :, pl.ds(w * 256 + g * TILE, TILE)][...] = out.astype(out_dtype)
+  _store_blocks(accs, kv_scale / jnp.where(l == 0.0, 1.0, l), w, out_dtype, tile_q, split, r)
   common.store_lse(w, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 
 
@@ -681,25 +673,30 @@ def _store_p_alpha(p16, alpha, p_ref, alpha_ref, flags_ref, interpret: bool):
   alpha, a warp vote per producer warp and lane 0's store of its flag, the proxy fence and one warpgroup barrier):
   Pallas's ``ref[...] = x`` puts a warpgroup barrier before and after each store (four of the five barriers per
   tile in the SASS), where every producer thread only writes, into a slot it has waited for itself. Interpret
-  mode: the ref stores (all four flags the warpgroup's)."""
+  mode: the ref stores (all four flags the warpgroup's). ``flags_ref`` None: no flags ("seesaw" applies every
+  alpha)."""
   if interpret:
     p_ref[...] = p16
     alpha_ref[...] = alpha
-    flag = jnp.where(common.alpha_is_one(alpha), 0.0, 1.0).astype(jnp.float32)
-    for w in range(4):    # scalar stores (a [4] array store has no warpgroup layout on hardware)
-      flags_ref[w] = flag
+    if flags_ref is not None:
+      flag = jnp.where(common.alpha_is_one(alpha), 0.0, 1.0).astype(jnp.float32)
+      for w in range(4):    # scalar stores (a [4] array store has no warpgroup layout on hardware)
+        flags_ref[w] = flag
     plgpu.commit_smem()
     return
 
+  flags = () if flags_ref is None else (flags_ref,)
+
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, plgpu.RefType(swizzled(p16.dtype, 128)),
-                                plgpu.RefType(), plgpu.RefType()))
-  def store(ctx, p, a, p_smem, a_smem, f_smem):
+                                plgpu.RefType()) + (plgpu.RefType(),) * len(flags))
+  def store(ctx, p, a, p_smem, a_smem, *f_smem):
     del ctx
     p.store_tiled(p_smem, swizzle=128, tiling_rank=2)
     a.store_untiled(a_smem, optimized=False)
-    _store_warp_flag(a, f_smem)
+    for f in f_smem:
+      _store_warp_flag(a, f)
     mgpu.commit_shared()
-  store(p16, alpha, p_ref, alpha_ref, flags_ref)
+  store(p16, alpha, p_ref, alpha_ref, *flags)
 
 
 def _store_warp_flag(a, f_smem):
@@ -805,7 +802,9 @@ def _multiplier_interpret(cfg: TuningConfig, out_dtype, tile_q, split, r: common
   _store_half(acc, inv, half, out_dtype, tile_q, split, r)
 
 
-def _zero_vt():
+def _zero_blocks():
+  """Four zero [64, 64] f32 accumulators (WGMMA layout): a multiplier's Oᵀ blocks, or a bf16 consumer's O
+  chunks (vt_registers.HALF_BLOCKS = BF16_V_BLOCKS = 4)."""
   return (plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA),) * vt_registers.HALF_BLOCKS
 
 
@@ -843,7 +842,7 @@ def _multiplier(cfg: TuningConfig, tile_q, split, r: common.SparseRefs, half, q_
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  accs = lax.fori_loop(0, n_tiles, step, _zero_vt())
+  accs = lax.fori_loop(0, n_tiles, step, _zero_blocks())
   with jax.named_scope("m_store"):
     plgpu.barrier_wait(r.p_full.at[INV_SLOT])
     inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=COL_LAYOUT, optimized=False)
@@ -865,12 +864,6 @@ def _pv_bf16(accs, p_op, k_tiles, half, interpret: bool):
   return common.accumulate(pv, accs, interpret)
 
 
-def _multiplier_p(k_tiles, interpret: bool):
-  """"producer_vt" over a bf16 cache: a multiplier's P operand of the tile in ``k_tiles``, its rope chunk."""
-  del interpret
-  return k_tiles.at[BF16_P_CHUNK]
-
-
 def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.SparseRefs, half, interpret: bool,
                      n_tiles=None):
   """"producer_vt" over a bf16 cache, multiplier WG1 + ``half`` (traced: both multipliers run this code): per tile,
@@ -882,8 +875,7 @@ def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.Spar
   n_tiles = cfg.tiles_per_split if n_tiles is None else n_tiles()
 
   def rescaled(accs, pb):
-    alpha = plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False)
-    return tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
+    return common.scale_rows(accs, plgpu.load(r.head_smem.at[pb], layout=ROW_LAYOUT, optimized=False))
 
   def step(t, accs):
     with jax.named_scope("m_wait_k"):
@@ -892,19 +884,18 @@ def _multiplier_bf16(cfg: TuningConfig, out_dtype, tile_q, split, r: common.Spar
       plgpu.barrier_wait(r.p_full.at[pb])
     with jax.named_scope("m_pv"):
       accs = lax.cond(_all_alpha_one(r, pb), lambda a: a, lambda a: rescaled(a, pb), accs)
-      accs = _pv_bf16(accs, _multiplier_p(k_tiles, interpret), k_tiles, half, interpret)
+      accs = _pv_bf16(accs, k_tiles.at[BF16_P_CHUNK], k_tiles, half, interpret)   # P in the rope chunk
       if interpret:       # the interpreter reads V through the generic proxy: fenced before the release
         plgpu.commit_smem()
     plgpu.barrier_arrive(r.k_empty.at[kb])
     plgpu.barrier_arrive(r.p_empty.at[pb])
     return accs
 
-  zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
-  accs = lax.fori_loop(0, n_tiles, step, (zero,) * BF16_V_BLOCKS)
+  accs = lax.fori_loop(0, n_tiles, step, _zero_blocks())
   with jax.named_scope("m_store"):
     plgpu.barrier_wait(r.p_full.at[INV_SLOT])
     inv = plgpu.load(r.head_smem.at[INV_SLOT], layout=ROW_LAYOUT, optimized=False)
-    _store_half(jnp.concatenate(accs, axis=1), inv, half, out_dtype, tile_q, split, r)
+    _store_blocks(accs, inv, half, out_dtype, tile_q, split, r)
 
 
 def _producer(cfg: TuningConfig, num_slots: int, interpret: bool, tile_q, split, r: common.SparseRefs, q_in=None,
