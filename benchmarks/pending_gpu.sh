@@ -15,8 +15,10 @@
 # Benches (CUPTI, beside XLA / cuDNN): ab_merge (benchmarks/sparse_merge_ab_gpu.py), sweep_small, sweep_bmm_b1,
 #   b_prefill_deepseek, b_prefill_glm5, b_prefill_ctx, b_prefill_step,
 #   b_prefill_step_ctx, b_invariant, b_dense_D1 (D1 and D3), b_layer, latency / latency_b8 / steps_small.
-# Queued in the thirty-sixth session: t_decode_pv (decode + prefill kernel GPU tests), b_prefill_pv, b_seesaw; then
-#   the kit CASES=D1,D2,D3,P2 (issue 21: D1-D3 in one run) and the bf16 kit below (issue 22).
+# Queued in the thirty-sixth session, extended in the thirty-seventh (no device then): t_decode_pv (decode + prefill
+#   kernel GPU tests, the dense kernel's "seesaw" route among them), b_seesaw (sparse F1 / P1 and now dense D1 / D2,
+#   ~180 s), b_prefill_pv (~170 s); then the kit CASES=D1,D2,D3,P2 (issue 21: D1-D3 in one run), the bf16 kit below
+#   (issue 22) and b_prefill_ctx,b_prefill_step,b_prefill_step_ctx (issue 23).
 # Then the peer kit (CASES=C0,P1,P2,P3,P4,P5,D1 bash .peers/run_on_h200.sh) for CURRENT.md's FlashMLA rows, and
 #   issue 22's BF16 rows with mla-pallas on a bf16 cache: apply benchmarks/peers_bf16_cache_option.diff to the
 #   copy (`patch -d .peers -p1 < benchmarks/peers_bf16_cache_option.diff`), then
@@ -322,6 +324,12 @@ diag_bf16() {   # issue 22, if b_bf16 falls short: where "producer_vt" over bf16
     --tuning schedule=producer_vt,tiles_per_split=16 --rows none --out "$OUT/diag_bf16_timeline"
   rm -f "$OUT"/diag_bf16_timeline/timeline_*/*trace.json
 }
+diag_seesaw() {   # issue 22, if b_seesaw falls short of its prediction (F1 2600-3000 us, P1 170-200): the ablations of
+                  # "seesaw" at P1's shape (32-tile splits: no profiler buffers fit, so no timeline)
+  run diag_seesaw_rows 150 $PY benchmarks/sparse_sm90_diagnose_gpu.py --iters 20 \
+    --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768,cache=bf16 --tuning schedule=seesaw,tiles_per_split=32 \
+    --rows none,no_gather,no_qk,no_softmax,no_pv --out "$OUT/diag_seesaw"
+}
 t_bf16p() {   # issue 22: the bf16-cache GPU tests ("twin", "producer_vt" over bf16 in the sparse op, both dense routes)
   XLA_PYTHON_CLIENT_PREALLOCATE=false run t_bf16p 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 -k bf16 \
     tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py
@@ -346,11 +354,12 @@ sweep_producer_short() {   # "producer_vt" at the shorter splits where the op ru
   done
 }
 t_decode_pv() {   # the decode GPU tests (heads-on-N V word addresses, the bf16 validation flags) in 9 processes
-                  # beside the prefill kernel's tests (fp8 P·V the default, the op's new Vᵀ pass) in 3
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( DEADLINE - SECONDS < 200 ? DEADLINE - SECONDS : 200 )) $PY -m pytest \
+                  # beside the prefill kernel's tests (fp8 P·V the default, the op's new Vᵀ pass) in 3; 300 s: the
+                  # same decode files took 221 s in 10 processes in the thirty-fifth session, before the seesaw's tests
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( DEADLINE - SECONDS < 300 ? DEADLINE - SECONDS : 300 )) $PY -m pytest \
     -v -m gpu -p no:cacheprovider -n 3 tests/test_prefill_kernel_gpu.py > "$OUT/t_prefill_pv.txt" 2>&1 &
   local pid=$!
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_decode 200 $PY -m pytest -q -m gpu -p no:cacheprovider -n 9 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run t_decode 300 $PY -m pytest -q -m gpu -p no:cacheprovider -n 9 \
     tests/test_vt_registers.py tests/test_sparse_decode_gpu.py tests/test_dense_decode_gpu.py
   wait $pid; RC[t_prefill_pv]=$?
   echo "## t_prefill_pv: rc ${RC[t_prefill_pv]}"; grep -E "passed|failed|FAILED|ERROR" "$OUT/t_prefill_pv.txt" | tail -n 12
@@ -369,9 +378,15 @@ b_seesaw() {   # issue 22: "seesaw" over a bf16 cache (the consumers alternate t
     "${common[@]}"
   run b_seesaw_P1 80 $B sparse_mla_decode --impl mosaic $cache $only --shape B=128,s_q=2,H=128,topk=2048,page=64,ctx=32768 \
     "${common[@]}"
+  # the dense kernel's bf16 form with "seesaw" (thirty-seventh session) at D1 and D2 (GPU tests: the "seesaw" route
+  # of tests/test_dense_decode_gpu.py::test_bf16_cache_matches_reference, in t_decode_pv's files)
+  run b_seesaw_D1 80 $B dense_mla_decode --impl mosaic $cache $only --shape B=128,s_q=1,H=128,ctx=4096,page=64 \
+    "${common[@]}"
+  run b_seesaw_D2 80 $B dense_mla_decode --impl mosaic $cache $only --shape B=128,s_q=1,H=64,ctx=8192,page=64 \
+    "${common[@]}"
 }
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
-next="t_decode_pv,b_prefill_pv,b_seesaw"
+next="t_decode_pv,b_seesaw,b_prefill_pv"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"
 groups=()
 for g in ${WHAT//,/ }; do

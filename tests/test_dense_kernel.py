@@ -82,10 +82,19 @@ def test_kernel_interpret_matches_reference(rng, H, s_q, page, causal, lens, bad
   _check(out, lse, ref_out, ref_lse, lens, f"dense kernel H={H} s_q={s_q}")
 
 
+SEESAW = (("schedule", "seesaw"),)
+
 BF16_CASES = [   # H, s_q, page, causal, lengths, bad pages inside, tuning, race detection
     (64, 2, 64, True, (150, 37, 0), True, (("tiles_per_split", 2),), True),
     (16, 1, 128, False, (0, 1, 127, 300), False, (), False),      # heads on M with rows 16-63 zero-padded
     pytest.param(128, 1, 64, False, (70, 5, 260), True, (("tiles_per_split", 1),), False, marks=pytest.mark.slow),
+    # "seesaw" (the consumers alternate tiles; traced tile counts: tile 0 and the tail under lax.cond): splits of 3
+    # tiles (consumer 0 owns the last), of 2 and 1 (consumer 1's last or no tile), zero-tile splits, a bad page
+    # inside a sequence (the masked range starts at tile 0 or later)
+    (64, 2, 64, True, (150, 37, 0), True, SEESAW + (("tiles_per_split", 3),), True),
+    (32, 1, 128, False, (0, 1, 127, 300), True, SEESAW + (("tiles_per_split", 2),), False),
+    pytest.param(128, 3, 64, True, (70, 5, 260), True, SEESAW + (("tiles_per_split", 1),), False,
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -251,6 +260,31 @@ def test_bf16_lowers_for_sm90_with_expected_instructions():
                     "setmaxnreg": 3}, counts
   sweep = dense_decode.sweep_configs(128, 128, 4096, 64, "bfloat16")
   assert "default" in sweep and "route=sparse" in sweep and "k_buffers=3" not in sweep
+
+
+def test_bf16_seesaw_lowers_for_sm90_with_expected_instructions():
+  """D1's shape over a bf16 cache with "seesaw" (2 splits of 32 tiles): consumer 0's tile 0 under lax.cond (36 QKᵀ +
+  16 P·V wgmmas), its unmasked and masked loops (each 36 + 2 x 16: its own tile and the other's before it) and its
+  tail (the other's last tile: 16) = 204; consumer 1's two loops and tail = 152; P by stmatrix once per own-tile
+  copy (5 x 4); the loader's 4 x 9 cp.async and ten TMAs as "producer_vt"'s; three warpgroups; SMEM within the
+  limit; the sweep offers it over a bf16 cache only."""
+  S = jax.ShapeDtypeStruct
+  cfg = dense_sm90.TuningConfig(tiles_per_split=32, cache_dtype="bfloat16", schedule="seesaw")
+  assert cfg.core.seesaw and cfg.smem_budget() <= 232448
+  kern = dense_sm90.build(256, 8192 * 64, 2, 2, cfg, heads=128, softmax_scale=0.1, out_dtype_name="float32")
+  low = testing.lower_for_cuda(kern, S((256, 64, D), jnp.bfloat16), S((256, 64), jnp.float32),
+                               S((8192 * 64, D), jnp.bfloat16), S((128 * 2, dense_sm90.table_width(32)), jnp.int32),
+                               S((1,), jnp.float32))
+  counts = {p: low.count(re.escape(p)) for p in ("m64n64k16.f32.bf16.bf16", "wgmma.mma_async", "cp.async.cg",
+                                                  "cp.async.bulk.tensor", "stmatrix", "e4m3", "setmaxnreg")}
+  assert counts == {"m64n64k16.f32.bf16.bf16": 204 + 152, "wgmma.mma_async": 356, "cp.async.cg": 36,
+                    "cp.async.bulk.tensor": 10, "stmatrix": 20, "e4m3": 0, "setmaxnreg": 3}, counts
+  assert "schedule=seesaw" in dense_decode.sweep_configs(128, 128, 4096, 64, "bfloat16")
+  assert "schedule=seesaw" not in dense_decode.sweep_configs(128, 128, 4096, 64)
+  with pytest.raises(ValueError, match="seesaw"):
+    dense_sm90.TuningConfig(schedule="seesaw")          # fp8 cache
+  with pytest.raises(ValueError, match="schedule"):
+    dense_sm90.TuningConfig(schedule="twin", cache_dtype="bfloat16")
 
 
 def test_config_checks():

@@ -282,6 +282,57 @@ def id_key_tiles(n_tiles: int, idx_smem, num_slots: int, layout) -> KeyTiles:
   return KeyTiles(n_tiles, ((0, n_tiles, lambda t: id_mask(idx_smem, t, num_slots, layout)),))
 
 
+def tile_mask(keys: KeyTiles, t):
+  """Tile t's key mask from whichever of ``keys``' segments holds it (None where that is an unmasked range, known
+  statically): a schedule that runs one tile outside its segment loops (a peeled first tile)."""
+  valid = None
+  for lo, hi, mask in keys.segments:
+    if mask is None:
+      continue
+    inside = (lo <= t) & (t < hi)
+    if isinstance(inside, bool):
+      if inside:
+        return mask(t)
+      continue
+    here = mask(t) | ~inside                 # every key counts outside this (masked) range
+    valid = here if valid is None else valid & here
+  return valid
+
+
+# Loop and branch helpers over tile counts that are Python ints (the sparse kernels: static code, as written) or
+# traced scalars (the dense kernels' per-CTA counts: scf.while / scf.if).
+
+def _static(*xs) -> bool:
+  return all(isinstance(x, (bool, int)) for x in xs)
+
+
+def when(pred, fn, carry):
+  """``fn(carry)`` where ``pred`` holds, else ``carry``: a Python ``if`` for a static ``pred``, else ``lax.cond``."""
+  if _static(pred):
+    return fn(carry) if pred else carry
+  return lax.cond(pred, fn, lambda c: c, carry)
+
+
+def fori_loop(lo, hi, body, carry):
+  """``lax.fori_loop``, with static bounds that leave no iteration returning ``carry`` unchanged."""
+  if _static(lo, hi) and hi <= lo:
+    return carry
+  return lax.fori_loop(lo, hi, body, carry)
+
+
+def half_up(x):
+  """ceil(x / 2) of an int x >= -1, static or traced."""
+  return -(-x // 2) if _static(x) else lax.div(x + 1, 2)
+
+
+def maximum(a, b):
+  return max(a, b) if _static(a, b) else jnp.maximum(a, b)
+
+
+def rem(a, b: int):
+  return a % b if _static(a) else lax.rem(a, b)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseRefs:
   """The GMEM and SMEM refs and barriers of an sm_90 sparse design's kernel, by name (a design leaves the ones it

@@ -58,6 +58,18 @@ rope chunk; the multipliers hold O [64 heads, 256] and add P·V (m64n64k16 per 6
 K buffer). o is float32 where the op merges splits. SMEM (k_buffers = 2, the only count that fits): Q 73 728 + K 147
 456 + table 1 024 + lse 1 024 + alpha / 1/l / flag rows 1 024 + barriers and scratch 2 560 = 226 816.
 
+"seesaw" over a BF16 cache (``TuningConfig.schedule="seesaw"``; a sweep candidate until measured)
+----------------------------------------------------------------------------------------------------
+``sparse_sm90_heads_m``'s "seesaw" (its module docstring, "Seesaw") with this kernel's tiles: three warpgroups,
+WG0 / WG1 the consumers (consumer t % 2 computes tile t's S and softmax from the other's (m, l) and hands P, alpha,
+m, l over; both multiply every tile into their 256 output columns), WG2 this module's loader (``LOADER_REGS``).
+The tile count is the table row's (traced), so consumer 0's first tile and a consumer's tail (the other's last
+tile) run under ``lax.cond``, and each consumer runs its own tiles of [0, n_full) unmasked and of
+[n_full, n_tiles) masked (``common.tile_mask`` for the first tile, whichever range holds it); a CTA with no tile
+writes O = 0 and lse = −inf. SMEM: as "producer_vt"'s, without the lse buffer (head_smem's last row stages it):
+Q 73 728 + K 147 456 + table 1 024 + (alpha, m, l) × 2 and the lse row 2 048 + barriers and scratch 2 560 =
+226 816.
+
 Heads on N (H <= 16: :func:`build_heads_n`, :class:`HeadsNConfig`)
 ------------------------------------------------------------------
 One CTA per (query token, split), the token's H heads as the N = 16 columns of the MMAs: ``sparse_sm90_heads_n``'s
@@ -123,25 +135,30 @@ class _DenseConfig(common.SparseSm90Config):
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(_DenseConfig):
   """Config of the dense kernel with the heads on M: ``tiles_per_split`` (64-key tiles per split, up to 128),
-  ``k_buffers`` (K tiles in flight, 2 or 3; a bf16 cache: 2) and ``cache_dtype`` (the cache it reads: float8_e4m3fn
-  or bfloat16, module docstring "BF16 cache"). The schedule is "producer_vt" of ``sparse_sm90_heads_m`` (module
-  docstring)."""
+  ``k_buffers`` (K tiles in flight, 2 or 3; a bf16 cache: 2), ``cache_dtype`` (the cache it reads: float8_e4m3fn
+  or bfloat16, module docstring "BF16 cache") and ``schedule``, ``sparse_sm90_heads_m``'s: "producer_vt" (module
+  docstring) or, over a bf16 cache, "seesaw" (module docstring, "Seesaw over a BF16 cache")."""
   K_BUFFERS: ClassVar[tuple[int, ...]] = (2, 3)
   CACHE_DTYPES: ClassVar[tuple[str, ...]] = heads_m.TuningConfig.CACHE_DTYPES
+  SCHEDULES: ClassVar[tuple[str, ...]] = ("producer_vt", "seesaw")
   k_buffers: int = 2
   cache_dtype: str = "float8_e4m3fn"
+  schedule: str = "producer_vt"
 
   def validate(self):
     if self.cache_dtype not in self.CACHE_DTYPES:
       raise ValueError(f"TuningConfig.cache_dtype must be one of {self.CACHE_DTYPES}; got {self.cache_dtype!r}")
-    super().validate()   # (its SMEM budget builds the core config, which checks itself: bf16 k_buffers <= 2)
+    if self.schedule not in self.SCHEDULES:
+      raise ValueError(f"TuningConfig.schedule must be one of {self.SCHEDULES}; got {self.schedule!r}")
+    super().validate()   # (its SMEM budget builds the core config, which checks itself: bf16 k_buffers <= 2,
+                         # "seesaw" over bf16 only)
 
   @property
   def core(self) -> heads_m.TuningConfig:
     """The heads-on-M config whose producer and multipliers this kernel runs. Its ``tiles_per_split`` is 1: the
     roles take their tiles from the table here (``keys``, ``n_tiles``), and the sparse kernel's index tile that
     the field sizes is not allocated."""
-    return heads_m.TuningConfig(tiles_per_split=1, k_buffers=self.k_buffers, schedule="producer_vt",
+    return heads_m.TuningConfig(tiles_per_split=1, k_buffers=self.k_buffers, schedule=self.schedule,
                                 cache_dtype=self.cache_dtype)
 
   def smem_budget(self) -> int:
@@ -153,7 +170,7 @@ class TuningConfig(_DenseConfig):
         ((self.k_buffers, lay.chunks, TILE, lay.chunk_cols), lay.dtype),            # K
         *p_slots,                                                                   # P slots (fp8 cache)
         ((table_width(self.tiles_per_split),), jnp.int32),                          # table row
-        ((TILE,), jnp.float32),                                                     # lse
+        *((((TILE,), jnp.float32),) if not core.seesaw else ()),                    # lse ("seesaw": a head row)
         ((core.head_rows, TILE), jnp.float32),                                      # alpha, kv_scale / l, ...
     ) + 64 * 8 + 2048   # barriers; Mosaic reduction scratch
 
@@ -214,7 +231,12 @@ def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, 
   q_gmem, qs_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, *rest = refs
   v16, rest = (rest[0], rest[1:]) if core.v_tile(interpret) else (None, rest)
   p_sw, rest = (rest[0], rest[1:]) if core.p_slots(interpret) else (None, rest)
-  tab_smem, lse_smem, head_smem, q_bar, tab_bar, k_full, k_empty, p_full, p_empty = rest
+  tab_smem, *rest = rest
+  lse_smem, rest = (None, rest) if core.seesaw else (rest[0], rest[1:])
+  head_smem, q_bar, tab_bar, k_full, k_empty, p_full, *rest = rest
+  p_empty = None if core.seesaw else rest[0]
+  if core.seesaw:       # the lse is staged in head_smem's last row
+    lse_smem = head_smem.at[head_smem.shape[0] - 1]
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw,
                         tab_smem, lse_smem, head_smem, q_bar, tab_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
@@ -224,7 +246,16 @@ def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, 
   @pl.when(wg == core.loader)
   def _():
     _loader(cfg, num_slots, interpret, lax.div(tile_q, tiles_per_token) * num_splits + split, r,
-            heads_m.PRODUCER_REGS[0], tile_q=None if core.q_in_kernel else tile_q, layout=core.layout)
+            LOADER_REGS if core.seesaw else heads_m.PRODUCER_REGS[0], tile_q=None if core.q_in_kernel else tile_q,
+            layout=core.layout)
+
+  if core.seesaw:       # the two consumers' code differs in which tiles they own: one copy each
+    for w in range(2):
+      @pl.when(wg == w)
+      def _():
+        heads_m._seesaw_consumer(core, num_slots, out_dtype, interpret, w, tile_q, split, r,
+                                 keys=lambda: _key_tiles(num_slots, r))
+    return
 
   @pl.when(wg == 0)
   def _():
@@ -277,15 +308,16 @@ def build(num_q_tiles: int, num_slots: int, num_splits: int, tiles_per_token: in
       *v_scratch,                                                                          # V f16 (interpret)
       *p_scratch,                                                                          # P slots (fp8)
       plgpu.SMEM((table_width(cfg.tiles_per_split),), jnp.int32),                          # table row
-      plgpu.SMEM((TILE,), jnp.float32),                                                    # lse
+      *([] if core.seesaw else [plgpu.SMEM((TILE,), jnp.float32)]),                        # lse
       plgpu.SMEM((core.head_rows, TILE), jnp.float32),                                     # alpha, 1/l, ...
       plgpu.Barrier(num_arrivals=heads_m._q_arrivals(core) if core.q_in_kernel else lay.chunks),   # q_bar
       plgpu.Barrier(),                                                                     # tab_bar
       plgpu.Barrier(num_arrivals=common.k_full_arrivals(interp, lay),
                     num_barriers=cfg.k_buffers),                                           # k_full
-      plgpu.Barrier(num_arrivals=3, num_barriers=cfg.k_buffers),                           # k_empty
-      plgpu.Barrier(num_barriers=heads_m.P_BUFFERS + 1),                                   # p_full
-      plgpu.Barrier(num_arrivals=2, num_barriers=heads_m.P_BUFFERS),                       # p_empty
+      plgpu.Barrier(num_arrivals=2 if core.seesaw else 3, num_barriers=cfg.k_buffers),     # k_empty
+      *([plgpu.Barrier(num_barriers=2)] if core.seesaw else                                # p_full ("seesaw":
+        [plgpu.Barrier(num_barriers=heads_m.P_BUFFERS + 1),                                #   per K buffer)
+         plgpu.Barrier(num_arrivals=2, num_barriers=heads_m.P_BUFFERS)]),                  # p_empty
   ])
 
 

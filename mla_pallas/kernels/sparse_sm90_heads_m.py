@@ -585,7 +585,7 @@ def _seesaw_rows(r: common.SparseRefs, kb):
 
 
 def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bool, w: int, tile_q, split,
-                     r: common.SparseRefs):
+                     r: common.SparseRefs, keys=None):
   """schedule "seesaw" over a bfloat16 cache, consumer ``w`` (0 or 1, static): it owns tiles t = w, w + 2, ...
   (K buffer t % 2 = w). Per own tile: S = Q·Kᵀ (nine bf16 wgmmas), the other consumer's tile t - 1's (m, l) from
   SMEM (``p_full[1 - w]``), the online softmax of tile t from there, then P (bf16, into the rope chunk of K buffer
@@ -594,9 +594,12 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
   buffer 1 - w) and tile t (rescaled by alpha), and both K buffers are released. So a consumer's QKᵀ of tile t
   runs while the other runs the softmax of tile t - 1, and the softmaxes alternate between the consumers (the
   chain per tile: one softmax and the hand-off, instead of QKᵀ + softmax). After its last own tile it takes the
-  other's last tile if that comes later, and the final (m, l) is the last tile's."""
+  other's last tile if that comes later, and the final (m, l) is the last tile's.
+  ``keys``: as :func:`_producer`'s (the dense kernel's tiles: a traced count and an unmasked and a masked range;
+  the first tile and the tail then run under ``lax.cond``); None: the split's ``common.id_key_tiles``."""
   row_scale, kv_scale = _softmax_prologue(tile_q, r)
-  n = cfg.tiles_per_split
+  keys = common.id_key_tiles(cfg.tiles_per_split, r.idx_smem, num_slots, COL_LAYOUT) if keys is None else keys()
+  n = keys.n_tiles
   other = 1 - w
 
   def take(accs, kb, alpha):     # O += tile's P · V, P from the tile's rope chunk; then the buffer's release
@@ -613,10 +616,10 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
     plgpu.barrier_wait(r.p_full.at[kb])
     return tuple(plgpu.load(row, layout=ROW_LAYOUT, optimized=False) for row in _seesaw_rows(r, kb))
 
-  def own(t, accs, m, l, prev):   # prev: the other's tile t - 1's alpha, or None (t = 0)
+  def own(t, accs, m, l, prev, valid):   # prev: the other's tile t - 1's alpha, or None (t = 0)
     plgpu.barrier_wait(r.k_full.at[w])
     s = _qk_and_upcast(r.k_sw.at[w], None, r)
-    p, alpha, m, l = _softmax_step(s, m, l, row_scale, common.id_mask(r.idx_smem, t, num_slots, COL_LAYOUT))
+    p, alpha, m, l = _softmax_step(s, m, l, row_scale, valid)
     alpha_ref, m_ref, l_ref = _seesaw_rows(r, w)
     m_ref[...] = m
     l_ref[...] = l
@@ -627,21 +630,25 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
     return take(accs, w, alpha), m, l
 
   _, m, l = _zero_state()
-  accs = _zero_blocks()
-  first = 0
-  if w == 0 and n > 0:    # tile 0: no tile before it
-    accs, m, l = own(0, accs, m, l, None)
-    first = 1
+  carry = (_zero_blocks(), m, l)
+  if w == 0:              # tile 0: no tile before it
+    carry = common.when(n > 0, lambda c: own(0, *c, None, common.tile_mask(keys, 0)), carry)
 
-  def step(j, carry):     # own tile t = 2 j + w, after the other's t - 1
+  def step(mask, j, carry):       # own tile t = 2 j + w, after the other's t - 1
     accs, _, _ = carry
     alpha_prev, m_prev, l_prev = stats(other)
-    return own(2 * j + w, accs, m_prev, l_prev, alpha_prev)
+    t = 2 * j + w
+    return own(t, accs, m_prev, l_prev, alpha_prev, None if mask is None else mask(t))
 
-  accs, m, l = lax.fori_loop(first, (n - w + 1) // 2, step, (accs, m, l))
-  if n > 0 and (n - 1) % 2 == other:   # the other's last tile comes after this consumer's last
+  for lo, hi, mask in keys.segments:    # the own tiles of [lo, hi) past tile 0: j in [ceil((lo - w) / 2), ...)
+    j0, j1 = (common.half_up(x - w) for x in (lo, hi))
+    carry = common.fori_loop(common.maximum(j0, 1 - w), j1, functools.partial(step, mask), carry)
+
+  def tail(carry):        # the other's last tile, after this consumer's last
+    accs, _, _ = carry
     alpha_prev, m, l = stats(other)
-    accs = take(accs, other, alpha_prev)
+    return take(accs, other, alpha_prev), m, l
+  accs, m, l = common.when((n > 0) & (common.rem(n - 1, 2) == other), tail, carry)
   _store_blocks(accs, kv_scale / jnp.where(l == 0.0, 1.0, l), w, out_dtype, tile_q, split, r)
   common.store_lse(w, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
 

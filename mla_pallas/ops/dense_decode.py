@@ -287,7 +287,8 @@ def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
   """Labelled candidates for benchmark sweeps of the Mosaic routes: ``"default": ()`` (the dense kernel with its
   plan), ``"route=sparse"`` (label ``(("route", "sparse"),)``: the sparse-kernel route, which the bench spec runs
   through :func:`sparse_route`), and the dense kernel with its design's other K-buffer counts and the other split
-  lengths (8-128 tiles) where the table is long enough to differ. Only the sparse route where the dense kernel
+  lengths (8-128 tiles) where the table is long enough to differ; over a bf16 cache also
+  ``"schedule=seesaw"``. Only the sparse route where the dense kernel
   cannot take the input (H, page size, cache dtype)."""
   from mla_pallas.kernels import dense_sm90
   out = {"route=sparse": (("route", "sparse"),)}
@@ -308,6 +309,8 @@ def sweep_configs(h: int, batch_tokens: int, n_pos: int, page: int = 64,
       except ValueError:     # not with this cache (SMEM: a bf16 cache has room for two K tiles)
         continue
       out[f"k_buffers={k}"] = (("k_buffers", k),)
+  if _is_bf16(cache_dtype):    # the heads-on-M core's other bf16 schedule (kernels/sparse_sm90_heads_m.py "Seesaw")
+    out["schedule=seesaw"] = (("schedule", "seesaw"),)
   for t in (8, 16, 32, 64, 128):
     if t != tps and t < 2 * k_tiles:
       out[f"tiles_per_split={t}"] = (("tiles_per_split", t),)
