@@ -385,6 +385,29 @@ b_seesaw() {   # issue 22: "seesaw" over a bf16 cache (the consumers alternate t
   run b_seesaw_D2 80 $B dense_mla_decode --impl mosaic $cache $only --shape B=128,s_q=1,H=64,ctx=8192,page=64 \
     "${common[@]}"
 }
+kit() {   # name, seconds, VAR=value...: the peer kit (.peers carried, with benchmarks/peers_bf16_cache_option.diff
+          # applied for PEERS_CACHE_DTYPE) into $OUT/name, within the deadline; prints its table
+  local name=$1 t=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 90)); then echo "## $name: skipped (deadline)"; RC[$name]=skipped; return; fi
+  ((t > left)) && t=$left
+  echo "## $name (budget $t s, at $SECONDS s)"
+  env "$@" PEERS_BUDGET_S=$((t - 10)) OUT="$OUT/$name" timeout "$t" bash .peers/run_on_h200.sh > "$OUT/$name.log" 2>&1
+  RC[$name]=$?
+  rm -f "$OUT/$name/flash_mla_cuda.so"
+  sed -n '/^case shape/,/^\[merge\]/p' "$OUT/$name.log"
+  echo "## $name: rc ${RC[$name]} (at $SECONDS s)"
+}
+kit_dense() { kit kit_dense 220 CASES=D1,D2,D3,P2; }   # issue 21: D1-D3 in one kit run (and P2's heads-on-N fix)
+kit_bf16() { kit kit_bf16 240 PEERS_CACHE_DTYPE=bf16 CASES=D1,D2,F1,P1,P3; }   # issue 22 on the current defaults
+kit_bf16_seesaw() {   # issue 22 with "seesaw" the bf16 default: benchmarks/queued/seesaw_default.diff applied to the
+                      # device's copy first (the exact change to commit if it wins), so run it last in a call
+  if ! patch -p1 --forward < benchmarks/queued/seesaw_default.diff > "$OUT/seesaw_patch.txt" 2>&1; then
+    echo "## kit_bf16_seesaw: benchmarks/queued/seesaw_default.diff does not apply"; cat "$OUT/seesaw_patch.txt"
+    RC[kit_bf16_seesaw]=patch; return
+  fi
+  kit kit_bf16_seesaw 240 PEERS_CACHE_DTYPE=bf16 CASES=D1,D2,F1,P1,P3
+}
 tests="t_sparse,t_dense,t_batch_invariance,t_qrows,t_qm,t_prefill_quant,t_prefill_kernel,t_prefill_separate,t_rope_bf16_write,t_bf16"
 next="t_decode_pv,b_seesaw,b_prefill_pv"
 bench="b_prefill_deepseek,b_prefill_glm5,b_prefill_ctx,b_prefill_step,b_prefill_step_ctx,b_invariant,b_dense_D1"

@@ -645,11 +645,14 @@ def test_sweep_dense_decode_runs_both_routes_in_interpret_mode():
                                         "mosaic:k_buffers=3[interpret]"]
   assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
   from mla_pallas.ops import dense_decode
-  # bf16 cache: the dense kernel's bf16 form (heads on M at every H, two K buffers only) and the sparse route
-  assert list(dense_decode.sweep_configs(16, 2, 128, cache_dtype="bfloat16")) == ["default", "route=sparse"]
+  # bf16 cache: the dense kernel's bf16 form (heads on M at every H, two K buffers only), the sparse route and the
+  # bf16 form's other schedule
+  assert list(dense_decode.sweep_configs(16, 2, 128, cache_dtype="bfloat16")) == ["default", "route=sparse",
+                                                                                  "schedule=seesaw"]
   results = bench.run("dense_mla_decode", ("mosaic",), bench.parse_shape("B=2,s_q=1,H=16,ctx=100,page=64,cache=bf16"),
                       sweep=True, iters=1, n_inputs=1, progress=False, interpret=True)
-  assert [r.label for r in results] == ["mosaic:default[interpret]", "mosaic:route=sparse[interpret]"]
+  assert [r.label for r in results] == ["mosaic:default[interpret]", "mosaic:route=sparse[interpret]",
+                                        "mosaic:schedule=seesaw[interpret]"]
   assert all(r.ok and r.check_ok for r in results), [(r.label, r.status) for r in results]
   assert list(dense_decode.sweep_configs(16, 2, 128)) == ["default", "route=sparse", "k_buffers=2", "k_buffers=3",
                                                           "k_buffers=5"]
