@@ -23,6 +23,8 @@
 #   issue 22's BF16 rows with mla-pallas on a bf16 cache: apply benchmarks/peers_bf16_cache_option.diff to the
 #   copy (`patch -d .peers -p1 < benchmarks/peers_bf16_cache_option.diff`), then
 #   PEERS_CACHE_DTYPE=bf16 CASES=D1,D2,F1,P1,P3 bash .peers/run_on_h200.sh (carry .peers).
+#   As groups: kit_dense (D1,D2,D3,P2), kit_bf16, and kit_bf16_seesaw (the bf16 kit after applying
+#   benchmarks/queued/seesaw_default.diff to the device's copy: last in its call).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHAT=${1:-tests}
