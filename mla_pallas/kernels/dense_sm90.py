@@ -234,9 +234,7 @@ def _body(cfg: TuningConfig, num_slots, tiles_per_token, num_splits, out_dtype, 
   tab_smem, *rest = rest
   lse_smem, rest = (None, rest) if core.seesaw else (rest[0], rest[1:])
   head_smem, q_bar, tab_bar, k_full, k_empty, p_full, *rest = rest
-  p_empty = None if core.seesaw else rest[0]
-  if core.seesaw:       # the lse is staged in head_smem's last row
-    lse_smem = head_smem.at[head_smem.shape[0] - 1]
+  p_empty = None if core.seesaw else rest[0]     # ("seesaw" stages the lse in head_smem's last row itself)
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, tab_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw,
                         tab_smem, lse_smem, head_smem, q_bar, tab_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")

@@ -650,7 +650,7 @@ def _seesaw_consumer(cfg: TuningConfig, num_slots: int, out_dtype, interpret: bo
     return take(accs, other, alpha_prev), m, l
   accs, m, l = common.when((n > 0) & (common.rem(n - 1, 2) == other), tail, carry)
   _store_blocks(accs, kv_scale / jnp.where(l == 0.0, 1.0, l), w, out_dtype, tile_q, split, r)
-  common.store_lse(w, m, l, r.lse_smem, r.lse_gmem.at[tile_q, split])
+  common.store_lse(w, m, l, r.head_smem.at[r.head_smem.shape[0] - 1], r.lse_gmem.at[tile_q, split])
 
 
 def _landed(t, cfg: TuningConfig, r: common.SparseRefs):
@@ -968,8 +968,6 @@ def _body(cfg, num_slots, tiles_per_token, out_dtype, interpret, q_in, q_split, 
   head_smem, rest = (rest[0], rest[1:]) if producer or cfg.seesaw or cfg.q_in_kernel else (None, rest)
   q_bar, idx_bar, k_full, k_empty, *rest = rest
   p_full, p_empty = rest if producer else (rest[0], None) if cfg.seesaw else (None, None)
-  if cfg.seesaw:
-    lse_smem = head_smem.at[head_smem.shape[0] - 1]
   r = common.SparseRefs(q_gmem, qs_gmem, kv_gmem, idx_gmem, scal_gmem, o_gmem, lse_gmem, q_sw, k_sw, v16, p_sw, idx_smem,
             lse_smem, head_smem, q_bar, idx_bar, k_full, k_empty, p_full, p_empty)
   wg = lax.axis_index("wg")
